@@ -1,0 +1,201 @@
+"""The one way Tandem services run a ``grpc.aio`` server.
+
+What every service gets from :class:`GrpcServer`:
+
+* the stock health service (``grpc.health.v1``): NOT_SERVING until :meth:`GrpcServer.set_serving`,
+  and NOT_SERVING again while draining;
+* server reflection for the registered services;
+* graceful shutdown on SIGTERM/SIGINT: health flips to NOT_SERVING, new RPCs are refused, in-flight
+  RPCs get ``grace_s`` seconds;
+* bounded receive size and concurrency (``grpc.max_receive_message_length``,
+  ``maximum_concurrent_rpcs``);
+* :class:`ErrorMappingInterceptor`: typed domain errors become their status code with their
+  message; anything else is logged with its stack trace and reaches the client as a bare
+  ``INTERNAL`` (no internals leak);
+* a slot for more interceptors (telemetry, auth), applied outermost first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import TandemError
+
+log = logging.getLogger(__name__)
+
+INTERNAL_MESSAGE = "internal error (see server logs)"
+
+
+def status_code_of(error: TandemError) -> grpc.StatusCode:
+    """The gRPC status code a domain error maps to."""
+    return grpc.StatusCode[error.code.value]
+
+
+async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str):
+    if isinstance(exc, TandemError):
+        await context.abort(status_code_of(exc), exc.message)
+    log.exception("internal error in %s", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+
+
+def _passthrough(exc: BaseException) -> bool:
+    # context.abort() raises AbortError (already answered); cancellation must propagate.
+    return isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError))
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Map exceptions escaping any handler to status codes (see module docstring)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                try:
+                    return await inner(request, context)
+                except BaseException as exc:  # noqa: BLE001 - mapped below
+                    if _passthrough(exc):
+                        raise
+                    await _abort_for(exc, context, method)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request, context):
+                try:
+                    result = inner_stream(request, context)
+                    if inspect.isasyncgen(result):
+                        async for item in result:
+                            yield item
+                    else:
+                        await result
+                except BaseException as exc:  # noqa: BLE001
+                    if _passthrough(exc):
+                        raise
+                    await _abort_for(exc, context, method)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler  # client/bidi streaming: none in Tandem's protos yet
+
+
+@dataclass
+class ServiceBinding:
+    """A servicer and how to attach it: ``add(servicer, server)`` from the generated ``*_pb2_grpc``."""
+
+    add: Callable[[object, grpc.aio.Server], None]
+    servicer: object
+    full_name: str  # e.g. "tandem.kvstore.v1.KVStore" (for health and reflection)
+
+
+class GrpcServer:
+    """A ``grpc.aio`` server with health, reflection, limits, error mapping and drain."""
+
+    def __init__(
+        self,
+        bindings: Sequence[ServiceBinding],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_receive_bytes: int = 16 * 1024 * 1024,
+        max_concurrent_rpcs: int | None = 1024,
+        grace_s: float = 5.0,
+        interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+        server_credentials: grpc.ServerCredentials | None = None,
+    ):
+        self._bindings = list(bindings)
+        self._address = f"{host}:{port}"
+        self._grace_s = grace_s
+        self._credentials = server_credentials
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self._server = grpc.aio.server(
+            interceptors=[*interceptors, ErrorMappingInterceptor()],
+            options=[
+                ("grpc.max_receive_message_length", max_receive_bytes),
+                ("grpc.max_send_message_length", max_receive_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
+        )
+        self.port: int | None = None
+        self._stopped = asyncio.Event()
+        self._draining = False
+
+    @property
+    def address(self) -> str:
+        host = self._address.rsplit(":", 1)[0]
+        return f"{host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind, start serving (health NOT_SERVING until :meth:`set_serving`); return the port."""
+        for b in self._bindings:
+            b.add(b.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        names = [b.full_name for b in self._bindings]
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self._server,
+        )
+        if self._credentials is not None:
+            self.port = self._server.add_secure_port(self._address, self._credentials)
+        else:
+            self.port = self._server.add_insecure_port(self._address)
+        if not self.port:
+            raise OSError(f"could not bind {self._address}")
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._server.start()
+        return self.port
+
+    async def _set_all(self, status) -> None:
+        for name in ["", *(b.full_name for b in self._bindings)]:
+            result = self.health.set(name, status)
+            if inspect.isawaitable(result):
+                await result
+
+    async def set_serving(self) -> None:
+        """Mark every service SERVING (call once the service is ready)."""
+        if not self._draining:
+            await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: health NOT_SERVING, refuse new RPCs, give in-flight ones ``grace_s``."""
+        self._draining = True
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._server.stop(self._grace_s if grace_s is None else grace_s)
+        self._stopped.set()
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT start a graceful stop (idempotent)."""
+        loop = asyncio.get_running_loop()
+
+        def on_signal(sig: signal.Signals) -> None:
+            log.info("received %s: draining", sig.name)
+            if not self._draining:
+                loop.create_task(self.stop())
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, on_signal, sig)
+            except (NotImplementedError, RuntimeError):  # not the main thread / platform
+                pass

@@ -1,0 +1,41 @@
+"""Speculative-decoding modes and their lookahead span D (DESIGN §1).
+
+The span is the single fact that the kvstore (key scheme) and the gpuworker (draft inputs) must
+agree on, so it lives here and nowhere else.
+
+    position:        i      i+1   ...   i+D
+    target KV at i:  t[i]
+    draft  KV at i:  t[i] ... t[i+D]      (depends on D tokens past i)
+
+A block may only be published once every draft input it depends on is final, which is why the
+trailing D positions of a prompt never get a key.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class SpecMode(enum.Enum):
+    """How the draft of a worker reads its context. Values match ``tandem.common.v1.SpecMode``."""
+
+    NONE = 1  # no draft model
+    EAGLE3 = 2  # one draft layer over [embedding of t[i+1] ; fused target hidden h[i]]
+    MTP = 3  # K chained modules; module k consumes t[i+k]
+    PARD = 4  # draft reads the prompt verbatim
+
+
+def lookahead_span(mode: SpecMode, mtp_depth: int = 1) -> int:
+    """Return D, how many tokens past position i the draft KV at i depends on.
+
+    ``mtp_depth`` (K) only matters for MTP. Raises ``ValueError`` for a bad depth.
+    """
+    if mode is SpecMode.NONE or mode is SpecMode.PARD:
+        return 0
+    if mode is SpecMode.EAGLE3:
+        return 1
+    if mode is SpecMode.MTP:
+        if not isinstance(mtp_depth, int) or mtp_depth < 1:
+            raise ValueError(f"MTP depth must be a positive integer, got {mtp_depth!r}")
+        return mtp_depth
+    raise ValueError(f"unknown spec mode {mode!r}")
