@@ -138,6 +138,7 @@ class GrpcServer:
         self.port: int | None = None
         self._stopped = asyncio.Event()
         self._draining = False
+        self._background: list[asyncio.Task] = []
 
     @property
     def address(self) -> str:
@@ -175,11 +176,20 @@ class GrpcServer:
         if not self._draining:
             await self._set_all(health_pb2.HealthCheckResponse.SERVING)
 
+    def run_in_background(self, coro) -> asyncio.Task:
+        """Run ``coro`` for the server's lifetime; :meth:`stop` cancels it after draining."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.append(task)
+        return task
+
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: health NOT_SERVING, refuse new RPCs, give in-flight ones ``grace_s``."""
         self._draining = True
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.stop(self._grace_s if grace_s is None else grace_s)
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         self._stopped.set()
 
     async def wait_for_termination(self) -> None:

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class KVStoreStub:
-    """Missing associated documentation comment in .proto file."""
+    """The kvstore service (see the file comment for the rules every RPC follows).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -107,7 +108,8 @@ class KVStoreStub:
 
 
 class KVStoreServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The kvstore service (see the file comment for the rules every RPC follows).
+    """
 
     def RegisterWorker(self, request, context):
         """Create or replace a worker's pool. A new incarnation drops the old one's blocks and
@@ -292,7 +294,8 @@ def add_KVStoreServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KVStore:
-    """Missing associated documentation comment in .proto file."""
+    """The kvstore service (see the file comment for the rules every RPC follows).
+    """
 
     @staticmethod
     def RegisterWorker(request,

@@ -1,0 +1,43 @@
+"""Conversions between wire messages of ``tandem.common.v1`` and plain Python/numpy values."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.common.errors import InvalidArgument
+from services.common.spec import SpecMode
+from tandem.common.v1 import common_pb2
+
+_LE_U32 = np.dtype("<u4")
+
+
+def tokens_from_proto(msg: common_pb2.TokenIds, *, field: str = "tokens") -> np.ndarray:
+    """Decode a ``TokenIds`` into a uint32 numpy array (empty if unset). Read-only, no copy for packed."""
+    which = msg.WhichOneof("ids")
+    if which == "packed":
+        if len(msg.packed) % 4:
+            raise InvalidArgument(f"{field}.packed must be a multiple of 4 bytes, got {len(msg.packed)}")
+        return np.frombuffer(msg.packed, dtype=_LE_U32)
+    if which == "list":
+        return np.fromiter(msg.list.values, dtype=np.uint32, count=len(msg.list.values))
+    return np.zeros(0, dtype=np.uint32)
+
+
+def tokens_to_proto(tokens) -> common_pb2.TokenIds:
+    """Encode token ids (list, tuple or array) as packed little-endian uint32."""
+    arr = np.asarray(tokens)
+    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
+        raise InvalidArgument("token ids must fit in uint32")
+    return common_pb2.TokenIds(packed=arr.astype(_LE_U32, copy=False).tobytes())
+
+
+def spec_mode_from_proto(value: int) -> SpecMode:
+    """Map the wire enum to :class:`SpecMode`; UNSPECIFIED or unknown values are InvalidArgument."""
+    try:
+        return SpecMode(int(value))
+    except ValueError:
+        raise InvalidArgument(f"spec_mode must be one of NONE, EAGLE3, MTP, PARD (got {value})") from None
+
+
+def spec_mode_to_proto(mode: SpecMode) -> int:
+    return mode.value

@@ -1,0 +1,39 @@
+"""Assemble a running kvstore: core store + servicer + the common gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.common.server import GrpcServer, ServiceBinding
+from services.kvstore.servicer import KVStoreServicer
+from services.kvstore.settings import KVStoreSettings
+from services.kvstore.store import KVStore
+from tandem.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
+
+
+async def start_kvstore(settings: KVStoreSettings, *, store: KVStore | None = None) -> tuple[GrpcServer, KVStore]:
+    """Start serving (health SERVING once bound) and a lease reaper; return (server, store)."""
+    store = store or KVStore(lease_ttl_s=settings.lease_ttl_s, max_tokens=settings.max_tokens)
+    servicer = KVStoreServicer(store, event_queue=settings.event_queue)
+    server = GrpcServer(
+        [ServiceBinding(kvstore_pb2_grpc.add_KVStoreServicer_to_server, servicer, SERVICE_NAME)],
+        host=settings.host,
+        port=settings.port,
+        max_receive_bytes=settings.max_receive_bytes,
+        max_concurrent_rpcs=settings.max_concurrent_rpcs,
+        grace_s=settings.grace_s,
+    )
+    await server.start()
+    server.run_in_background(_reap_leases(store, settings.lease_ttl_s / 4))
+    await server.set_serving()
+    return server, store
+
+
+async def _reap_leases(store: KVStore, period_s: float) -> None:
+    # Lapsed leases are also dropped at the start of every verb; this makes it happen (and emit
+    # CLEARED events) even when no call arrives.
+    while True:
+        await asyncio.sleep(period_s)
+        store.expire_leases()

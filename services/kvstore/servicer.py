@@ -1,0 +1,269 @@
+"""gRPC adapter of the kvstore: proto → :class:`~services.kvstore.store.KVStore` call → proto.
+
+Nothing here decides anything: validation, atomicity and state live in the core. The core is
+synchronous and single-threaded; every handler calls it without awaiting in between, so calls on
+the one event loop are serialized and each transaction is atomic with respect to the others.
+Domain errors become status codes in ``services.common.server.ErrorMappingInterceptor``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from services.common.errors import InvalidArgument, TandemError
+from services.common.wire import spec_mode_from_proto, spec_mode_to_proto, tokens_from_proto
+from services.kvstore import store as core
+from tandem.kvstore.v1 import kvstore_pb2 as pb
+from tandem.kvstore.v1 import kvstore_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_CODE_NUMBERS = {c.name: c.value[0] for c in grpc.StatusCode}  # google.rpc.Code numbers
+
+
+def _pool(p) -> pb.PoolUsage:
+    return pb.PoolUsage(total=p.total, free=p.free, cached=p.cached, in_use=p.in_use)
+
+
+def _worker_info(w: core.WorkerInfo) -> pb.WorkerInfo:
+    s = w.spec
+    return pb.WorkerInfo(
+        worker_id=s.worker_id,
+        incarnation=w.incarnation,
+        address=s.address,
+        model_id=s.model_id,
+        spec_mode=spec_mode_to_proto(s.spec_mode),
+        mtp_depth=s.mtp_depth,
+        span=w.span,
+        block_size=s.block_size,
+        vocab_size=s.vocab_size,
+        max_seq_len=s.max_seq_len,
+        pool=_pool(w.pool),
+        live_reservations=w.live_reservations,
+        lease_expires_in_s=w.lease_expires_in_s,
+    )
+
+
+def _reservation(r: core.Reservation) -> pb.Reservation:
+    return pb.Reservation(
+        reservation_id=r.reservation_id,
+        request_id=r.request_id,
+        worker_id=r.worker_id,
+        incarnation=r.incarnation,
+        block_table=r.block_table,
+        reused_positions=r.reused_positions,
+        capacity_positions=r.capacity_positions,
+        published_blocks=r.published_blocks,
+    )
+
+
+def _capacity_result(item_id: str, result: core.ItemResult) -> pb.CapacityResult:
+    if result.error is None:
+        return pb.CapacityResult(
+            reservation_id=item_id,
+            code=0,
+            block_table=result.block_table,
+            capacity_positions=result.capacity_positions,
+        )
+    err = result.error
+    code = err.code.value if isinstance(err, TandemError) else "INTERNAL"
+    message = err.message if isinstance(err, TandemError) else "internal error"
+    return pb.CapacityResult(
+        reservation_id=item_id,
+        code=_CODE_NUMBERS[code],
+        message=message,
+        block_table=result.block_table,
+        capacity_positions=result.capacity_positions,
+    )
+
+
+def _capacity_items(items, cls) -> list:
+    return [
+        cls(reservation_id=i.reservation_id, incarnation=i.incarnation, capacity_positions=i.capacity_positions)
+        for i in items
+    ]
+
+
+_EVENT_KINDS = {
+    core.EventKind.STORED: pb.BlockEvent.KIND_STORED,
+    core.EventKind.REMOVED: pb.BlockEvent.KIND_REMOVED,
+    core.EventKind.CLEARED: pb.BlockEvent.KIND_CLEARED,
+}
+
+
+def _event(worker_id: str, e: core.Event) -> pb.BlockEvent:
+    return pb.BlockEvent(
+        seq=e.seq,
+        worker_id=worker_id,
+        incarnation=e.incarnation,
+        kind=_EVENT_KINDS[e.kind],
+        block_keys=[bytes(k) for k in e.block_keys],
+        block_ids=list(e.block_ids),
+        parent_key=bytes(e.parent_key or b""),
+    )
+
+
+class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
+    """Thin adapter over one :class:`KVStore`."""
+
+    def __init__(self, store: core.KVStore, *, event_queue: int = 4096):
+        self.store = store
+        self._event_queue = event_queue
+
+    async def RegisterWorker(self, request, context):
+        spec = core.WorkerSpec(
+            worker_id=request.worker_id,
+            address=request.address,
+            model_id=request.model_id,
+            spec_mode=spec_mode_from_proto(request.spec_mode),
+            mtp_depth=request.mtp_depth or 1,
+            block_size=request.block_size,
+            num_blocks=request.num_blocks,
+            vocab_size=request.vocab_size,
+            max_seq_len=request.max_seq_len,
+        )
+        return pb.RegisterWorkerResponse(worker=_worker_info(self.store.register_worker(spec)))
+
+    async def ListWorkers(self, request, context):
+        return pb.ListWorkersResponse(workers=[_worker_info(w) for w in self.store.list_workers()])
+
+    async def Heartbeat(self, request, context):
+        left = self.store.heartbeat(request.worker_id, request.incarnation)
+        return pb.HeartbeatResponse(lease_expires_in_s=left)
+
+    async def Match(self, request, context):
+        tokens = tokens_from_proto(request.tokens)
+        results = self.store.match(tokens, cache_salt=request.cache_salt, model_id=request.model_id or None)
+        return pb.MatchResponse(
+            workers=[
+                pb.WorkerMatch(
+                    worker_id=m.worker_id,
+                    incarnation=m.incarnation,
+                    reusable_positions=m.reusable_positions,
+                    reusable_blocks=m.reusable_blocks,
+                    pool=_pool(m.pool),
+                    live_reservations=m.live_reservations,
+                )
+                for m in results
+            ]
+        )
+
+    async def Reserve(self, request, context):
+        r = self.store.reserve(
+            worker_id=request.worker_id,
+            incarnation=request.incarnation,
+            request_id=request.request_id,
+            tokens=tokens_from_proto(request.tokens),
+            cache_salt=request.cache_salt,
+            headroom_positions=request.headroom_positions,
+        )
+        return pb.ReserveResponse(reservation=_reservation(r))
+
+    async def Extend(self, request, context):
+        results = self.store.extend(_capacity_items(request.items, core.ExtendItem))
+        return pb.ExtendResponse(
+            results=[_capacity_result(i.reservation_id, r) for i, r in zip(request.items, results)]
+        )
+
+    async def Trim(self, request, context):
+        results = self.store.trim(_capacity_items(request.items, core.TrimItem))
+        return pb.TrimResponse(
+            results=[_capacity_result(i.reservation_id, r) for i, r in zip(request.items, results)]
+        )
+
+    async def Publish(self, request, context):
+        result = self.store.publish(
+            reservation_id=request.reservation_id,
+            incarnation=request.incarnation,
+            new_tokens=tokens_from_proto(request.new_tokens, field="new_tokens"),
+            final_positions=request.final_positions,
+        )
+        return pb.PublishResponse(
+            reservation=_reservation(result.reservation),
+            newly_published=result.newly_published,
+            deduplicated=result.deduplicated,
+        )
+
+    def _end(self, verb, request) -> pb.ReleaseResponse:
+        result = verb(
+            reservation_id=request.reservation_id,
+            incarnation=request.incarnation,
+            new_tokens=tokens_from_proto(request.new_tokens, field="new_tokens"),
+            final_positions=request.final_positions,
+        )
+        return pb.ReleaseResponse(newly_published=result.newly_published, freed_blocks=result.freed_blocks)
+
+    async def Release(self, request, context):
+        return self._end(self.store.release, request)
+
+    async def Suspend(self, request, context):
+        return self._end(self.store.suspend, request)
+
+    async def Abort(self, request, context):
+        aborted = self.store.abort(reservation_id=request.reservation_id, incarnation=request.incarnation)
+        return pb.AbortResponse(aborted=bool(aborted))
+
+    async def Stats(self, request, context):
+        s = self.store.stats(request.worker_id or None)
+        return pb.StatsResponse(
+            workers=[
+                pb.WorkerStats(
+                    worker_id=w.worker_id,
+                    pool=_pool(w.pool),
+                    live_reservations=w.live_reservations,
+                    requested_positions=w.requested_positions,
+                    reused_positions=w.reused_positions,
+                    evictions=w.evictions,
+                    published_blocks=w.published_blocks,
+                    deduplicated_blocks=w.deduplicated_blocks,
+                )
+                for w in s.workers
+            ],
+            matches=s.matches,
+            reservations_created=s.reservations_created,
+            live_reservations=s.live_reservations,
+            trie_nodes=s.trie_nodes,
+        )
+
+    async def CheckInvariants(self, request, context):
+        violations = self.store.check_invariants()
+        return pb.CheckInvariantsResponse(ok=not violations, violations=violations)
+
+    async def WatchEvents(self, request, context):
+        if not request.worker_id:
+            raise InvalidArgument("worker_id is required")
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self._event_queue)
+        overflow = False
+
+        def on_event(worker_id: str, event) -> None:
+            nonlocal overflow
+            if worker_id != request.worker_id or overflow:
+                return
+            try:
+                queue.put_nowait(event)
+            except asyncio.QueueFull:
+                overflow = True  # a slow reader is cut off rather than stalling the store
+
+        # Subscribe before replaying so nothing falls between the two; seq dedups the overlap.
+        unsubscribe = self.store.subscribe(on_event)
+        try:
+            last = request.after_seq
+            for event in self.store.events_since(request.worker_id, request.after_seq):
+                last = event.seq
+                yield _event(request.worker_id, event)
+            while True:
+                if overflow:
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"event stream fell more than {self._event_queue} events behind; resume with after_seq={last}",
+                    )
+                event = await queue.get()
+                if event.seq <= last:
+                    continue
+                last = event.seq
+                yield _event(request.worker_id, event)
+        finally:
+            unsubscribe()

@@ -1,0 +1,19 @@
+"""Configuration of the kvstore service (``TANDEM_KVSTORE_*`` env vars or flags)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class KVStoreSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_KVSTORE_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(50051, ge=0, le=65535, description="port to bind (0 = any free port)")
+    lease_ttl_s: float = Field(10.0, gt=0, description="worker lease length; a lapsed lease drops the worker")
+    max_tokens: int = Field(1 << 20, ge=1, description="longest token list accepted in one call")
+    max_receive_bytes: int = Field(16 << 20, ge=1024, description="largest request message in bytes")
+    max_concurrent_rpcs: int = Field(1024, ge=1, description="RPCs handled at once; more are refused")
+    grace_s: float = Field(5.0, ge=0, description="seconds in-flight RPCs get on shutdown")
+    event_queue: int = Field(4096, ge=16, description="events buffered per WatchEvents stream")
