@@ -1,0 +1,40 @@
+"""The kvstore: the single source of truth about every worker's KV-cache blocks.
+
+Each registered worker owns a pool of *paired* blocks (block ``b`` = page ``b`` of its target KV
+pool and page ``b`` of its draft KV pool), every block being free, cached (published and
+unreferenced, evictable) or in use (pinned by at least one reservation). Published blocks live in
+one radix trie shared by all workers, keyed by the exact content of the shifted key stream of
+DESIGN §1 (``keys``), where each node records on which worker it is resident and in which block
+(``radix_trie``). ``block_pool`` holds the per-worker blocks, the FIFO free queue and the
+least-recently-used-leaf eviction order; ``store.KVStore`` is the facade with the transaction
+verbs (register, heartbeat, match, reserve, extend, trim, publish, release, suspend, abort, stats,
+invariant audit, events), each atomic: it happens completely or raises a typed error having
+changed nothing. ``events`` buffers the per-worker stored/removed/cleared event stream; ``types``
+holds the immutable values that cross the API. The core is plain synchronous Python with no
+network imports; ``servicer``/``server`` put it behind gRPC.
+"""
+
+from .keys import BlockKey, KeyStream, Namespace
+from .store import KVStore
+from .types import (
+    Event,
+    EventKind,
+    ExtendItem,
+    ItemResult,
+    MatchResult,
+    PoolUsage,
+    PublishResult,
+    ReleaseResult,
+    Reservation,
+    StoreStats,
+    TrimItem,
+    WorkerInfo,
+    WorkerSpec,
+    WorkerStats,
+)
+
+__all__ = [
+    "BlockKey", "Event", "EventKind", "ExtendItem", "ItemResult", "KVStore", "KeyStream",
+    "MatchResult", "Namespace", "PoolUsage", "PublishResult", "ReleaseResult", "Reservation",
+    "StoreStats", "TrimItem", "WorkerInfo", "WorkerSpec", "WorkerStats",
+]
