@@ -15,7 +15,8 @@ import grpc
 
 from services.common.errors import InvalidArgument, TandemError
 from services.common.wire import spec_mode_from_proto, spec_mode_to_proto, tokens_from_proto
-from services.kvstore import store as core
+from services.kvstore import types as core
+from services.kvstore.store import KVStore
 from tandem.kvstore.v1 import kvstore_pb2 as pb
 from tandem.kvstore.v1 import kvstore_pb2_grpc
 
@@ -109,7 +110,7 @@ def _event(worker_id: str, e: core.Event) -> pb.BlockEvent:
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     """Thin adapter over one :class:`KVStore`."""
 
-    def __init__(self, store: core.KVStore, *, event_queue: int = 4096):
+    def __init__(self, store: KVStore, *, event_queue: int = 4096):
         self.store = store
         self._event_queue = event_queue
 
