@@ -1,0 +1,76 @@
+"""``tandem generate``: stream an answer from the router and print usage."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="text prompt")
+    parser.add_argument("--router", default=os.environ.get("TANDEM_ROUTER_ADDRESS", "127.0.0.1:50050"), help="router host:port")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--draft-tokens", type=int, default=None, help="draft tokens per step (0 = off; default: router's)")
+    parser.add_argument("--token", default=os.environ.get("TANDEM_TOKEN"), help="bearer token (tenant)")
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+
+
+def generate_and_print(
+    router: str,
+    prompt: str,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    draft_tokens: int | None = None,
+    token: str | None = None,
+    timeout_s: float = 120.0,
+    out=sys.stdout,
+) -> int:
+    """Stream one request; print text as it arrives, then a usage line. Returns an exit code."""
+    import grpc
+
+    from tandem.router.v1 import router_pb2, router_pb2_grpc
+
+    request = router_pb2.GenerateRequest(text=prompt, max_new_tokens=max_new_tokens, temperature=temperature)
+    if draft_tokens is not None:
+        request.num_draft_tokens = draft_tokens
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.insecure_channel(router) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        usage = None
+        try:
+            out.write(prompt)
+            for msg in stub.Generate(request, timeout=timeout_s, metadata=metadata):
+                if msg.text:
+                    out.write(msg.text)
+                    out.flush()
+                if msg.HasField("usage"):
+                    usage = msg.usage
+        except grpc.RpcError as err:
+            out.write("\n")
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    out.write("\n")
+    if usage is not None:
+        print(
+            f"[worker {usage.worker_id}] prompt {usage.prompt_tokens} tokens "
+            f"(cached {usage.cached_tokens}), completion {usage.completion_tokens} tokens, "
+            f"acceptance length {usage.mean_acceptance_length:.2f}, "
+            f"TTFT {usage.time_to_first_token_s * 1000:.1f} ms, finish {usage.finish_reason}",
+            file=out,
+        )
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return generate_and_print(
+        args.router,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        draft_tokens=args.draft_tokens,
+        token=args.token,
+        timeout_s=args.timeout_s,
+    )
