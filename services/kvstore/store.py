@@ -1,15 +1,43 @@
 """The kvstore facade: every transaction verb of DESIGN §2 over per-worker pools and one trie.
 
-(API skeleton: bodies follow.)
+``KVStore`` is synchronous and single-threaded (the servicer serializes calls). Every verb first
+drops workers whose lease lapsed, then validates *everything* (raising a typed error having
+changed nothing), and only then mutates; the mutation phase cannot fail. Extend and Trim apply
+this per item. Mutating verbs advance a logical clock (``tick``) that orders eviction (LRU).
+
+Lifecycle of one request on worker w::
+
+    Match ──▶ Reserve ──▶ (Extend | Trim | Publish)* ──▶ Release | Suspend | Abort
+     read     pin the reusable prefix,     grow / shrink capacity,      end: unpin, free own
+     only     allocate the rest            publish final full blocks    blocks (Abort: publish
+                                                                        nothing new)
+
+Ended reservation ids are remembered (bounded ``tombstones``) so Abort is idempotent and late
+calls get FAILED_PRECONDITION rather than NOT_FOUND.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 import time
+from collections import OrderedDict
 from typing import Callable
 
+import numpy as np
+
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, TandemError
+from services.common.spec import SpecMode
+
+from . import audit
+from .block_pool import Block
+from .events import EventLog
+from .keys import KeyStream, token_array
+from .radix_trie import Node, RadixTrie
+from .records import ReservationRecord, WorkerRecord
 from .types import (
     Event,
+    EventKind,
     ExtendItem,
     ItemResult,
     MatchResult,
@@ -20,11 +48,33 @@ from .types import (
     TrimItem,
     WorkerInfo,
     WorkerSpec,
+    WorkerStats,
 )
+
+MAX_BLOCKS_PER_WORKER = 1 << 24  # bounds memory of one registration (16 M blocks)
+
+
+def _count(name: str, value: object, *, minimum: int = 0) -> int:
+    """An integer >= minimum (bools and floats rejected) or InvalidArgument."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise InvalidArgument(f"{name} must be an integer, got {value!r}") from None
+    if value < minimum:
+        raise InvalidArgument(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _salt(cache_salt: object) -> bytes:
+    if not isinstance(cache_salt, (bytes, bytearray, memoryview)):
+        raise InvalidArgument("cache_salt must be bytes")
+    return bytes(cache_salt)
 
 
 class KVStore:
-    """Synchronous, single-threaded kvstore core; the servicer serializes calls."""
+    """The kvstore core. See the module docstring; each verb's docstring says if it mutates."""
 
     def __init__(
         self,
@@ -34,59 +84,639 @@ class KVStore:
         max_tokens: int = 1 << 20,
         tombstones: int = 65536,
         events_per_worker: int = 4096,
+        epoch: int | None = None,
     ):
-        raise NotImplementedError
+        """``epoch`` tells this store's life apart from earlier ones (default: wall-clock µs):
+        incarnations count up from ``epoch + 1`` and reservation ids embed it, so ids handed out
+        by a previous, non-durable store are never mistaken for live ones."""
+        if not lease_ttl_s > 0:
+            raise InvalidArgument("lease_ttl_s must be > 0")
+        self.lease_ttl_s = float(lease_ttl_s)
+        self.max_tokens = _count("max_tokens", max_tokens, minimum=1)
+        self._clock = clock
+        self._max_tombstones = _count("tombstones", tombstones)
+        self.epoch = time.time_ns() // 1000 if epoch is None else _count("epoch", epoch)
+        self._workers: dict[str, WorkerRecord] = {}
+        self._trie = RadixTrie()
+        self._events = EventLog(_count("events_per_worker", events_per_worker, minimum=1))
+        self._reservations: dict[str, ReservationRecord] = {}
+        self._by_request: dict[str, ReservationRecord] = {}
+        self._tombstones: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (worker, incarnation)
+        self._last_incarnation = self.epoch
+        self._reservation_seq = 0
+        self.tick = 0
+        self._matches = 0
+        self._reservations_created = 0
 
+    # ---------------------------------------------------------------------------------- registry
     def register_worker(self, spec: WorkerSpec) -> WorkerInfo:
-        raise NotImplementedError
+        """Create or replace a worker's pool (mutates). A previous incarnation's blocks,
+        reservations and trie residency are dropped (CLEARED event). Returns the new incarnation."""
+        self.expire_leases()
+        spec = self._validated_spec(spec)
+        self.tick += 1
+        old = self._workers.get(spec.worker_id)
+        if old is not None:
+            self._drop_worker(old)
+        self._last_incarnation += 1
+        worker = WorkerRecord(spec, self._last_incarnation, self._clock() + self.lease_ttl_s)
+        self._workers[spec.worker_id] = worker
+        self._events.flush()
+        return self._info(worker)
 
     def list_workers(self) -> list[WorkerInfo]:
-        raise NotImplementedError
+        """Every live worker, ordered by worker id (read-only apart from lapsing leases)."""
+        self.expire_leases()
+        return [self._info(self._workers[wid]) for wid in sorted(self._workers)]
 
     def heartbeat(self, worker_id: str, incarnation: int) -> float:
-        raise NotImplementedError
+        """Extend the worker's lease (mutates); returns the seconds left."""
+        self.expire_leases()
+        worker = self._worker(worker_id, incarnation)
+        worker.lease_deadline = self._clock() + self.lease_ttl_s
+        return self.lease_ttl_s
 
     def expire_leases(self) -> list[str]:
-        raise NotImplementedError
+        """Drop every worker whose lease lapsed, like a re-registration would (mutates). Returns
+        their ids. Called at the start of every verb."""
+        if not self._workers:
+            return []
+        now = self._clock()
+        lapsed = [w for w in self._workers.values() if w.lease_deadline <= now]
+        for worker in lapsed:
+            self._drop_worker(worker)
+            del self._workers[worker.worker_id]
+        if lapsed:
+            self._events.flush()
+        return [w.worker_id for w in lapsed]
 
+    # ------------------------------------------------------------------------------------ lookup
     def match(self, tokens, *, cache_salt: bytes = b"", model_id: str | None = None) -> list[MatchResult]:
-        raise NotImplementedError
+        """Per compatible live worker (same ``model_id`` if given, prompt within its
+        ``max_seq_len`` and vocabulary), how many prompt positions are reusable there now.
+        Read-only: pins nothing, touches no LRU clock."""
+        self.expire_leases()
+        buf, arr = self._token_input(tokens)
+        salt = _salt(cache_salt)
+        n = len(arr)
+        self._matches += 1
+        max_id = -1
+        paths: dict[object, list[Node]] = {}
+        results = []
+        for wid in sorted(self._workers):
+            worker = self._workers[wid]
+            spec = worker.spec
+            if (model_id and spec.model_id != model_id) or n > spec.max_seq_len:
+                continue
+            if max_id < 0:
+                max_id = int(arr.max())
+            if max_id >= spec.vocab_size:
+                continue
+            namespace = worker.namespace(salt)
+            path = paths.get(namespace)
+            if path is None:
+                stream = KeyStream(buf, worker.span, spec.block_size)
+                path = paths[namespace] = self._walk(self._trie.root(namespace), stream)
+            blocks = self._resident_prefix(path, wid)
+            results.append(
+                MatchResult(
+                    worker_id=wid,
+                    incarnation=worker.incarnation,
+                    reusable_positions=blocks * spec.block_size,
+                    reusable_blocks=blocks,
+                    pool=worker.usage(),
+                    live_reservations=len(worker.reservations),
+                )
+            )
+        return results
 
-    def reserve(self, *, worker_id: str, incarnation: int, request_id: str, tokens, cache_salt: bytes = b"",
-                headroom_positions: int = 0) -> Reservation:
-        raise NotImplementedError
+    @staticmethod
+    def _walk(root: Node | None, stream: KeyStream) -> list[Node]:
+        """Trie nodes along the stream's reusable blocks (read-only). Slices block contents
+        lazily, stopping at the first miss: this is the hot loop of Match and Reserve."""
+        path: list[Node] = []
+        if root is None:
+            return path
+        cap = stream.reusable_block_cap
+        if cap <= 0:
+            return path
+        buf, step, d4 = stream.buf, stream.block_size << 2, stream.span << 2
+        node = root.children.get(buf[: step + d4])
+        end = step + d4
+        append = path.append
+        while node is not None:
+            append(node)
+            if len(path) == cap:
+                break
+            node = node.children.get(buf[end : end + step])
+            end += step
+        return path
+
+    @staticmethod
+    def _resident_prefix(path: list[Node], worker_id: str) -> int:
+        """Length of the leading part of ``path`` resident on ``worker_id``. Residency is
+        prefix-closed per worker, so a binary search suffices."""
+        lo, hi = 0, len(path)
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if worker_id in path[mid - 1].residency:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    # ------------------------------------------------------------------------------ reservations
+    def reserve(
+        self,
+        *,
+        worker_id: str,
+        incarnation: int,
+        request_id: str,
+        tokens,
+        cache_salt: bytes = b"",
+        headroom_positions: int = 0,
+    ) -> Reservation:
+        """Pin the reusable prefix of ``tokens`` on the worker and allocate fresh blocks for the
+        rest of the prompt plus ``headroom_positions`` (capacity clamped to ``max_seq_len``),
+        evicting LRU cached leaves as needed (mutates). Idempotent per ``request_id``: a retry
+        with the same arguments returns the live reservation; different arguments are
+        InvalidArgument. ResourceExhausted (nothing changed) if the blocks cannot be had."""
+        self.expire_leases()
+        worker = self._worker(worker_id, incarnation)
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgument("request_id must be a non-empty string")
+        buf, arr = self._token_input(tokens)
+        salt = _salt(cache_salt)
+        headroom = _count("headroom_positions", headroom_positions)
+        self._check_tokens(worker, arr, len(arr))
+        live = self._by_request.get(request_id)
+        if live is not None:
+            if (
+                live.worker is worker
+                and live.prompt == buf
+                and live.cache_salt == salt
+                and live.headroom == headroom
+            ):
+                return live.snapshot()
+            raise InvalidArgument(f"request {request_id!r} already holds a different live reservation")
+
+        spec, pool = worker.spec, worker.pool
+        n = len(arr)
+        stream = KeyStream(buf, worker.span, spec.block_size)
+        path = self._walk(self._trie.root(worker.namespace(salt)), stream)
+        reused = self._resident_prefix(path, worker.worker_id)
+        pinned = [node.residency[worker.worker_id] for node in path[:reused]]
+        capacity = min(n + headroom, spec.max_seq_len)
+        fresh = -(-capacity // spec.block_size) - reused
+        cached_pins = sum(1 for b in pinned if b.ref_count == 0)
+        available = pool.available_for(cached_pins)
+        if available < fresh:
+            raise ResourceExhausted(
+                f"worker {worker.worker_id!r} needs {fresh} free blocks for {capacity} positions "
+                f"({reused} reused) but only {available} can be had"
+            )
+
+        self.tick += 1
+        for block in pinned:
+            pool.pin(block, self.tick)
+        blocks = pinned + self._allocate(worker, fresh)
+        self._reservation_seq += 1
+        rid = f"r-{self.epoch:x}-{self._reservation_seq}"
+        record = ReservationRecord(rid, request_id, worker, stream, salt, headroom, blocks, reused)
+        self._reservations[rid] = worker.reservations[rid] = self._by_request[request_id] = record
+        self._reservations_created += 1
+        worker.requested_positions += n
+        worker.reused_positions += record.reused_positions
+        self._events.flush()
+        return record.snapshot()
 
     def get_reservation(self, reservation_id: str) -> Reservation:
-        raise NotImplementedError
+        """Snapshot of a live reservation (read-only). NotFound / FailedPrecondition if ended."""
+        self.expire_leases()
+        record = self._reservations.get(reservation_id)
+        if record is None:
+            self._raise_not_live(reservation_id)
+        return record.snapshot()
 
     def extend(self, items: list[ExtendItem]) -> list[ItemResult]:
-        raise NotImplementedError
+        """Grow each reservation to at least ``capacity_positions`` (rounded up to blocks) by
+        allocating tail blocks (mutates). Each item is atomic and gets its own result; asking
+        for no more than the current capacity is a successful no-op."""
+        self.expire_leases()
+        self.tick += 1
+        results = [self._apply_item(item, self._extend_one) for item in items]
+        self._events.flush()
+        return results
+
+    def _extend_one(self, record: ReservationRecord, capacity: int) -> ItemResult:
+        worker = record.worker
+        spec = worker.spec
+        wanted = -(-capacity // spec.block_size)
+        if wanted > -(-spec.max_seq_len // spec.block_size):
+            raise InvalidArgument(f"capacity {capacity} exceeds max_seq_len {spec.max_seq_len}")
+        need = wanted - len(record.blocks)
+        added: tuple[int, ...] = ()
+        if need > 0:
+            available = worker.pool.available_for(0)
+            if available < need:
+                raise ResourceExhausted(
+                    f"worker {worker.worker_id!r} needs {need} more blocks for {capacity} positions "
+                    f"but only {available} can be had"
+                )
+            new = self._allocate(worker, need)
+            record.blocks.extend(new)
+            added = tuple(b.block_id for b in new)
+        return self._item_result(record, added_blocks=added)
 
     def trim(self, items: list[TrimItem]) -> list[ItemResult]:
-        raise NotImplementedError
+        """Shrink each reservation to the blocks that ``capacity_positions`` needs, returning its
+        tail blocks to the free queue (mutates; the worker calls this only after the GPU step
+        that last wrote them completed). Never below the published blocks (FailedPrecondition)
+        nor below the request's known length (InvalidArgument). Each item atomic."""
+        self.expire_leases()
+        self.tick += 1
+        results = [self._apply_item(item, self._trim_one) for item in items]
+        self._events.flush()
+        return results
+
+    def _trim_one(self, record: ReservationRecord, capacity: int) -> ItemResult:
+        bs = record.worker.spec.block_size
+        keep = -(-capacity // bs)
+        if keep < record.published:
+            raise FailedPrecondition(
+                f"cannot trim {record.reservation_id} to {capacity} positions: its first "
+                f"{record.published * bs} positions are published"
+            )
+        if capacity < record.stream.n:
+            raise InvalidArgument(
+                f"capacity {capacity} is below the current length {record.stream.n} of {record.reservation_id}"
+            )
+        tail = record.blocks[keep:]
+        del record.blocks[keep:]
+        for block in tail:
+            record.worker.pool.unpin(block, self.tick)  # own, unpublished: freed
+        return self._item_result(record, freed_blocks=tuple(b.block_id for b in tail))
+
+    def _apply_item(self, item, apply) -> ItemResult:
+        rid = getattr(item, "reservation_id", None)
+        try:
+            capacity = _count("capacity_positions", item.capacity_positions)
+            record = self._live(rid, item.incarnation)
+            return apply(record, capacity)
+        except TandemError as err:
+            record = self._reservations.get(rid) if isinstance(rid, str) else None
+            if record is None:
+                return ItemResult(str(rid), err, (), 0)
+            return dataclasses.replace(self._item_result(record), error=err)
+
+    @staticmethod
+    def _item_result(record: ReservationRecord, **changes) -> ItemResult:
+        return ItemResult(
+            record.reservation_id,
+            None,
+            tuple(b.block_id for b in record.blocks),
+            record.capacity_positions,
+            **changes,
+        )
 
     def publish(self, *, reservation_id: str, incarnation: int, new_tokens=(), final_positions: int) -> PublishResult:
-        raise NotImplementedError
+        """Append ``new_tokens`` (accepted since the last call) to the reservation's sequence and
+        publish every full keyed block ``j`` with ``(j+1) * block_size <= final_positions``
+        (mutates). ``final_positions`` = leading positions whose target *and* draft KV are final.
+        Dedup: a block already resident on the worker under another id replaces the
+        reservation's own copy (which is freed), so the returned block table may change."""
+        self.expire_leases()
+        record = self._live(reservation_id, incarnation)
+        stream = self._appended_stream(record, new_tokens)
+        final = self._final_positions(record, stream, final_positions)
+        self.tick += 1
+        record.stream = stream
+        newly, dedup = self._publish_blocks(record, final)
+        self._events.flush()
+        return PublishResult(record.snapshot(), newly, dedup)
 
     def release(self, *, reservation_id: str, incarnation: int, new_tokens=(),
                 final_positions: int | None = None) -> ReleaseResult:
-        raise NotImplementedError
+        """End the reservation (mutates): publish like ``publish`` (``final_positions`` None or 0
+        publishes nothing new: only the worker knows what its GPU computed), then unpin every
+        block: published ones become cached at ref 0, the others are freed."""
+        return self._finish(reservation_id, incarnation, new_tokens, final_positions)
 
     def suspend(self, *, reservation_id: str, incarnation: int, new_tokens=(),
                 final_positions: int | None = None) -> ReleaseResult:
-        raise NotImplementedError
+        """Preempt the reservation (mutates): exactly ``release``; the request may ``reserve``
+        again with the same request id and will hit the prefix published here."""
+        return self._finish(reservation_id, incarnation, new_tokens, final_positions)
+
+    def _finish(self, reservation_id, incarnation, new_tokens, final_positions) -> ReleaseResult:
+        self.expire_leases()
+        record = self._live(reservation_id, incarnation)
+        stream = self._appended_stream(record, new_tokens)
+        final = 0 if final_positions is None else self._final_positions(record, stream, final_positions)
+        self.tick += 1
+        record.stream = stream
+        newly, dedup = self._publish_blocks(record, final)
+        freed, unpinned = self._unpin_all(record)
+        self._end(record)
+        self._events.flush()
+        return ReleaseResult(record.reservation_id, newly, dedup, freed, unpinned)
 
     def abort(self, *, reservation_id: str, incarnation: int) -> bool:
-        raise NotImplementedError
+        """End the reservation publishing nothing new (mutates). Returns True if it was live,
+        False if it had already ended (idempotent, for ids still remembered). NotFound for an
+        unknown id; FailedPrecondition for an incarnation other than the reservation's."""
+        self.expire_leases()
+        incarnation = _count("incarnation", incarnation)
+        record = self._reservations.get(reservation_id)
+        if record is None:
+            ended = self._tombstones.get(reservation_id)
+            if ended is None:
+                raise NotFound(f"unknown reservation {reservation_id!r}")
+            if ended[1] != incarnation:
+                raise FailedPrecondition(
+                    f"reservation {reservation_id!r} belongs to incarnation {ended[1]}, not {incarnation}"
+                )
+            return False
+        if record.worker.incarnation != incarnation:
+            raise FailedPrecondition(
+                f"stale incarnation {incarnation} for {reservation_id!r} (worker is at {record.worker.incarnation})"
+            )
+        self.tick += 1
+        self._unpin_all(record)
+        self._end(record)
+        return True
 
+    # ------------------------------------------------------------------------------ introspection
     def stats(self, worker_id: str | None = None) -> StoreStats:
-        raise NotImplementedError
+        """Counters and pool usage of all workers or one (read-only). NotFound for an unknown id."""
+        self.expire_leases()
+        if worker_id:
+            if worker_id not in self._workers:
+                raise NotFound(f"unknown worker {worker_id!r}")
+            selected = [self._workers[worker_id]]
+        else:
+            selected = [self._workers[wid] for wid in sorted(self._workers)]
+        return StoreStats(
+            workers=tuple(
+                WorkerStats(
+                    worker_id=w.worker_id,
+                    incarnation=w.incarnation,
+                    pool=w.usage(),
+                    live_reservations=len(w.reservations),
+                    requested_positions=w.requested_positions,
+                    reused_positions=w.reused_positions,
+                    evictions=w.evictions,
+                    published_blocks=w.published_blocks,
+                    deduplicated_blocks=w.deduplicated_blocks,
+                )
+                for w in selected
+            ),
+            matches=self._matches,
+            reservations_created=self._reservations_created,
+            live_reservations=len(self._reservations),
+            trie_nodes=self._trie.num_nodes,
+        )
 
     def check_invariants(self) -> list[str]:
-        raise NotImplementedError
+        """Full audit of pools, trie and reservations (read-only); an empty list means healthy."""
+        self.expire_leases()
+        return audit.check(self._workers, self._trie, self._reservations, self._by_request)
 
     def events_since(self, worker_id: str, after_seq: int) -> list[Event]:
-        raise NotImplementedError
+        """Buffered events of ``worker_id`` with ``seq > after_seq`` (read-only). NotFound if the
+        store never saw that worker."""
+        self.expire_leases()
+        after_seq = _count("after_seq", after_seq)
+        if not self._events.knows(worker_id) and worker_id not in self._workers:
+            raise NotFound(f"unknown worker {worker_id!r}")
+        return self._events.since(worker_id, after_seq)
 
     def subscribe(self, callback: Callable[[str, Event], None]) -> Callable[[], None]:
-        raise NotImplementedError
+        """Call ``callback(worker_id, event)`` for every future event, after the verb that caused
+        it has completed. Returns a function that unsubscribes."""
+        return self._events.subscribe(callback)
+
+    # ---------------------------------------------------------------------------------- helpers
+    def _validated_spec(self, spec: WorkerSpec) -> WorkerSpec:
+        if not isinstance(spec, WorkerSpec):
+            raise InvalidArgument("spec must be a WorkerSpec")
+        if not isinstance(spec.worker_id, str) or not spec.worker_id:
+            raise InvalidArgument("worker_id must be a non-empty string")
+        if not isinstance(spec.address, str) or not isinstance(spec.model_id, str):
+            raise InvalidArgument("address and model_id must be strings")
+        try:
+            mode = spec.spec_mode if isinstance(spec.spec_mode, SpecMode) else SpecMode(spec.spec_mode)
+        except ValueError:
+            raise InvalidArgument(f"unknown spec mode {spec.spec_mode!r}") from None
+        depth = _count("mtp_depth", spec.mtp_depth)
+        depth = max(depth, 1) if mode is SpecMode.MTP else 1
+        block_size = _count("block_size", spec.block_size, minimum=1)
+        if block_size > 1024 or block_size & (block_size - 1):
+            raise InvalidArgument(f"block_size must be a power of two in [1, 1024], got {block_size}")
+        num_blocks = _count("num_blocks", spec.num_blocks, minimum=1)
+        if num_blocks > MAX_BLOCKS_PER_WORKER:
+            raise InvalidArgument(f"num_blocks must be <= {MAX_BLOCKS_PER_WORKER}, got {num_blocks}")
+        vocab = _count("vocab_size", spec.vocab_size, minimum=1)
+        if vocab > 1 << 32:
+            raise InvalidArgument("vocab_size must be <= 2**32")
+        _count("max_seq_len", spec.max_seq_len, minimum=1)
+        return dataclasses.replace(spec, spec_mode=mode, mtp_depth=depth)
+
+    def _info(self, worker: WorkerRecord) -> WorkerInfo:
+        return WorkerInfo(
+            spec=worker.spec,
+            incarnation=worker.incarnation,
+            span=worker.span,
+            lease_expires_in_s=max(0.0, worker.lease_deadline - self._clock()),
+            pool=worker.usage(),
+            live_reservations=len(worker.reservations),
+        )
+
+    def _worker(self, worker_id: str, incarnation: int) -> WorkerRecord:
+        incarnation = _count("incarnation", incarnation)
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise NotFound(f"unknown worker {worker_id!r}")
+        if worker.incarnation != incarnation:
+            raise FailedPrecondition(
+                f"stale incarnation {incarnation} for worker {worker_id!r} (current {worker.incarnation})"
+            )
+        return worker
+
+    def _live(self, reservation_id: str, incarnation: int) -> ReservationRecord:
+        incarnation = _count("incarnation", incarnation)
+        record = self._reservations.get(reservation_id) if isinstance(reservation_id, str) else None
+        if record is None:
+            self._raise_not_live(reservation_id)
+        if record.worker.incarnation != incarnation:
+            raise FailedPrecondition(
+                f"stale incarnation {incarnation} for {reservation_id!r} (worker is at {record.worker.incarnation})"
+            )
+        return record
+
+    def _raise_not_live(self, reservation_id) -> None:
+        if isinstance(reservation_id, str) and reservation_id in self._tombstones:
+            raise FailedPrecondition(f"reservation {reservation_id!r} has ended")
+        raise NotFound(f"unknown reservation {reservation_id!r}")
+
+    def _token_input(self, tokens) -> tuple[bytes, np.ndarray]:
+        """Tokens as (packed little-endian buffer, uint32 view); empty or too long is invalid."""
+        if isinstance(tokens, bytes):
+            if len(tokens) % 4:
+                raise InvalidArgument(f"packed tokens must be a multiple of 4 bytes, got {len(tokens)}")
+            buf = tokens
+            arr = np.frombuffer(buf, dtype="<u4")
+        else:
+            arr = token_array(tokens)
+            buf = arr.tobytes()
+        if not len(arr):
+            raise InvalidArgument("tokens must not be empty")
+        if len(arr) > self.max_tokens:
+            raise InvalidArgument(f"{len(arr)} tokens exceed the limit of {self.max_tokens}")
+        return buf, arr
+
+    @staticmethod
+    def _check_tokens(worker: WorkerRecord, arr: np.ndarray, total: int) -> None:
+        spec = worker.spec
+        if total > spec.max_seq_len:
+            raise InvalidArgument(f"{total} tokens exceed max_seq_len {spec.max_seq_len} of {spec.worker_id!r}")
+        if len(arr) and int(arr.max()) >= spec.vocab_size:
+            raise InvalidArgument(f"token id {int(arr.max())} is not below vocab_size {spec.vocab_size}")
+
+    def _appended_stream(self, record: ReservationRecord, new_tokens) -> KeyStream:
+        """The reservation's stream with ``new_tokens`` appended (validated; nothing mutated).
+        The sequence may run one token past ``max_seq_len``: the last sampled token, which
+        never gets a KV position."""
+        arr = token_array(new_tokens)
+        if not len(arr):
+            return record.stream
+        total = record.stream.n + len(arr)
+        if total > self.max_tokens:
+            raise InvalidArgument(f"{total} tokens exceed the limit of {self.max_tokens}")
+        spec = record.worker.spec
+        if total > spec.max_seq_len + 1:
+            raise InvalidArgument(f"{total} tokens exceed max_seq_len {spec.max_seq_len} (+1) of {spec.worker_id!r}")
+        self._check_tokens(record.worker, arr, 0)
+        return record.stream.appended(arr.tobytes())
+
+    @staticmethod
+    def _final_positions(record: ReservationRecord, stream: KeyStream, final_positions) -> int:
+        final = _count("final_positions", final_positions)
+        if final > stream.n:
+            raise InvalidArgument(f"final_positions {final} exceeds the {stream.n} known tokens")
+        if final > record.capacity_positions:
+            raise InvalidArgument(f"final_positions {final} exceeds the capacity {record.capacity_positions}")
+        return final
+
+    def _allocate(self, worker: WorkerRecord, count: int) -> list[Block]:
+        """Take ``count`` blocks from the free queue, evicting LRU cached leaves when it runs dry
+        (mutates; the caller checked ``available_for``). Evictions make one REMOVED event."""
+        pool = worker.pool
+        wid = worker.worker_id
+        out: list[Block] = []
+        removed_keys, removed_ids = [], []
+        for _ in range(count):
+            if not pool.num_free:
+                victim = pool.pop_eviction_victim()
+                node = victim.node
+                parent = node.parent
+                removed_keys.append(node.key)
+                removed_ids.append(victim.block_id)
+                victim.node = None
+                self._trie.remove_resident(node, wid)
+                pool.free_cached(victim)
+                if parent.parent is not None:  # the parent block on this worker may become a leaf
+                    pool.child_removed(parent.residency[wid])
+                worker.evictions += 1
+            out.append(pool.allocate_free())
+        if removed_ids:
+            self._events.record(
+                wid, worker.incarnation, EventKind.REMOVED, tuple(removed_keys), tuple(removed_ids)
+            )
+        return out
+
+    def _publish_blocks(self, record: ReservationRecord, final: int) -> tuple[int, int]:
+        """Insert the reservation's blocks up to ``final`` positions into the trie (mutates).
+        Returns (newly published, deduplicated)."""
+        worker = record.worker
+        stream = record.stream
+        target = min(final // worker.spec.block_size, stream.num_keyed_blocks)
+        start = record.published
+        if target <= start:
+            return 0, 0
+        pool, wid, blocks, tick = worker.pool, worker.worker_id, record.blocks, self.tick
+        parent = blocks[start - 1].node if start else self._trie.root_or_create(record.namespace)
+        newly = dedup = 0
+        run_parent, run_keys, run_ids = parent.key, [], []
+        for j in range(start, target):
+            content = stream.block_content(j)
+            own = blocks[j]
+            child = parent.children.get(content)
+            existing = None if child is None else child.residency.get(wid)
+            if existing is not None:
+                # Same key already on this worker: share that block, free our copy.
+                pool.pin(existing, tick)
+                blocks[j] = existing
+                pool.unpin(own, tick)
+                dedup += 1
+                if run_ids:
+                    self._record_stored(worker, run_parent, run_keys, run_ids)
+                    run_keys, run_ids = [], []
+                run_parent = child.key
+            else:
+                if child is None:
+                    child = self._trie.add_child(parent, content, stream.block_key_material(j))
+                child.residency[wid] = own
+                own.node = child
+                if j:
+                    pool.child_added(blocks[j - 1])
+                run_keys.append(child.key)
+                run_ids.append(own.block_id)
+                newly += 1
+            parent = child
+        if run_ids:
+            self._record_stored(worker, run_parent, run_keys, run_ids)
+        record.published = target
+        worker.published_blocks += newly
+        worker.deduplicated_blocks += dedup
+        return newly, dedup
+
+    def _record_stored(self, worker: WorkerRecord, parent_key, keys: list, ids: list) -> None:
+        self._events.record(
+            worker.worker_id, worker.incarnation, EventKind.STORED, tuple(keys), tuple(ids), parent_key
+        )
+
+    def _unpin_all(self, record: ReservationRecord) -> tuple[int, int]:
+        """Drop the reservation's references (mutates): (blocks freed, published blocks unpinned)."""
+        pool, tick = record.worker.pool, self.tick
+        freed = 0
+        for block in record.blocks:
+            freed += pool.unpin(block, tick)
+        unpinned = len(record.blocks) - freed
+        record.blocks = []
+        return freed, unpinned
+
+    def _end(self, record: ReservationRecord) -> None:
+        """Forget a reservation whose blocks were already dealt with; remember its id (mutates)."""
+        rid = record.reservation_id
+        del self._reservations[rid]
+        del record.worker.reservations[rid]
+        del self._by_request[record.request_id]
+        if self._max_tombstones:
+            self._tombstones[rid] = (record.worker.worker_id, record.worker.incarnation)
+            if len(self._tombstones) > self._max_tombstones:
+                self._tombstones.popitem(last=False)
+
+    def _drop_worker(self, worker: WorkerRecord) -> None:
+        """Drop every reservation and trie residency of a worker incarnation and emit CLEARED
+        (mutates). The caller removes or replaces the record itself."""
+        for record in list(worker.reservations.values()):
+            record.blocks = []
+            self._end(record)
+        wid = worker.worker_id
+        resident = [b for b in worker.pool.blocks if b.node is not None]
+        resident.sort(key=lambda b: -b.node.depth)  # deepest first keeps residency prefix-closed
+        for block in resident:
+            node, block.node = block.node, None
+            self._trie.remove_resident(node, wid)
+        self._events.record(wid, worker.incarnation, EventKind.CLEARED)
