@@ -1,0 +1,417 @@
+"""The attention-backend interface: describe a batch, plan it once, run it per layer.
+
+A forward over a batch of requests goes through three calls per step:
+
+    plan = backend.plan(layout, kind)               # once per forward (host work, device tensors)
+    backend.write_kv(plan, kv_layer, k, v)          # per layer: store this step's K/V in the pages
+    out  = backend.attend(plan, q, kv_layer, scale=...)   # per layer: causal paged attention
+
+Logical length vs reserved capacity (the bug class this interface exists to rule out):
+
+    block table  [ 7 ][ 2 ][ 9 ]            block_size = 4  -> capacity 12 positions
+    positions     0123 4567 89ab
+                  ccccc qqq .             c = cached (KV already there), q = written now
+                  |cached=5| q=3|         kv_len = cached + q = 8 <= capacity (12)
+
+Positions ``cached .. cached+q-1`` are written by this forward and attended causally; pages past
+``ceil(kv_len / block_size)`` are reserved headroom that no kernel reads. A layout whose ``kv_len``
+exceeds its capacity is rejected with ``InvalidArgument`` before anything touches the pools, so
+speculative tokens can never overrun what the kvstore reserved.
+
+Plans are cached per ``(kind, batch size, query length)``: the backend keeps one *workspace*
+(device buffers, FlashInfer wrappers, ...) per key and re-plans it in place. A plan therefore stays
+valid until the next ``plan()`` call with the same key; using a plan after that raises
+``FailedPrecondition`` instead of silently reading another batch's metadata. One plan can serve any
+number of forwards before that, e.g. the target and a draft module over the same positions (they
+share the attention geometry).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+
+
+class AttentionKind(enum.Enum):
+    """Which kernel family a batch needs.
+
+    * ``DECODE``: every request feeds exactly one query token.
+    * ``VERIFY``: every request feeds the same number ``q > 1`` of query tokens (multi-token decode:
+      last accepted token + k draft tokens). Only chosen when the caller asks for it.
+    * ``PREFILL``: anything else (ragged query lengths, prompt chunks).
+    """
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    VERIFY = "verify"
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """Shape facts every plan needs (FlashInfer plans against them). Target and draft layers of
+    one model share one geometry, so one plan serves both pools."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype = torch.float32  # dtype of q and of the KV pools
+
+    def __post_init__(self) -> None:
+        for name in ("num_qo_heads", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name} must be a positive integer, got {value!r}")
+        if self.num_qo_heads % self.num_kv_heads:
+            raise InvalidArgument(
+                f"num_qo_heads ({self.num_qo_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """One forward over a batch, in host integers (no device tensors).
+
+    ``block_tables[r]``: the pages of request r in position order; reserved capacity of r is
+    ``len(block_tables[r]) * block_size``. ``cached_lens[r]``: logical KV length before this
+    forward (positions ``0..cached-1`` already hold KV). ``query_lens[r]``: tokens fed now, written
+    at positions ``cached .. cached+q-1``. Tokens of the forward are request-major: request 0's
+    q tokens first, then request 1's, ...
+
+    Construction checks the shapes (``InvalidArgument``); the capacity check needs the block size
+    and happens in ``AttentionBackend.plan``.
+    """
+
+    block_tables: list[list[int]]
+    cached_lens: list[int]
+    query_lens: list[int]
+
+    def __post_init__(self) -> None:
+        n = len(self.query_lens)
+        if n == 0:
+            raise InvalidArgument("a batch needs at least one request")
+        if len(self.block_tables) != n or len(self.cached_lens) != n:
+            raise InvalidArgument(
+                f"block_tables ({len(self.block_tables)}), cached_lens ({len(self.cached_lens)}) "
+                f"and query_lens ({n}) must have one entry per request"
+            )
+        for r, (table, cached, q) in enumerate(
+            zip(self.block_tables, self.cached_lens, self.query_lens)
+        ):
+            if not isinstance(q, int) or q < 1:
+                raise InvalidArgument(f"request {r}: query_len must be >= 1, got {q!r}")
+            if not isinstance(cached, int) or cached < 0:
+                raise InvalidArgument(f"request {r}: cached_len must be >= 0, got {cached!r}")
+            if any((not isinstance(b, int)) or b < 0 for b in table):
+                raise InvalidArgument(f"request {r}: block ids must be non-negative integers")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def kv_lens(self) -> list[int]:
+        """Logical KV length after this forward, per request."""
+        return [c + q for c, q in zip(self.cached_lens, self.query_lens)]
+
+    def capacities(self, block_size: int) -> list[int]:
+        return [len(t) * block_size for t in self.block_tables]
+
+
+@dataclass
+class AttentionPlan:
+    """Everything the per-layer calls need, on the backend's device. Read-only for callers.
+
+    Tensors (T = tokens of the forward, B = requests):
+
+    * ``positions`` int64 [T]: absolute position of each token (RoPE uses it).
+    * ``slot_mapping`` int64 [T]: ``page * block_size + offset`` where each token's KV goes.
+    * ``batch_indices`` int32 [T]: which request each token belongs to.
+    * ``qo_indptr`` int32 [B+1]: token ranges per request.
+    * ``kv_lens`` int32 [B]: logical KV length after this forward.
+    * ``kv_page_indptr`` int32 [B+1], ``kv_page_indices`` int32 [nnz], ``kv_last_page_len``
+      int32 [B]: the pages that hold positions ``0..kv_len-1`` (CSR, FlashInfer's layout); reserved
+      headroom pages past them are left out.
+    * ``block_tables`` int32 [B, max_pages]: full tables padded with -1 (capacity included).
+
+    Host ints: ``num_tokens``, ``batch_size``, ``query_len`` (uniform length or None),
+    ``max_query_len``, ``max_kv_len``, ``max_block_id``. ``extras`` holds backend-private state.
+    """
+
+    layout: BatchLayout
+    kind: AttentionKind
+    geometry: AttentionGeometry
+    key: tuple
+    generation: int
+    num_tokens: int
+    batch_size: int
+    query_len: int | None
+    max_query_len: int
+    max_kv_len: int
+    max_block_id: int
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    batch_indices: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_lens: torch.Tensor
+    kv_page_indptr: torch.Tensor
+    kv_page_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    block_tables: torch.Tensor
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PlanCacheStats:
+    """How often ``plan()`` found a workspace for its key (hits) or had to make one (misses)."""
+
+    hits: int = 0
+    misses: int = 0
+
+
+class Workspace:
+    """Reusable per-key state of a backend: named device buffers that grow but are never shrunk,
+    plus whatever a backend hangs on it (``self.state``). Mutated by every re-plan of its key."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.state: dict[str, Any] = {}
+
+    def stage(self, name: str, host: torch.Tensor) -> torch.Tensor:
+        """Copy a host tensor into buffer ``name`` (grown when too small); return the filled view.
+
+        Reusing the same storage keeps device addresses stable across re-plans (what CUDA graphs
+        and FlashInfer wrappers want)."""
+        flat = host.reshape(-1)
+        buf = self.buffers.get(name)
+        if buf is None or buf.dtype != host.dtype or buf.numel() < flat.numel():
+            size = max(flat.numel(), 1 if buf is None else 2 * buf.numel())
+            buf = torch.empty(size, dtype=host.dtype, device=self.device)
+            self.buffers[name] = buf
+        view = buf[: flat.numel()]
+        view.copy_(flat, non_blocking=True)
+        return view.view(host.shape)
+
+
+class AttentionBackend(abc.ABC):
+    """Plans batches and runs paged attention for one geometry on one device.
+
+    Subclasses implement ``_new_workspace`` (optional), ``_finish_plan`` (optional, backend-private
+    planning such as FlashInfer ``wrapper.plan``), ``_write_kv`` and ``_attend``. The public methods
+    here validate and enforce plan freshness so every backend rejects the same mistakes.
+    """
+
+    name: str = "abstract"
+
+    def __init__(self, device: torch.device | str, geometry: AttentionGeometry):
+        self.device = torch.device(device)
+        self.geometry = geometry
+        self.stats = PlanCacheStats()
+        self._workspaces: dict[tuple, Workspace] = {}
+        self._generations: dict[tuple, int] = {}
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def plan(self, layout: BatchLayout, kind: AttentionKind | None = None) -> AttentionPlan:
+        """Validate ``layout`` and build its plan. Mutates the workspace cached for the plan's key
+        (so older plans with that key become stale). ``kind=None`` infers DECODE when every
+        query_len is 1 and PREFILL otherwise; VERIFY must be asked for (uniform-length prompt
+        chunks are not multi-token decode). Raises ``InvalidArgument`` when a request's kv_len
+        passes its capacity, when DECODE gets a query_len != 1, or when VERIFY gets non-uniform
+        (or length-1) query lengths — the caller must use PREFILL then."""
+        if not isinstance(layout, BatchLayout):
+            raise InvalidArgument("plan() needs a BatchLayout")
+        bs = self.geometry.block_size
+        for r, (kv_len, cap) in enumerate(zip(layout.kv_lens, layout.capacities(bs))):
+            if kv_len > cap:
+                raise InvalidArgument(
+                    f"request {r}: kv_len {kv_len} (cached {layout.cached_lens[r]} + query "
+                    f"{layout.query_lens[r]}) exceeds reserved capacity {cap} "
+                    f"({len(layout.block_tables[r])} blocks of {bs})"
+                )
+        qlens = layout.query_lens
+        uniform = qlens[0] if all(q == qlens[0] for q in qlens) else None
+        if kind is None:
+            kind = AttentionKind.DECODE if uniform == 1 else AttentionKind.PREFILL
+        elif kind is AttentionKind.DECODE and uniform != 1:
+            raise InvalidArgument("DECODE needs query_len == 1 for every request")
+        elif kind is AttentionKind.VERIFY and (uniform is None or uniform < 2):
+            raise InvalidArgument(
+                "VERIFY needs the same query_len > 1 for every request; plan PREFILL instead"
+            )
+        elif not isinstance(kind, AttentionKind):
+            raise InvalidArgument(f"unknown attention kind {kind!r}")
+
+        query_len = uniform if kind is not AttentionKind.PREFILL else None
+        key = (kind, layout.batch_size, query_len)
+        ws = self._workspaces.get(key)
+        if ws is None:
+            self.stats.misses += 1
+            ws = self._new_workspace(key)
+            self._workspaces[key] = ws
+        else:
+            self.stats.hits += 1
+        generation = self._generations.get(key, 0) + 1
+        self._generations[key] = generation
+
+        plan = self._common_plan(layout, kind, key, generation, query_len, ws)
+        self._finish_plan(plan, ws)
+        return plan
+
+    def _common_plan(self, layout, kind, key, generation, query_len, ws: Workspace) -> AttentionPlan:
+        bs = self.geometry.block_size
+        B = layout.batch_size
+        q = torch.tensor(layout.query_lens, dtype=torch.int64)
+        cached = torch.tensor(layout.cached_lens, dtype=torch.int64)
+        kv_lens = cached + q
+        T = int(q.sum())
+        qo_indptr = torch.zeros(B + 1, dtype=torch.int64)
+        torch.cumsum(q, 0, out=qo_indptr[1:])
+        batch_idx = torch.repeat_interleave(torch.arange(B), q)
+        positions = cached[batch_idx] + torch.arange(T) - qo_indptr[batch_idx]
+
+        max_pages = max(1, max(len(t) for t in layout.block_tables))
+        tables = torch.full((B, max_pages), -1, dtype=torch.int64)
+        for r, t in enumerate(layout.block_tables):
+            if t:
+                tables[r, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        pages = tables[batch_idx, positions // bs]
+        slot_mapping = pages * bs + positions % bs
+
+        used_pages = (kv_lens + bs - 1) // bs
+        page_indptr = torch.zeros(B + 1, dtype=torch.int64)
+        torch.cumsum(used_pages, 0, out=page_indptr[1:])
+        page_indices = torch.cat([tables[r, : int(used_pages[r])] for r in range(B)])
+        last_page_len = (kv_lens - 1) % bs + 1
+        max_block_id = max((max(t) for t in layout.block_tables if t), default=-1)
+
+        i32 = torch.int32
+        return AttentionPlan(
+            layout=layout,
+            kind=kind,
+            geometry=self.geometry,
+            key=key,
+            generation=generation,
+            num_tokens=T,
+            batch_size=B,
+            query_len=query_len,
+            max_query_len=int(q.max()),
+            max_kv_len=int(kv_lens.max()),
+            max_block_id=max_block_id,
+            positions=ws.stage("positions", positions),
+            slot_mapping=ws.stage("slot_mapping", slot_mapping),
+            batch_indices=ws.stage("batch_indices", batch_idx.to(i32)),
+            qo_indptr=ws.stage("qo_indptr", qo_indptr.to(i32)),
+            kv_lens=ws.stage("kv_lens", kv_lens.to(i32)),
+            kv_page_indptr=ws.stage("kv_page_indptr", page_indptr.to(i32)),
+            kv_page_indices=ws.stage("kv_page_indices", page_indices.to(i32)),
+            kv_last_page_len=ws.stage("kv_last_page_len", last_page_len.to(i32)),
+            block_tables=ws.stage("block_tables", tables.to(i32)),
+        )
+
+    def _new_workspace(self, key: tuple) -> Workspace:
+        """Make the reusable state for one plan key (override to add wrappers/buffers)."""
+        return Workspace(self.device)
+
+    def _finish_plan(self, plan: AttentionPlan, ws: Workspace) -> None:
+        """Backend-private planning; may fill ``plan.extras``. Default: nothing."""
+
+    # -- per-layer calls ----------------------------------------------------------------------
+
+    def check_plan(self, plan: AttentionPlan, kv_layer: torch.Tensor) -> None:
+        """Raise unless ``plan`` is the newest plan of its key on this backend and ``kv_layer``
+        (``[num_blocks, 2, block_size, kv_heads, head_dim]``) matches the geometry and holds every
+        block id the plan names. Reads only host state."""
+        if plan.geometry != self.geometry or self._generations.get(plan.key) != plan.generation:
+            raise FailedPrecondition(
+                f"stale attention plan {plan.key} (generation {plan.generation}); a newer plan "
+                "with the same key replaced it"
+            )
+        g = self.geometry
+        if kv_layer.dim() != 5 or tuple(kv_layer.shape[1:]) != (
+            2,
+            g.block_size,
+            g.num_kv_heads,
+            g.head_dim,
+        ):
+            raise InvalidArgument(
+                f"kv_layer shape {tuple(kv_layer.shape)} does not match "
+                f"[num_blocks, 2, {g.block_size}, {g.num_kv_heads}, {g.head_dim}]"
+            )
+        if plan.max_block_id >= kv_layer.shape[0]:
+            raise InvalidArgument(
+                f"block id {plan.max_block_id} outside a pool of {kv_layer.shape[0]} blocks"
+            )
+
+    def write_kv(
+        self, plan: AttentionPlan, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store this forward's K and V (``[T, kv_heads, head_dim]``, RoPE already applied to k)
+        at ``plan.slot_mapping`` in ``kv_layer``. Mutates ``kv_layer`` only at those slots."""
+        self.check_plan(plan, kv_layer)
+        shape = (plan.num_tokens, self.geometry.num_kv_heads, self.geometry.head_dim)
+        if tuple(k.shape) != shape or tuple(v.shape) != shape:
+            raise InvalidArgument(f"k/v must be {list(shape)}, got {list(k.shape)}/{list(v.shape)}")
+        self._write_kv(plan, kv_layer, k, v)
+
+    def attend(
+        self, plan: AttentionPlan, q: torch.Tensor, kv_layer: torch.Tensor, *, scale: float
+    ) -> torch.Tensor:
+        """Causal paged attention: ``q`` ``[T, qo_heads, head_dim]`` -> same shape and dtype. The
+        token at position p attends to its own request's KV at positions 0..p (so write_kv for
+        this forward must come first). GQA maps query head h to kv head
+        ``h // (qo_heads // kv_heads)``. Reads only."""
+        self.check_plan(plan, kv_layer)
+        shape = (plan.num_tokens, self.geometry.num_qo_heads, self.geometry.head_dim)
+        if tuple(q.shape) != shape:
+            raise InvalidArgument(f"q must be {list(shape)}, got {list(q.shape)}")
+        if not (isinstance(scale, float) and math.isfinite(scale)):
+            raise InvalidArgument(f"scale must be a finite float, got {scale!r}")
+        return self._attend(plan, q, kv_layer, scale)
+
+    @abc.abstractmethod
+    def _write_kv(self, plan: AttentionPlan, kv_layer, k, v) -> None: ...
+
+    @abc.abstractmethod
+    def _attend(self, plan: AttentionPlan, q, kv_layer, scale: float) -> torch.Tensor: ...
+
+
+def get_backend(name: str, device: torch.device | str, geometry: AttentionGeometry) -> AttentionBackend:
+    """Registry: ``"torch"`` (reference, CPU and GPU) or ``"flashinfer"`` (GPU; its module, and so
+    flashinfer itself, is imported only here, on demand). Raises ``InvalidArgument`` for others."""
+    if not isinstance(geometry, AttentionGeometry):
+        raise InvalidArgument("get_backend needs an AttentionGeometry")
+    if name == "torch":
+        from services.gpuworker.attention.torch_backend import TorchBackend
+
+        return TorchBackend(device, geometry)
+    if name == "flashinfer":
+        from services.gpuworker.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(device, geometry)
+    raise InvalidArgument(f"unknown attention backend {name!r} (expected 'torch' or 'flashinfer')")
+
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionGeometry",
+    "AttentionKind",
+    "AttentionPlan",
+    "BatchLayout",
+    "PlanCacheStats",
+    "Workspace",
+    "get_backend",
+]

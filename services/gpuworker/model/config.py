@@ -1,0 +1,231 @@
+"""Model configurations: the Llama-family target (read from / written to a Hugging Face
+``config.json``), the draft layers (``tandem_draft.json``), and the built-in ``tiny`` model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.common.errors import InvalidArgument
+from services.common.spec import SpecMode, lookahead_span
+
+# Byte-level tokenizer layout of the tiny model (services/gpuworker/tokenizer.py): ids 0..255 are
+# bytes, then the specials; the rest of the vocabulary is unused padding to a round size.
+TINY_BOS_ID = 256
+TINY_EOS_ID = 257
+TINY_PAD_ID = 258
+TINY_VOCAB_SIZE = 512
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and numerics of a Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # None or {"rope_type": "llama3"|"linear"|"default", "factor": ..., ...} (HF field names)
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_seq_len",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"config {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidArgument(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise InvalidArgument(f"head_dim must be even for RoPE, got {self.head_dim}")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in _SUPPORTED_ROPE_TYPES:
+            raise InvalidArgument(
+                f"rope type {rope_type!r} is not supported (supported: {_SUPPORTED_ROPE_TYPES})"
+            )
+
+    @property
+    def rope_type(self) -> str:
+        return (self.rope_scaling or {}).get("rope_type", "default")
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "LlamaConfig":
+        """Read a Hugging Face ``config.json`` dict (transformers v4 ``rope_theta``/``rope_scaling``
+        or v5 ``rope_parameters``). Raises ``InvalidArgument`` for what this decoder cannot run."""
+        model_type = d.get("model_type", "llama")
+        if model_type != "llama":
+            raise InvalidArgument(f"model_type {model_type!r} is not supported (only 'llama')")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise InvalidArgument(f"hidden_act {act!r} is not supported (only 'silu')")
+        try:
+            hidden = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            rope_params = dict(d.get("rope_parameters") or {})
+            rope_scaling = d.get("rope_scaling")
+            rope_theta = float(rope_params.pop("rope_theta", d.get("rope_theta", 10000.0)))
+            if rope_params and rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+            if rope_scaling is not None:
+                rope_scaling = dict(rope_scaling)
+                # transformers v4 checkpoints sometimes spell it "type"
+                rope_scaling.setdefault("rope_type", rope_scaling.pop("type", "default"))
+                if rope_scaling["rope_type"] == "default":
+                    rope_scaling = None
+            eos = d.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or hidden // heads),
+                max_seq_len=int(d.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                attention_bias=bool(d.get("attention_bias", False)),
+                mlp_bias=bool(d.get("mlp_bias", False)),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"bad config.json: {exc!r}") from exc
+
+    def to_hf(self) -> dict[str, Any]:
+        """The transformers-v4-style ``config.json`` dict (v5 reads it too)."""
+        d: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_seq_len,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "hidden_act": "silu",
+        }
+        if self.bos_token_id is not None:
+            d["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            d["eos_token_id"] = (
+                self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+            )
+        return d
+
+
+def tiny_config() -> LlamaConfig:
+    """The built-in demo/test model: byte vocabulary + specials, 4 layers, GQA 4/2, head_dim 16."""
+    return LlamaConfig(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_seq_len=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=TINY_BOS_ID,
+        eos_token_ids=(TINY_EOS_ID,),
+    )
+
+
+def default_eagle3_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """Low, middle and high target layers whose outputs EAGLE-3 fuses (indices into layers)."""
+    return (0, num_layers // 2, num_layers - 1) if num_layers >= 3 else tuple(range(num_layers))
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The draft layers of a one-model speculative setup (``tandem_draft.json`` "draft" section).
+
+    EAGLE-3: one decoder layer (``num_modules`` = 1) fed by ``aux_layers``. MTP: ``num_modules``
+    = K chained modules. Attention geometry (heads, head_dim) is the target's, so draft and target
+    share attention plans; ``intermediate_size`` is the draft layers' MLP width."""
+
+    spec_mode: SpecMode
+    num_modules: int
+    intermediate_size: int
+    aux_layers: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.spec_mode not in (SpecMode.EAGLE3, SpecMode.MTP):
+            raise InvalidArgument(f"no built-in draft layers for spec mode {self.spec_mode.name}")
+        if self.spec_mode is SpecMode.EAGLE3 and (self.num_modules != 1 or len(self.aux_layers) != 3):
+            raise InvalidArgument("an EAGLE-3 draft has one module and exactly three aux layers")
+        if self.spec_mode is SpecMode.MTP and self.aux_layers:
+            raise InvalidArgument("an MTP draft takes no aux layers")
+        if not isinstance(self.num_modules, int) or self.num_modules < 1:
+            raise InvalidArgument(f"num_modules must be >= 1, got {self.num_modules!r}")
+        if not isinstance(self.intermediate_size, int) or self.intermediate_size < 1:
+            raise InvalidArgument("draft intermediate_size must be a positive integer")
+
+    @property
+    def span(self) -> int:
+        return lookahead_span(self.spec_mode, self.num_modules)
+
+    @classmethod
+    def default_for(cls, target: LlamaConfig, spec_mode: SpecMode, mtp_depth: int = 1) -> "DraftConfig":
+        if spec_mode is SpecMode.EAGLE3:
+            return cls(spec_mode, 1, target.intermediate_size, default_eagle3_aux_layers(target.num_layers))
+        if spec_mode is SpecMode.MTP:
+            lookahead_span(spec_mode, mtp_depth)  # validates the depth
+            return cls(spec_mode, mtp_depth, target.intermediate_size, ())
+        raise InvalidArgument(f"no built-in draft layers for spec mode {spec_mode.name}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "spec_mode": self.spec_mode.name,
+            "num_modules": self.num_modules,
+            "intermediate_size": self.intermediate_size,
+            "aux_layers": list(self.aux_layers),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "DraftConfig":
+        try:
+            return cls(
+                spec_mode=SpecMode[d["spec_mode"]],
+                num_modules=int(d["num_modules"]),
+                intermediate_size=int(d["intermediate_size"]),
+                aux_layers=tuple(int(x) for x in d.get("aux_layers", ())),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"bad draft section in tandem_draft.json: {exc!r}") from exc
