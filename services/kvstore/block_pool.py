@@ -5,18 +5,20 @@ so the two pools cannot disagree about which prefix they hold. Every block is in
 
         allocate                pin (reuse / dedup)
     FREE ─────────▶ IN_USE ◀───────────────────── CACHED
-      ▲  free (unpublished,        │  unpin to ref 0,       │
-      │  ref 0)                    │  published             │
-      └────────────────────────────┴────────────────────────┘ evict (leaf, LRU)
+      ▲  unpin to 0,               │  unpin to 0,           │
+      │  unpublished               └──── published ────────▶│
+      └─────────────────────────────────────────────────────┘ evict (leaf, LRU)
 
 * The **free queue** is FIFO: ids ``0 .. N-1`` initially, allocation pops the head, freed blocks go
-  to the tail. Only this class touches it.
+  to the tail. Only this class touches it. Eviction happens only when the queue is empty, and the
+  victim is handed out directly.
 * **Evictable** blocks are cached (published, ref 0) *leaves*: a block whose trie node has children
-  resident on this worker is pinned by them. They are ordered by last use on the store's logical
-  clock, then deeper first, then lower block id, in a heap with lazy invalidation (an entry is live
-  only while the block is still a cached leaf and its ``evict_epoch`` matches).
+  resident on this worker is pinned by them. Order: least recently used on the store's logical
+  clock, then deeper first, then lower block id. They sit in a heap of integer keys with lazy
+  invalidation: an entry is live only while the block is still a cached leaf whose ``heap_key``
+  equals it.
 
-All methods mutate the pool unless they say otherwise; the store checks capacity
+All methods mutate the pool unless they say otherwise. The store checks capacity
 (``available_for``) *before* mutating anything, so these calls never fail halfway.
 """
 
@@ -25,11 +27,16 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from .radix_trie import Node
+
+# Heap key = tick << 56 | (DEPTH_MAX - depth) << 24 | block_id: one int compare orders entries
+# by (LRU tick, deeper first, lower id). num_blocks <= 2**24 is enforced at registration.
+_ID_BITS = 24
+_DEPTH_MAX = (1 << 32) - 1
+_ID_MASK = (1 << _ID_BITS) - 1
 
 
 class BlockState(enum.IntEnum):
@@ -38,29 +45,39 @@ class BlockState(enum.IntEnum):
     IN_USE = 2  # referenced by at least one live reservation
 
 
-@dataclass(slots=True, eq=False)
+_FREE, _CACHED, _IN_USE = BlockState.FREE, BlockState.CACHED, BlockState.IN_USE
+
+
 class Block:
     """One paired block (target page + draft page with the same id)."""
 
-    block_id: int
-    state: BlockState = BlockState.FREE
-    ref_count: int = 0
-    node: Node | None = None  # trie node it holds (published blocks only)
-    last_used: int = 0  # logical tick of the last pin/unpin
-    resident_children: int = 0  # children of ``node`` resident on this worker (pin the block)
-    evict_epoch: int = 0  # generation of its live heap entry
+    __slots__ = ("block_id", "state", "ref_count", "node", "last_used", "resident_children", "heap_key")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.state = _FREE
+        self.ref_count = 0
+        self.node: Node | None = None  # trie node it holds (published blocks only)
+        self.last_used = 0  # logical tick of the last pin/unpin
+        self.resident_children = 0  # children of ``node`` resident on this worker (pin the block)
+        self.heap_key = -1  # key of its live eviction-heap entry, -1 if none
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, {self.state.name}, ref={self.ref_count})"
 
 
 class BlockPool:
     """Blocks ``0 .. num_blocks-1`` of one worker with their counters."""
 
     def __init__(self, num_blocks: int):
+        if not 1 <= num_blocks <= 1 << _ID_BITS:
+            raise ValueError(f"num_blocks must be in [1, 2**{_ID_BITS}]")
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[Block] = deque(self.blocks)
         self.num_cached = 0
         self.num_in_use = 0
-        self._heap: list[tuple[int, int, int, int]] = []  # (last_used, -depth, block_id, epoch)
+        self._heap: list[int] = []
 
     # -- read-only ---------------------------------------------------------------------------
     @property
@@ -77,93 +94,122 @@ class BlockPool:
         """Free queue in allocation order (read-only; for tests and audits)."""
         return [b.block_id for b in self._free]
 
-    def is_evictable(self, block: Block) -> bool:
-        return block.state is BlockState.CACHED and block.resident_children == 0
+    @staticmethod
+    def is_evictable(block: Block) -> bool:
+        return block.state is _CACHED and block.resident_children == 0
 
     def eviction_order(self) -> list[int]:
-        """Ids of the current evictable leaves in the order they would go (read-only)."""
-        live = [e for e in self._heap if self._entry_live(e)]
-        return [e[2] for e in sorted(live)]
+        """Ids of the current evictable leaves in the order they would go now (read-only; the
+        parents they expose would follow later)."""
+        return [key & _ID_MASK for key in sorted(k for k in self._heap if self._live(k))]
 
-    def _entry_live(self, entry: tuple[int, int, int, int]) -> bool:
-        block = self.blocks[entry[2]]
-        return (
-            block.state is BlockState.CACHED
-            and block.resident_children == 0
-            and block.evict_epoch == entry[3]
-        )
+    def _live(self, key: int) -> bool:
+        block = self.blocks[key & _ID_MASK]
+        return block.heap_key == key and block.state is _CACHED and block.resident_children == 0
 
     # -- transitions -------------------------------------------------------------------------
-    def allocate_free(self) -> Block:
-        """Pop the head of the free queue: FREE -> IN_USE with one reference."""
-        block = self._free.popleft()
-        block.state = BlockState.IN_USE
-        block.ref_count = 1
-        self.num_in_use += 1
-        return block
-
-    def pop_eviction_victim(self) -> Block:
-        """Remove and return the LRU evictable leaf (still CACHED; the caller detaches it from the
-        trie and then calls ``free_cached``). Raises ``LookupError`` if none is evictable."""
-        heap = self._heap
-        while heap:
-            entry = heapq.heappop(heap)
-            if self._entry_live(entry):
-                block = self.blocks[entry[2]]
-                block.evict_epoch += 1  # its entry is consumed
-                return block
-        raise LookupError("no evictable block")
+    def allocate(self, count: int, detach: Callable[[Block], Block | None]) -> list[Block]:
+        """Hand out ``count`` blocks (-> IN_USE, one reference each): the free queue's head
+        first; once it is empty, LRU leaves are evicted. ``detach(victim)`` must drop the
+        victim's trie residency and return the block holding the parent node on this worker
+        (None for a first block), which may become a leaf in turn. The caller has checked
+        ``available_for``; running out anyway is a bug (LookupError)."""
+        free, heap, blocks = self._free, self._heap, self.blocks
+        out: list[Block] = []
+        # A parent exposed by an eviction is usually the next victim: keep its key aside and let
+        # heappushpop return it without a round trip through the heap.
+        pending = -1
+        for _ in range(count):
+            if free:
+                block = free.popleft()
+            else:
+                while True:
+                    if pending >= 0:
+                        key = heapq.heappushpop(heap, pending)
+                        pending = -1
+                    elif heap:
+                        key = heapq.heappop(heap)
+                    else:
+                        raise LookupError("no evictable block left")
+                    block = blocks[key & _ID_MASK]
+                    if block.heap_key == key and block.state is _CACHED and block.resident_children == 0:
+                        break
+                parent = detach(block)
+                block.node = None
+                block.heap_key = -1
+                self.num_cached -= 1
+                if parent is not None:
+                    parent.resident_children -= 1
+                    if parent.resident_children == 0 and parent.state is _CACHED:
+                        pending = parent.heap_key = self._key(parent)
+            block.state = _IN_USE
+            block.ref_count = 1
+            out.append(block)
+        if pending >= 0:
+            self._push_key(pending)
+        self.num_in_use += count
+        return out
 
     def pin(self, block: Block, tick: int) -> None:
         """Add a reference to a published block (CACHED -> IN_USE on the first one)."""
-        if block.state is BlockState.CACHED:
-            block.state = BlockState.IN_USE
-            self.num_cached -= 1
-            self.num_in_use += 1
-        block.ref_count += 1
-        block.last_used = tick
+        self.pin_many((block,), tick)
 
-    def unpin(self, block: Block, tick: int) -> bool:
-        """Drop a reference. At zero, a published block becomes CACHED (evictable if a leaf) and
-        an unpublished one FREE (tail of the free queue). Returns True if the block was freed."""
-        block.ref_count -= 1
-        block.last_used = tick
-        if block.ref_count:
-            return False
-        self.num_in_use -= 1
-        if block.node is None:
-            block.state = BlockState.FREE
-            self._free.append(block)
-            return True
-        block.state = BlockState.CACHED
-        self.num_cached += 1
-        if block.resident_children == 0:
-            self._push(block)
-        return False
+    def pin_many(self, blocks, tick: int) -> None:
+        """Add a reference to each published block (one call per prefix: Reserve's hot path)."""
+        moved = 0
+        for block in blocks:
+            if block.state is _CACHED:
+                block.state = _IN_USE
+                moved += 1
+            block.ref_count += 1
+            block.last_used = tick
+        self.num_cached -= moved
+        self.num_in_use += moved
 
-    def free_cached(self, block: Block) -> None:
-        """CACHED -> FREE for a victim the caller has detached from the trie (``node is None``)."""
-        block.state = BlockState.FREE
-        block.last_used = 0
-        self.num_cached -= 1
-        self._free.append(block)
+    def unpin_many(self, blocks, tick: int) -> int:
+        """Drop one reference from each block. At zero, a published block becomes CACHED
+        (evictable if a leaf) and an unpublished one FREE (tail of the free queue, in the given
+        order). Returns how many were freed."""
+        released = freed = 0
+        free = self._free
+        for block in blocks:
+            block.ref_count -= 1
+            block.last_used = tick
+            if block.ref_count:
+                continue
+            released += 1
+            if block.node is None:
+                block.state = _FREE
+                free.append(block)
+                freed += 1
+            else:
+                block.state = _CACHED
+                if block.resident_children == 0:
+                    self._push(block)
+        self.num_in_use -= released
+        self.num_cached += released - freed
+        return freed
 
-    def child_added(self, block: Block) -> None:
-        """A child of ``block.node`` became resident here: the block is no longer a leaf."""
-        block.resident_children += 1  # any heap entry dies by the live-check
+    def children_added(self, blocks) -> None:
+        """For each block, one more child of its node became resident here: not a leaf now
+        (any heap entry dies by the live-check)."""
+        for block in blocks:
+            block.resident_children += 1
 
-    def child_removed(self, block: Block) -> None:
-        """A child of ``block.node`` left this worker: at zero children a cached block is a leaf."""
-        block.resident_children -= 1
-        if block.resident_children == 0 and block.state is BlockState.CACHED:
-            self._push(block)
+    @staticmethod
+    def _key(block: Block) -> int:
+        return (block.last_used << 56) | ((_DEPTH_MAX - block.node.depth) << _ID_BITS) | block.block_id
 
     def _push(self, block: Block) -> None:
-        block.evict_epoch += 1
-        heapq.heappush(self._heap, (block.last_used, -block.node.depth, block.block_id, block.evict_epoch))
-        if len(self._heap) > 2 * self.num_blocks + 64:
+        block.heap_key = key = self._key(block)
+        self._push_key(key)
+
+    def _push_key(self, key: int) -> None:
+        heap = self._heap
+        heapq.heappush(heap, key)
+        if len(heap) > 2 * self.num_blocks + 64:
             # Dead entries pile up under churn; rebuild from the live ones to bound memory.
-            self._heap = [e for e in self._heap if self._entry_live(e)]
+            self._heap = [k for k in heap if self._live(k)]
             heapq.heapify(self._heap)
 
     # -- audit -------------------------------------------------------------------------------
@@ -174,27 +220,27 @@ class BlockPool:
         by_state = {s: 0 for s in BlockState}
         for b in self.blocks:
             by_state[b.state] += 1
-            if b.state is BlockState.FREE and (b.ref_count or b.node is not None):
+            if b.state is _FREE and (b.ref_count or b.node is not None):
                 out.append(f"{prefix}: free block {b.block_id} has ref {b.ref_count} / node")
-            if b.state is BlockState.CACHED and (b.ref_count or b.node is None):
+            if b.state is _CACHED and (b.ref_count or b.node is None):
                 out.append(f"{prefix}: cached block {b.block_id} has ref {b.ref_count} / no node")
-            if b.state is BlockState.IN_USE and b.ref_count < 1:
+            if b.state is _IN_USE and b.ref_count < 1:
                 out.append(f"{prefix}: in-use block {b.block_id} has ref {b.ref_count}")
         free_ids = [b.block_id for b in self._free]
         if len(set(free_ids)) != len(free_ids):
             out.append(f"{prefix}: free queue holds a block twice")
-        if any(self.blocks[i].state is not BlockState.FREE for i in free_ids):
+        if any(self.blocks[i].state is not _FREE for i in free_ids):
             out.append(f"{prefix}: free queue holds a non-free block")
-        if len(free_ids) != by_state[BlockState.FREE]:
-            out.append(f"{prefix}: {by_state[BlockState.FREE]} free blocks but queue of {len(free_ids)}")
-        if by_state[BlockState.CACHED] != self.num_cached or by_state[BlockState.IN_USE] != self.num_in_use:
+        if len(free_ids) != by_state[_FREE]:
+            out.append(f"{prefix}: {by_state[_FREE]} free blocks but queue of {len(free_ids)}")
+        if by_state[_CACHED] != self.num_cached or by_state[_IN_USE] != self.num_in_use:
             out.append(
                 f"{prefix}: counters cached={self.num_cached} in_use={self.num_in_use} but states "
-                f"cached={by_state[BlockState.CACHED]} in_use={by_state[BlockState.IN_USE]}"
+                f"cached={by_state[_CACHED]} in_use={by_state[_IN_USE]}"
             )
         if self.num_free + self.num_cached + self.num_in_use != self.num_blocks:
             out.append(f"{prefix}: free + cached + in_use != {self.num_blocks}")
-        live = {e[2] for e in self._heap if self._entry_live(e)}
+        live = {k & _ID_MASK for k in self._heap if self._live(k)}
         leaves = {b.block_id for b in self.blocks if self.is_evictable(b)}
         if live != leaves:
             out.append(f"{prefix}: evictable leaves {sorted(leaves)} but live heap entries {sorted(live)}")

@@ -156,15 +156,15 @@ class KeyStream:
         start = 0 if j == 0 else (j * bs + d) << 2
         return self.buf[start : ((j + 1) * bs + d) << 2]
 
-    def block_contents(self, count: int) -> list[bytes]:
-        """Contents of blocks ``0 .. count-1`` in one pass (``count <= num_keyed_blocks``)."""
-        if count <= 0:
+    def block_contents(self, start: int, stop: int) -> list[bytes]:
+        """Contents of blocks ``start .. stop-1`` in one pass (``stop <= num_keyed_blocks``)."""
+        if stop > self.num_keyed_blocks or start < 0:
+            raise IndexError(f"blocks {start}..{stop} not all keyed (have {self.num_keyed_blocks})")
+        if start >= stop:
             return []
-        if count > self.num_keyed_blocks:
-            raise IndexError(f"only {self.num_keyed_blocks} keyed blocks, asked for {count}")
         buf, step, d4 = self.buf, self.block_size << 2, self.span << 2
-        out = [buf[: step + d4]]
-        out.extend([buf[s + d4 : s + step + d4] for s in range(step, count * step, step)])
+        out = [buf[: step + d4]] if start == 0 else []
+        out.extend([buf[s + d4 : s + step + d4] for s in range(max(start, 1) * step, stop * step, step)])
         return out
 
     def leading_digest(self) -> bytes:

@@ -18,9 +18,10 @@ Lookups (``walk``) are read-only; ``add_child``, ``set_resident`` and ``remove_r
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING
 
-from .keys import BlockKey, Namespace, chain_key
+from .keys import DIGEST_SIZE, BlockKey, Namespace
 
 if TYPE_CHECKING:
     from .block_pool import Block
@@ -76,12 +77,34 @@ class RadixTrie:
             path.append(node)
         return path
 
-    def add_child(self, parent: Node, content: bytes, material: bytes) -> Node:
-        """Create the child of ``parent`` for ``content``; its key chains ``material`` (mutates)."""
-        child = Node(content, parent, chain_key(parent.key, material), parent.namespace)
-        parent.children[content] = child
-        self.num_nodes += 1
-        return child
+    def attach_chain(
+        self,
+        parent: Node,
+        contents: list[bytes],
+        worker_id: str,
+        blocks: list[Block],
+        first_material: bytes | None,
+    ) -> list[Node]:
+        """Make ``blocks[k]`` the copy of the node spelled by ``contents[:k+1]`` below ``parent``
+        on ``worker_id``, creating missing nodes (mutates; sets ``block.node``). The worker must
+        hold none of these nodes yet. A node's key chains ``blake2b-256(parent key || material)``
+        where material is the content, except below a root: ``first_material`` (the leading
+        digest form, see ``KeyStream.block_key_material``). Returns the nodes in chain order."""
+        out: list[Node] = []
+        blake2b = hashlib.blake2b
+        for content, block in zip(contents, blocks):
+            child = parent.children.get(content)
+            if child is None:
+                material = content if parent.parent is not None else first_material
+                key = BlockKey(blake2b(parent.key + material, digest_size=DIGEST_SIZE).digest())
+                child = Node(content, parent, key, parent.namespace)
+                parent.children[content] = child
+                self.num_nodes += 1
+            child.residency[worker_id] = block
+            block.node = child
+            out.append(child)
+            parent = child
+        return out
 
     def remove_resident(self, node: Node, worker_id: str) -> None:
         """Forget that ``worker_id`` holds ``node``; prune it (and childless roots) once nothing

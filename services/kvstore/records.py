@@ -97,7 +97,7 @@ class ReservationRecord:
             request_id=self.request_id,
             worker_id=self.worker.worker_id,
             incarnation=self.worker.incarnation,
-            block_table=tuple(b.block_id for b in self.blocks),
+            block_table=tuple([b.block_id for b in self.blocks]),
             reused_positions=self.reused_positions,
             capacity_positions=self.capacity_positions,
             published_blocks=self.published,

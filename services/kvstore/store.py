@@ -203,10 +203,11 @@ class KVStore:
         buf, step, d4 = stream.buf, stream.block_size << 2, stream.span << 2
         node = root.children.get(buf[: step + d4])
         end = step + d4
+        stop = cap * step + d4  # end of the last reusable block
         append = path.append
         while node is not None:
             append(node)
-            if len(path) == cap:
+            if end >= stop:
                 break
             node = node.children.get(buf[end : end + step])
             end += step
@@ -277,8 +278,7 @@ class KVStore:
             )
 
         self.tick += 1
-        for block in pinned:
-            pool.pin(block, self.tick)
+        pool.pin_many(pinned, self.tick)
         blocks = pinned + self._allocate(worker, fresh)
         self._reservation_seq += 1
         rid = f"r-{self.epoch:x}-{self._reservation_seq}"
@@ -353,8 +353,7 @@ class KVStore:
             )
         tail = record.blocks[keep:]
         del record.blocks[keep:]
-        for block in tail:
-            record.worker.pool.unpin(block, self.tick)  # own, unpublished: freed
+        record.worker.pool.unpin_many(tail, self.tick)  # own, unpublished: all freed
         return self._item_result(record, freed_blocks=tuple(b.block_id for b in tail))
 
     def _apply_item(self, item, apply) -> ItemResult:
@@ -374,7 +373,7 @@ class KVStore:
         return ItemResult(
             record.reservation_id,
             None,
-            tuple(b.block_id for b in record.blocks),
+            tuple([b.block_id for b in record.blocks]),
             record.capacity_positions,
             **changes,
         )
@@ -611,87 +610,73 @@ class KVStore:
     def _allocate(self, worker: WorkerRecord, count: int) -> list[Block]:
         """Take ``count`` blocks from the free queue, evicting LRU cached leaves when it runs dry
         (mutates; the caller checked ``available_for``). Evictions make one REMOVED event."""
-        pool = worker.pool
         wid = worker.worker_id
-        out: list[Block] = []
-        removed_keys, removed_ids = [], []
-        for _ in range(count):
-            if not pool.num_free:
-                victim = pool.pop_eviction_victim()
-                node = victim.node
-                parent = node.parent
-                removed_keys.append(node.key)
-                removed_ids.append(victim.block_id)
-                victim.node = None
-                self._trie.remove_resident(node, wid)
-                pool.free_cached(victim)
-                if parent.parent is not None:  # the parent block on this worker may become a leaf
-                    pool.child_removed(parent.residency[wid])
-                worker.evictions += 1
-            out.append(pool.allocate_free())
+        remove_resident = self._trie.remove_resident
+        removed_keys: list = []
+        removed_ids: list[int] = []
+
+        def detach(victim: Block) -> Block | None:
+            node = victim.node
+            parent = node.parent
+            removed_keys.append(node.key)
+            removed_ids.append(victim.block_id)
+            remove_resident(node, wid)
+            return parent.residency[wid] if parent.parent is not None else None
+
+        out = worker.pool.allocate(count, detach)
         if removed_ids:
-            self._events.record(
-                wid, worker.incarnation, EventKind.REMOVED, tuple(removed_keys), tuple(removed_ids)
-            )
+            worker.evictions += len(removed_ids)
+            self._events.record(wid, worker.incarnation, EventKind.REMOVED, tuple(removed_keys), tuple(removed_ids))
         return out
 
     def _publish_blocks(self, record: ReservationRecord, final: int) -> tuple[int, int]:
         """Insert the reservation's blocks up to ``final`` positions into the trie (mutates).
-        Returns (newly published, deduplicated)."""
+        Returns (newly published, deduplicated).
+
+        Residency is prefix-closed, so the blocks already resident on the worker (published by
+        a concurrent twin request) come first: each is shared and our copy freed (dedup). The
+        rest are attached as one chain with one STORED event."""
         worker = record.worker
         stream = record.stream
         target = min(final // worker.spec.block_size, stream.num_keyed_blocks)
         start = record.published
         if target <= start:
             return 0, 0
-        pool, wid, blocks, tick = worker.pool, worker.worker_id, record.blocks, self.tick
+        pool, wid, blocks = worker.pool, worker.worker_id, record.blocks
         parent = blocks[start - 1].node if start else self._trie.root_or_create(record.namespace)
-        newly = dedup = 0
-        run_parent, run_keys, run_ids = parent.key, [], []
-        for j in range(start, target):
-            content = stream.block_content(j)
-            own = blocks[j]
+        contents = stream.block_contents(start, target)
+        j = start
+        for content in contents:  # dedup phase
             child = parent.children.get(content)
             existing = None if child is None else child.residency.get(wid)
-            if existing is not None:
-                # Same key already on this worker: share that block, free our copy.
-                pool.pin(existing, tick)
-                blocks[j] = existing
-                pool.unpin(own, tick)
-                dedup += 1
-                if run_ids:
-                    self._record_stored(worker, run_parent, run_keys, run_ids)
-                    run_keys, run_ids = [], []
-                run_parent = child.key
-            else:
-                if child is None:
-                    child = self._trie.add_child(parent, content, stream.block_key_material(j))
-                child.residency[wid] = own
-                own.node = child
-                if j:
-                    pool.child_added(blocks[j - 1])
-                run_keys.append(child.key)
-                run_ids.append(own.block_id)
-                newly += 1
+            if existing is None:
+                break
+            pool.pin(existing, self.tick)
+            pool.unpin_many((blocks[j],), self.tick)  # our unpublished copy: freed
+            blocks[j] = existing
             parent = child
-        if run_ids:
-            self._record_stored(worker, run_parent, run_keys, run_ids)
+            j += 1
+        dedup = j - start
+        if j < target:
+            first = stream.block_key_material(0) if j == 0 else None
+            nodes = self._trie.attach_chain(parent, contents[dedup:], wid, blocks[j:target], first)
+            pool.children_added(blocks[max(j, 1) - 1 : target - 1])
+            self._events.record(
+                wid,
+                worker.incarnation,
+                EventKind.STORED,
+                tuple([n.key for n in nodes]),
+                tuple([b.block_id for b in blocks[j:target]]),
+                parent.key,
+            )
         record.published = target
-        worker.published_blocks += newly
+        worker.published_blocks += target - j
         worker.deduplicated_blocks += dedup
-        return newly, dedup
-
-    def _record_stored(self, worker: WorkerRecord, parent_key, keys: list, ids: list) -> None:
-        self._events.record(
-            worker.worker_id, worker.incarnation, EventKind.STORED, tuple(keys), tuple(ids), parent_key
-        )
+        return target - j, dedup
 
     def _unpin_all(self, record: ReservationRecord) -> tuple[int, int]:
         """Drop the reservation's references (mutates): (blocks freed, published blocks unpinned)."""
-        pool, tick = record.worker.pool, self.tick
-        freed = 0
-        for block in record.blocks:
-            freed += pool.unpin(block, tick)
+        freed = record.worker.pool.unpin_many(record.blocks, self.tick)
         unpinned = len(record.blocks) - freed
         record.blocks = []
         return freed, unpinned
