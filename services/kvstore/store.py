@@ -303,7 +303,6 @@ class KVStore:
         allocating tail blocks (mutates). Each item is atomic and gets its own result; asking
         for no more than the current capacity is a successful no-op."""
         self.expire_leases()
-        self.tick += 1
         results = [self._apply_item(item, self._extend_one) for item in items]
         self._events.flush()
         return results
@@ -334,7 +333,6 @@ class KVStore:
         that last wrote them completed). Never below the published blocks (FailedPrecondition)
         nor below the request's known length (InvalidArgument). Each item atomic."""
         self.expire_leases()
-        self.tick += 1
         results = [self._apply_item(item, self._trim_one) for item in items]
         self._events.flush()
         return results
