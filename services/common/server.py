@@ -139,6 +139,7 @@ class GrpcServer:
         self._stopped = asyncio.Event()
         self._draining = False
         self._background: list[asyncio.Task] = []
+        self._on_stop: list[Callable[[], object]] = []
 
     @property
     def address(self) -> str:
@@ -176,6 +177,14 @@ class GrpcServer:
         if not self._draining:
             await self._set_all(health_pb2.HealthCheckResponse.SERVING)
 
+    def add_binding(self, binding: ServiceBinding) -> None:
+        """Attach one more service (before :meth:`start`)."""
+        self._bindings.append(binding)
+
+    def on_stop(self, callback: Callable[[], object]) -> None:
+        """Run a blocking ``callback`` (in a thread) once the server has drained."""
+        self._on_stop.append(callback)
+
     def run_in_background(self, coro) -> asyncio.Task:
         """Run ``coro`` for the server's lifetime; :meth:`stop` cancels it after draining."""
         task = asyncio.get_running_loop().create_task(coro)
@@ -190,6 +199,8 @@ class GrpcServer:
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        for callback in self._on_stop:
+            await asyncio.to_thread(callback)
         self._stopped.set()
 
     async def wait_for_termination(self) -> None:

@@ -1,0 +1,196 @@
+"""The worker's side of the kvstore contract, over synchronous gRPC.
+
+* :class:`KVStoreLink` — register (new incarnation), heartbeat, and the reservation verbs the
+  engine thread calls between steps (Publish, Release, Abort). Every call has a deadline.
+* :class:`ReservationBlockSource` — the engine's ``BlockSource`` protocol mapped onto ONE batched
+  ``Extend`` and ONE batched ``Trim`` RPC per step (request id → reservation id).
+
+Called from the engine thread (reservation verbs) and the heartbeat thread (lease); gRPC stubs
+are thread-safe and this module holds no other shared mutable state except the incarnation,
+which only :meth:`KVStoreLink.register` changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    TandemError,
+    Unavailable,
+)
+from services.common.spec import SpecMode
+from services.common.wire import spec_mode_to_proto, tokens_to_proto
+from tandem.kvstore.v1 import kvstore_pb2 as kv
+from tandem.kvstore.v1 import kvstore_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+}
+_ITEM_ERRORS = {3: InvalidArgument, 5: NotFound, 8: ResourceExhausted, 9: FailedPrecondition}
+
+
+def domain_error(err: grpc.RpcError) -> TandemError:
+    """A kvstore RPC failure as a typed domain error (anything unexpected is UNAVAILABLE)."""
+    cls = _ERRORS.get(err.code(), Unavailable)
+    return cls(f"kvstore: {err.details()}")
+
+
+class KVStoreLink:
+    """Synchronous kvstore client for one worker identity."""
+
+    def __init__(self, address: str, *, timeout_s: float = 5.0, channel: grpc.Channel | None = None):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = channel or grpc.insecure_channel(address)
+        self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
+        self.incarnation = 0
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            raise domain_error(err) from None
+
+    # -- registry ---------------------------------------------------------------------------------
+
+    def register(
+        self,
+        *,
+        worker_id: str,
+        address: str,
+        model_id: str,
+        spec_mode: SpecMode,
+        mtp_depth: int,
+        block_size: int,
+        num_blocks: int,
+        vocab_size: int,
+        max_seq_len: int,
+    ) -> kv.WorkerInfo:
+        """Register (or re-register) and remember the new incarnation."""
+        response = self._call(
+            self._stub.RegisterWorker,
+            kv.RegisterWorkerRequest(
+                worker_id=worker_id,
+                address=address,
+                model_id=model_id,
+                spec_mode=spec_mode_to_proto(spec_mode),
+                mtp_depth=mtp_depth,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                vocab_size=vocab_size,
+                max_seq_len=max_seq_len,
+            ),
+        )
+        with self._lock:
+            self.incarnation = response.worker.incarnation
+        return response.worker
+
+    def heartbeat(self, worker_id: str) -> float:
+        return self._call(self._stub.Heartbeat, kv.HeartbeatRequest(worker_id=worker_id, incarnation=self.incarnation)).lease_expires_in_s
+
+    # -- reservation verbs ------------------------------------------------------------------------
+
+    def publish(self, reservation_id: str, incarnation: int, new_tokens, final_positions: int) -> kv.PublishResponse:
+        return self._call(
+            self._stub.Publish,
+            kv.PublishRequest(
+                reservation_id=reservation_id,
+                incarnation=incarnation,
+                new_tokens=tokens_to_proto(new_tokens),
+                final_positions=final_positions,
+            ),
+        )
+
+    def release(self, reservation_id: str, incarnation: int, new_tokens, final_positions: int) -> kv.ReleaseResponse:
+        return self._call(
+            self._stub.Release,
+            kv.ReleaseRequest(
+                reservation_id=reservation_id,
+                incarnation=incarnation,
+                new_tokens=tokens_to_proto(new_tokens),
+                final_positions=final_positions,
+            ),
+        )
+
+    def abort(self, reservation_id: str, incarnation: int) -> None:
+        """Abort, tolerating a reservation the kvstore already dropped (lease lapse, restart)."""
+        try:
+            self._call(self._stub.Abort, kv.AbortRequest(reservation_id=reservation_id, incarnation=incarnation))
+        except (NotFound, FailedPrecondition) as exc:
+            log.info("abort of %s: %s", reservation_id, exc.message)
+
+    def extend(self, items: list[kv.CapacityItem]) -> list[kv.CapacityResult]:
+        return list(self._call(self._stub.Extend, kv.ExtendRequest(items=items)).results)
+
+    def trim(self, items: list[kv.CapacityItem]) -> list[kv.CapacityResult]:
+        return list(self._call(self._stub.Trim, kv.TrimRequest(items=items)).results)
+
+
+class ReservationBlockSource:
+    """``BlockSource`` over kvstore Extend/Trim: request id → (reservation id, incarnation).
+
+    ``bind``/``unbind`` are called by the engine thread when a request joins or leaves; the engine
+    calls ``extend``/``trim`` at most once each per step.
+    """
+
+    def __init__(self, link: KVStoreLink):
+        self._link = link
+        self._bound: dict[str, tuple[str, int]] = {}
+
+    def bind(self, request_id: str, reservation_id: str, incarnation: int) -> None:
+        self._bound[request_id] = (reservation_id, incarnation)
+
+    def unbind(self, request_id: str) -> None:
+        self._bound.pop(request_id, None)
+
+    def reservation(self, request_id: str) -> tuple[str, int]:
+        return self._bound[request_id]
+
+    def _items(self, wants: dict[str, int]) -> tuple[list[str], list[kv.CapacityItem]]:
+        rids = list(wants)
+        items = []
+        for rid in rids:
+            reservation_id, incarnation = self._bound[rid]
+            items.append(kv.CapacityItem(reservation_id=reservation_id, incarnation=incarnation, capacity_positions=wants[rid]))
+        return rids, items
+
+    def extend(self, wants: dict[str, int]) -> dict[str, list[int] | Exception]:
+        rids, items = self._items(wants)
+        try:
+            results = self._link.extend(items)
+        except TandemError as exc:  # the whole call failed: every item failed, nothing changed
+            return {rid: exc for rid in rids}
+        out: dict[str, list[int] | Exception] = {}
+        for rid, result in zip(rids, results):
+            if result.code == 0:
+                out[rid] = list(result.block_table)
+            else:
+                out[rid] = _ITEM_ERRORS.get(result.code, Unavailable)(f"kvstore: {result.message}")
+        return out
+
+    def trim(self, keeps: dict[str, int]) -> dict[str, list[int]]:
+        rids, items = self._items(keeps)
+        results = self._link.trim(items)
+        out: dict[str, list[int]] = {}
+        for rid, result in zip(rids, results):
+            if result.code != 0:
+                # A failed trim leaves the reservation as it was: keeping blocks is always safe.
+                log.warning("trim of %s failed: %s", rid, result.message)
+            out[rid] = list(result.block_table)
+        return out

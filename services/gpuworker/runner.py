@@ -1,0 +1,248 @@
+"""The engine thread: continuous batching between asyncio handlers and the synchronous engine.
+
+    Generate handler ──submit(job)──▶ commands ──▶ [engine thread] step(); sync; kvstore verbs
+         ▲                                                │
+         └───────── job.events (asyncio.Queue) ◀──────────┘  tokens / done / error
+
+The engine is not thread-safe, so exactly one thread owns it. Between two steps that thread admits
+new requests, applies aborts, and calls the kvstore: Publish as soon as blocks become final (so
+concurrent requests can reuse them early), Release when a request ends, Abort on failure or
+cancellation. Every kvstore verb that frees blocks runs after the step that last wrote them has
+completed on the device (``_sync``), as DESIGN §2 requires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.errors import Cancelled, InvalidArgument, ResourceExhausted, TandemError
+from services.gpuworker.engine.engine import Engine
+from services.gpuworker.engine.request import FinishReason, RequestSpec
+from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """One Generate call as the engine thread sees it."""
+
+    spec: RequestSpec
+    reservation_id: str
+    incarnation: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    arrived: float = field(default_factory=time.monotonic)
+    tokens: list[int] = field(default_factory=list)  # prompt + generated, as streamed
+    known_tokens: int = 0  # tokens the kvstore has for this reservation (prompt at Reserve)
+    published_blocks: int = 0
+    first_token_at: float | None = None
+    decode_steps: int = 0
+    accepted_drafts: int = 0
+
+    def post(self, *event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    mean_acceptance_length: float
+    decode_steps: int
+    time_to_first_token_s: float
+
+
+class EngineRunner:
+    """Owns the engine on a dedicated thread; ``submit``/``cancel`` are safe from any thread."""
+
+    def __init__(self, engine: Engine, link: KVStoreLink, source: ReservationBlockSource, *, max_running: int = 256):
+        self.engine = engine
+        self.link = link
+        self.source = source
+        self.max_running = max_running
+        self._commands: queue.Queue = queue.Queue()
+        self._jobs: dict[str, Job] = {}
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stop = threading.Event()
+        self.steps = 0
+
+    # -- any thread ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Fail what is still running (aborting its reservations) and join the thread."""
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout_s)
+
+    def submit(self, job: Job) -> None:
+        self._commands.put(("add", job))
+
+    def cancel(self, request_id: str, reason: TandemError) -> None:
+        self._commands.put(("abort", request_id, reason))
+
+    @property
+    def running(self) -> int:
+        return len(self._jobs)
+
+    def running_ids(self) -> frozenset[str]:
+        """Snapshot of the request ids the engine thread is running."""
+        while True:
+            try:
+                return frozenset(self._jobs)
+            except RuntimeError:  # resized by the engine thread mid-copy: copy again
+                continue
+
+    # -- engine thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_work())
+            if self._stop.is_set():
+                break
+            if not self.engine.has_work():
+                continue
+            try:
+                report = self.engine.step()
+                self._sync()
+            except Exception as exc:  # a bug or a device failure: fail every request, keep serving
+                log.exception("engine step failed")
+                self._sync()
+                for rid in list(self._jobs):
+                    self._fail(rid, exc)
+                continue
+            self.steps += 1
+            for rid, result in report.results.items():
+                job = self._jobs.get(rid)
+                if job is not None:
+                    self._on_result(job, result)
+        for rid in list(self._jobs):
+            self._fail(rid, Cancelled("worker is shutting down"))
+
+    def _drain_commands(self, *, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind = command[0]
+            if kind == "add":
+                self._admit(command[1])
+            elif kind == "abort":
+                _, rid, reason = command
+                if rid in self._jobs:
+                    self._fail(rid, reason)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _admit(self, job: Job) -> None:
+        rid = job.spec.request_id
+        try:
+            if rid in self._jobs:
+                raise InvalidArgument(f"request {rid!r} is already running on this worker")
+            if len(self._jobs) >= self.max_running:
+                raise ResourceExhausted(f"worker runs {self.max_running} requests already")
+            self.source.bind(rid, job.reservation_id, job.incarnation)
+            self.engine.add_request(job.spec)
+        except Exception as exc:
+            self.source.unbind(rid)
+            self.link.abort(job.reservation_id, job.incarnation)
+            job.post("error", exc)
+            return
+        job.tokens = list(job.spec.prompt_ids)
+        job.known_tokens = len(job.tokens)
+        self._jobs[rid] = job
+
+    def _on_result(self, job: Job, result) -> None:
+        rid = job.spec.request_id
+        if result.new_token_ids:
+            if job.first_token_at is None:
+                job.first_token_at = time.monotonic()
+            job.tokens.extend(result.new_token_ids)
+            job.post("tokens", list(result.new_token_ids))
+        if result.proposed_drafts or (result.new_token_ids and not result.prefill_tokens):
+            job.decode_steps += 1
+            job.accepted_drafts += result.accepted_drafts
+        if result.finish_reason is FinishReason.CAPACITY:
+            self._fail(rid, result.error or ResourceExhausted("no KV capacity left for this request"))
+            return
+        try:
+            if result.finished:
+                self._finish(job, result)
+            else:
+                self._publish(job, result)
+        except Exception as exc:
+            log.warning("kvstore verb for %s failed: %s", rid, exc)
+            if rid in self._jobs:
+                self._fail(rid, exc)
+
+    def _publish(self, job: Job, result) -> None:
+        blocks = result.publishable_positions // result.block_size
+        if blocks <= job.published_blocks:
+            return
+        response = self.link.publish(
+            job.reservation_id, job.incarnation, job.tokens[job.known_tokens :], result.publishable_positions
+        )
+        job.known_tokens = len(job.tokens)
+        job.published_blocks = response.reservation.published_blocks
+        table = list(response.reservation.block_table)
+        if table != list(result.block_table):
+            # dedup: another request published the same blocks first; the kvstore freed our copy
+            # and pinned theirs (identical KV by the publish invariant), so read theirs from now on
+            self.engine.remap_blocks(job.spec.request_id, table)
+
+    def _finish(self, job: Job, result) -> None:
+        rid = job.spec.request_id
+        self._jobs.pop(rid, None)
+        self.source.unbind(rid)
+        try:
+            self.link.release(job.reservation_id, job.incarnation, job.tokens[job.known_tokens :], result.publishable_positions)
+        except TandemError as exc:
+            # Every token was already streamed; the reservation dies with the lease if the
+            # kvstore never hears of it (it cannot be reused by another request meanwhile).
+            log.warning("release of %s failed: %s", job.reservation_id, exc.message)
+        job.post("done", result.finish_reason, self._usage(job))
+
+    def _fail(self, rid: str, exc: Exception) -> None:
+        job = self._jobs.pop(rid)
+        if self.engine_has(rid):
+            self.engine.abort(rid)
+        self.source.unbind(rid)
+        self._sync()  # the last step that wrote these blocks must be complete before they are freed
+        try:
+            self.link.abort(job.reservation_id, job.incarnation)
+        except TandemError as err:
+            log.warning("abort of %s failed: %s", job.reservation_id, err.message)
+        job.post("error", exc)
+
+    def engine_has(self, rid: str) -> bool:
+        return rid in self.engine.request_ids()
+
+    def _usage(self, job: Job) -> Usage:
+        generated = len(job.tokens) - len(job.spec.prompt_ids)
+        return Usage(
+            prompt_tokens=len(job.spec.prompt_ids),
+            cached_tokens=job.spec.reused_positions,
+            completion_tokens=generated,
+            # tokens produced per decode step: 1 + accepted drafts on average
+            mean_acceptance_length=(1.0 + job.accepted_drafts / job.decode_steps) if job.decode_steps else 1.0,
+            decode_steps=job.decode_steps,
+            time_to_first_token_s=(job.first_token_at - job.arrived) if job.first_token_at else 0.0,
+        )
+
+    def _sync(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)

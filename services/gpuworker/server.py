@@ -1,0 +1,164 @@
+"""Assemble a running gpuworker: model + pools + engine + engine thread + gRPC server, registered
+with the kvstore and kept alive by heartbeats (re-registering with a new incarnation if the
+kvstore forgot it)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from services.common.errors import FailedPrecondition, NotFound, TandemError
+from services.common.server import GrpcServer, ServiceBinding
+from services.common.spec import SpecMode
+from services.gpuworker.attention.base import AttentionGeometry, get_backend
+from services.gpuworker.engine.engine import Engine, EngineConfig
+from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource
+from services.gpuworker.model.loader import load_model
+from services.gpuworker.runner import EngineRunner
+from services.gpuworker.servicer import WorkerServicer
+from services.gpuworker.settings import WorkerSettings
+from tandem.worker.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+_SPEC_MODES = {"none": SpecMode.NONE, "eagle3": SpecMode.EAGLE3, "mtp": SpecMode.MTP}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class WorkerIdentity:
+    """What this worker is; reported by Info and registered with the kvstore."""
+
+    worker_id: str
+    address: str
+    model_id: str
+    spec_mode: SpecMode
+    mtp_depth: int
+    block_size: int
+    num_blocks: int
+    vocab_size: int
+    max_seq_len: int
+    max_draft_tokens: int
+    backend: str
+    device: str
+    draft: object
+    link: KVStoreLink
+
+    def register(self) -> None:
+        self.link.register(
+            worker_id=self.worker_id,
+            address=self.address,
+            model_id=self.model_id,
+            spec_mode=self.spec_mode,
+            mtp_depth=self.mtp_depth,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+        )
+
+
+def pool_blocks(settings: WorkerSettings, target, draft, dtype: torch.dtype) -> int:
+    """``num_blocks`` as given, or as many paired blocks as ``kv_memory_mb`` holds: one block is
+    a page in every target layer plus a page in every draft layer."""
+    if settings.num_blocks:
+        return settings.num_blocks
+    c = target.config
+    layers = c.num_layers + (draft.num_kv_layers if draft is not None else 0)
+    per_block = layers * 2 * settings.block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
+    blocks = int(settings.kv_memory_mb * 2**20 // per_block)
+    if blocks < 1:
+        raise ValueError(f"kv_memory_mb={settings.kv_memory_mb} holds no block of {per_block} bytes")
+    return blocks
+
+
+async def start_worker(settings: WorkerSettings, *, interceptors=()) -> tuple[GrpcServer, EngineRunner, WorkerIdentity]:
+    """Load the model, build pools and engine, serve, register; health SERVING once registered."""
+    spec_mode = _SPEC_MODES[settings.spec_mode]
+    dtype = _DTYPES[settings.dtype]
+    device = torch.device(settings.device)
+    target, draft, _tokenizer = await asyncio.to_thread(
+        load_model, settings.model, spec_mode=spec_mode, mtp_depth=settings.mtp_depth, dtype=dtype, device=device, seed=settings.seed
+    )
+    num_blocks = pool_blocks(settings, target, draft, dtype)
+    c = target.config
+    target_pool = target.new_kv_pool(num_blocks, settings.block_size)
+    draft_pool = draft.new_kv_pool(num_blocks, settings.block_size) if draft is not None else None
+    geometry = AttentionGeometry(c.num_heads, c.num_kv_heads, c.head_dim, settings.block_size, dtype)
+    backend = get_backend(settings.backend, device, geometry)
+    link = KVStoreLink(settings.kvstore, timeout_s=settings.rpc_timeout_s)
+    source = ReservationBlockSource(link)
+    engine = Engine(
+        target,
+        draft,
+        backend,
+        target_pool,
+        draft_pool,
+        source,
+        EngineConfig(
+            max_batch_tokens=settings.max_batch_tokens,
+            chunk_size=settings.chunk_size,
+            max_batch_size=settings.max_batch_size,
+            max_draft_tokens=settings.max_draft_tokens,
+        ),
+    )
+    runner = EngineRunner(engine, link, source, max_running=settings.max_running)
+
+    server = GrpcServer(
+        [],  # the servicer needs the identity, which needs the bound port: added below
+        host=settings.host,
+        port=settings.port,
+        max_receive_bytes=settings.max_receive_bytes,
+        grace_s=settings.grace_s,
+        interceptors=interceptors,
+    )
+    identity = WorkerIdentity(
+        worker_id=settings.worker_id,
+        address="",
+        # the draft's weights shape the draft KV, so they are part of the cache namespace too
+        model_id=target.fingerprint + (f"+{draft.fingerprint}" if draft is not None else ""),
+        spec_mode=spec_mode,
+        mtp_depth=settings.mtp_depth if spec_mode is SpecMode.MTP else 1,
+        block_size=settings.block_size,
+        num_blocks=num_blocks,
+        vocab_size=c.vocab_size,
+        max_seq_len=engine.max_seq_len,
+        max_draft_tokens=settings.max_draft_tokens if draft is not None else 0,
+        backend=settings.backend,
+        device=str(device),
+        draft=draft,
+        link=link,
+    )
+    server.add_binding(ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(runner, identity), SERVICE_NAME))
+    port = await server.start()
+    identity.address = settings.advertise or f"{settings.host}:{port}"
+    runner.start()
+    await asyncio.to_thread(identity.register)
+    server.run_in_background(_heartbeat(identity, runner, settings.heartbeat_s))
+    server.on_stop(lambda: runner.stop())
+    await server.set_serving()
+    log.info("worker %s serving on %s (incarnation %d, %d blocks)", identity.worker_id, identity.address, link.incarnation, num_blocks)
+    return server, runner, identity
+
+
+async def _heartbeat(identity: WorkerIdentity, runner: EngineRunner, period_s: float) -> None:
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            await asyncio.to_thread(identity.link.heartbeat, identity.worker_id)
+        except (FailedPrecondition, NotFound):
+            # The kvstore dropped us (lease lapsed or it restarted): our reservations are gone, so
+            # fail what runs and come back as a new incarnation.
+            log.warning("kvstore forgot worker %s; re-registering", identity.worker_id)
+            for rid in runner.running_ids():
+                runner.cancel(rid, FailedPrecondition("worker lease lapsed; request dropped"))
+            try:
+                await asyncio.to_thread(identity.register)
+            except TandemError as exc:
+                log.warning("re-register failed: %s", exc.message)
+        except TandemError as exc:
+            log.warning("heartbeat failed: %s", exc.message)

@@ -1,0 +1,159 @@
+"""gRPC adapter of the worker: ``Worker.Generate`` / ``Info`` / ``Abort`` over an
+:class:`~services.gpuworker.runner.EngineRunner`.
+
+Generate validates the request, hands a job to the engine thread and relays its events as
+stream messages. If the client goes away (cancel, deadline), the handler is cancelled and tells
+the runner, which aborts the request between steps and then aborts its reservation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from opentelemetry import trace
+
+from services.common.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound, TandemError
+from services.common.spec import lookahead_span
+from services.common.wire import spec_mode_to_proto, tokens_from_proto
+from services.gpuworker.engine.request import FinishReason, RequestSpec
+from services.gpuworker.engine.sampling import SamplingParams
+from services.gpuworker.runner import EngineRunner, Job
+from tandem.worker.v1 import worker_pb2 as pb
+from tandem.worker.v1 import worker_pb2_grpc
+
+tracer = trace.get_tracer("tandem.gpuworker")
+
+_FINISH = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.MAX_SEQ_LEN: pb.FINISH_REASON_MAX_SEQ_LEN,
+}
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Thin adapter; ``identity`` carries what Info reports (see ``server.WorkerIdentity``)."""
+
+    def __init__(self, runner: EngineRunner, identity):
+        self.runner = runner
+        self.identity = identity
+
+    def _spec_from(self, request) -> RequestSpec:
+        ident = self.identity
+        if not request.request_id:
+            raise InvalidArgument("request_id is required")
+        prompt = tokens_from_proto(request.prompt, field="prompt")
+        if prompt.size == 0:
+            raise InvalidArgument("prompt must not be empty")
+        if int(prompt.max()) >= ident.vocab_size:
+            raise InvalidArgument(f"token id {int(prompt.max())} is outside the vocabulary of {ident.vocab_size}")
+        if not request.HasField("reservation") or not request.reservation.reservation_id:
+            raise InvalidArgument("reservation is required (obtain one from kvstore Reserve)")
+        if request.reservation.incarnation != ident.link.incarnation:
+            raise FailedPrecondition(
+                f"reservation is for incarnation {request.reservation.incarnation}, this worker is {ident.link.incarnation}"
+            )
+        s = request.sampling
+        if s.max_new_tokens < 1:
+            raise InvalidArgument("sampling.max_new_tokens must be >= 1")
+        k = request.spec.num_draft_tokens
+        if k > ident.max_draft_tokens:
+            raise InvalidArgument(f"num_draft_tokens {k} exceeds this worker's maximum {ident.max_draft_tokens}")
+        if ident.draft is None:
+            k = 0  # no draft: plain decoding, whatever the caller hoped for
+        try:
+            sampling = SamplingParams(
+                temperature=float(s.temperature),
+                top_p=float(s.top_p) if s.top_p else 1.0,
+                top_k=int(s.top_k),
+                seed=int(s.seed) if s.seed else None,
+            )
+        except (ValueError, TypeError) as exc:
+            raise InvalidArgument(f"bad sampling parameters: {exc}") from None
+        return RequestSpec(
+            request_id=request.request_id,
+            prompt_ids=[int(t) for t in prompt],
+            block_table=list(request.reservation.block_table),
+            reused_positions=request.reservation.reused_positions,
+            max_new_tokens=int(s.max_new_tokens),
+            stop_ids=tuple(int(t) for t in s.stop_token_ids),
+            sampling=sampling,
+            k=int(k),
+        )
+
+    async def Generate(self, request, context):
+        spec = self._spec_from(request)
+        loop = asyncio.get_running_loop()
+        job = Job(spec, request.reservation.reservation_id, request.reservation.incarnation, loop, asyncio.Queue())
+        started = time.time_ns()
+        prefill_span = tracer.start_span("prefill", start_time=started, attributes={
+            "tandem.request_id": spec.request_id,
+            "tandem.prompt_tokens": len(spec.prompt_ids),
+            "tandem.cached_tokens": spec.reused_positions,
+        })
+        decode_span = None
+        self.runner.submit(job)
+        finished = False
+        try:
+            while True:
+                event = await job.events.get()
+                kind = event[0]
+                if kind == "tokens":
+                    if decode_span is None:
+                        now = time.time_ns()
+                        prefill_span.end(end_time=now)
+                        decode_span = tracer.start_span("decode", start_time=now, attributes={"tandem.request_id": spec.request_id})
+                    yield pb.GenerateResponse(token_ids=event[1])
+                elif kind == "done":
+                    _, reason, usage = event
+                    finished = True
+                    if decode_span is not None:
+                        decode_span.set_attribute("tandem.completion_tokens", usage.completion_tokens)
+                        decode_span.set_attribute("tandem.mean_acceptance_length", usage.mean_acceptance_length)
+                    yield pb.GenerateResponse(
+                        finish_reason=_FINISH.get(reason, pb.FINISH_REASON_UNSPECIFIED),
+                        usage=pb.Usage(
+                            prompt_tokens=usage.prompt_tokens,
+                            cached_tokens=usage.cached_tokens,
+                            completion_tokens=usage.completion_tokens,
+                            mean_acceptance_length=usage.mean_acceptance_length,
+                            decode_steps=usage.decode_steps,
+                            time_to_first_token_s=usage.time_to_first_token_s,
+                        ),
+                    )
+                    return
+                else:  # "error"
+                    finished = True
+                    raise event[1]
+        finally:
+            if not finished:  # the client went away (cancel / deadline): stop and free it
+                self.runner.cancel(spec.request_id, Cancelled("client cancelled"))
+            if decode_span is None:
+                prefill_span.end()
+            else:
+                decode_span.end()
+
+    async def Info(self, request, context):
+        i = self.identity
+        return pb.InfoResponse(
+            worker_id=i.worker_id,
+            model_id=i.model_id,
+            spec_mode=spec_mode_to_proto(i.spec_mode),
+            span=lookahead_span(i.spec_mode, i.mtp_depth),
+            block_size=i.block_size,
+            num_blocks=i.num_blocks,
+            backend=i.backend,
+            device=i.device,
+            incarnation=i.link.incarnation,
+            max_seq_len=i.max_seq_len,
+            max_draft_tokens=i.max_draft_tokens,
+            running=self.runner.running,
+        )
+
+    async def Abort(self, request, context):
+        if not request.request_id:
+            raise InvalidArgument("request_id is required")
+        if request.request_id not in self.runner.running_ids():
+            raise NotFound(f"no running request {request.request_id!r}")
+        self.runner.cancel(request.request_id, Cancelled("aborted by Worker.Abort"))
+        return pb.AbortResponse()

@@ -1,0 +1,45 @@
+"""Configuration of the gpuworker service (``TANDEM_WORKER_*`` env vars or flags)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_WORKER_", extra="forbid", protected_namespaces=())
+
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(50061, ge=0, le=65535, description="port to bind (0 = any free port)")
+    advertise: str = Field("", description="host:port the router should dial (default: bound host:port)")
+    kvstore: str = Field("127.0.0.1:50051", description="kvstore host:port")
+    worker_id: str = Field("worker0", min_length=1, max_length=128, description="name in the kvstore registry")
+    model: str = Field("tiny", description="model folder (config.json + *.safetensors) or 'tiny'")
+    spec_mode: Literal["none", "eagle3", "mtp"] = Field("eagle3", description="draft kind")
+    mtp_depth: int = Field(1, ge=1, le=8, description="chained MTP modules K (mtp only)")
+    block_size: int = Field(16, ge=1, le=1024, description="positions per KV block (power of two)")
+    num_blocks: int = Field(0, ge=0, description="paired KV blocks; 0 = size from kv_memory_mb")
+    kv_memory_mb: float = Field(256.0, gt=0, description="memory for target + draft KV pools when num_blocks = 0")
+    backend: Literal["torch", "flashinfer"] = Field("torch", description="attention backend")
+    device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="model and KV dtype")
+    max_batch_tokens: int = Field(256, ge=2, description="target tokens per engine step")
+    chunk_size: int = Field(64, ge=1, description="prompt positions per request per step")
+    max_batch_size: int = Field(64, ge=1, description="requests per step")
+    max_draft_tokens: int = Field(8, ge=0, le=32, description="largest k a request may ask for")
+    max_running: int = Field(256, ge=1, description="requests admitted at once; more get RESOURCE_EXHAUSTED")
+    heartbeat_s: float = Field(1.0, gt=0, description="seconds between kvstore heartbeats")
+    rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of each kvstore call")
+    max_receive_bytes: int = Field(16 << 20, ge=1024, description="largest request message")
+    grace_s: float = Field(5.0, ge=0, description="seconds in-flight requests get on shutdown")
+    seed: int = Field(0, description="seed of the built-in tiny model's weights")
+
+    @model_validator(mode="after")
+    def _check(self) -> "WorkerSettings":
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.backend == "flashinfer" and not self.device.startswith("cuda"):
+            raise ValueError("the flashinfer backend needs a CUDA device (--device cuda:0)")
+        return self
