@@ -206,7 +206,10 @@ class DraftConfig:
         if spec_mode is SpecMode.EAGLE3:
             return cls(spec_mode, 1, target.intermediate_size, default_eagle3_aux_layers(target.num_layers))
         if spec_mode is SpecMode.MTP:
-            lookahead_span(spec_mode, mtp_depth)  # validates the depth
+            try:
+                lookahead_span(spec_mode, mtp_depth)  # the one place that says what a depth may be
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from exc
             return cls(spec_mode, mtp_depth, target.intermediate_size, ())
         raise InvalidArgument(f"no built-in draft layers for spec mode {spec_mode.name}")
 
