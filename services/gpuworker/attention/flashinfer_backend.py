@@ -1,0 +1,270 @@
+"""FlashInfer paged attention (GPU only; ``flashinfer`` is imported when a backend is built).
+
+One FlashInfer wrapper per plan key ``(kind, batch size, query length)``, planned once per forward
+(``AttentionBackend.plan``) and run once per layer:
+
+    kind     wrapper                                         kernel (FlashInfer 0.6.x)
+    DECODE   BatchDecodeWithPagedKVCacheWrapper              fa2 tensor-core decode
+    VERIFY   BatchDecodeWithPagedKVCacheWrapper, q_len = q   same kernel, causal inside the q rows
+    PREFILL  BatchPrefillWithPagedKVCacheWrapper causal      fa2 by default (see ``prefill_backend``)
+
+All three run the same JIT module by default (fa2 batch-prefill for the geometry), so a fresh
+machine compiles one kernel family, not two.
+
+Our KV layer ``[num_blocks, 2, block_size, kv_heads, head_dim]`` is FlashInfer's "NHD" paged
+layout. Writes go through the flat view ``[num_blocks * 2 * block_size, kv_heads, head_dim]``:
+
+    page p:   [ K: rows p*2bs .. p*2bs+bs-1 ][ V: rows p*2bs+bs .. p*2bs+2bs-1 ]
+    slot s = p*bs + o   ->   K row  s + p*bs,   V row  s + p*bs + bs
+
+Only pages that hold positions ``0..kv_len-1`` reach the kernels (the plan's CSR page list);
+reserved headroom past the logical length is never read.
+
+CUDA graphs: with ``graph_max_pages_per_request`` set, DECODE and VERIFY wrappers keep their
+metadata in fixed device buffers and every per-layer tensor this backend touches lives at a stable
+address per plan key, so a forward captured after ``plan()`` replays correctly after any later
+``plan()`` of the same key (re-plan, then replay).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.gpuworker.attention.base import (
+    AttentionBackend,
+    AttentionGeometry,
+    AttentionKind,
+    AttentionPlan,
+    Workspace,
+)
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+_SUPPORTED_HEAD_DIMS = (64, 128, 256)  # head sizes FlashInfer's fa2 kernels are built for
+_DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-k scratch size
+
+
+def _import_flashinfer() -> Any:
+    try:
+        import flashinfer  # noqa: PLC0415 - lazy on purpose: CPU-only paths never import it
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise FailedPrecondition(
+            "the flashinfer attention backend needs the flashinfer-python package "
+            "(pip install 'tandem-serve[gpu]'); use the torch backend otherwise"
+        ) from exc
+    return flashinfer
+
+
+class FlashInferBackend(AttentionBackend):
+    """Paged attention through FlashInfer wrappers; same results as ``TorchBackend`` up to bf16/fp16
+    rounding.
+
+    ``workspace_bytes``: split-k scratch shared by all wrappers (runs are serialized on one
+    stream, so one scratch suffices). ``prefill_backend``: FlashInfer backend for PREFILL plans
+    ("fa2" shares the decode JIT module; "auto"/"fa3" may be faster for long prompts on Hopper
+    but compile a second kernel family). ``graph_max_pages_per_request``: makes DECODE/VERIFY
+    plans CUDA-graph safe (fixed buffers sized batch * this many pages); plans needing more
+    pages per request are rejected with ``InvalidArgument``.
+    """
+
+    name = "flashinfer"
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        geometry: AttentionGeometry,
+        *,
+        workspace_bytes: int = _DEFAULT_WORKSPACE_BYTES,
+        prefill_backend: str = "fa2",
+        graph_max_pages_per_request: int | None = None,
+    ):
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise InvalidArgument(f"the flashinfer backend runs on CUDA devices only, got {dev}")
+        if geometry.dtype not in _SUPPORTED_DTYPES:
+            raise InvalidArgument(
+                f"the flashinfer backend needs float16 or bfloat16 KV/q, got {geometry.dtype}"
+            )
+        if geometry.head_dim not in _SUPPORTED_HEAD_DIMS:
+            raise InvalidArgument(
+                f"the flashinfer backend supports head_dim {_SUPPORTED_HEAD_DIMS}, got "
+                f"{geometry.head_dim}; use the torch backend"
+            )
+        if prefill_backend not in ("fa2", "fa3", "auto"):
+            raise InvalidArgument(f"prefill_backend must be fa2, fa3 or auto, got {prefill_backend!r}")
+        if graph_max_pages_per_request is not None and (
+            not isinstance(graph_max_pages_per_request, int) or graph_max_pages_per_request < 1
+        ):
+            raise InvalidArgument(
+                f"graph_max_pages_per_request must be a positive integer, got "
+                f"{graph_max_pages_per_request!r}"
+            )
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(dev, geometry)
+        self._fi = _import_flashinfer()
+        self.prefill_backend = prefill_backend
+        self.graph_max_pages_per_request = graph_max_pages_per_request
+        # zero-initialized: FlashInfer requires it for the first use
+        self._float_workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=dev)
+        self._default_scale = 1.0 / math.sqrt(geometry.head_dim)
+
+    @property
+    def graph_safe_kinds(self) -> tuple[AttentionKind, ...]:
+        """Kinds whose plans may be captured in CUDA graphs on this backend."""
+        if self.graph_max_pages_per_request is None:
+            return ()
+        return (AttentionKind.DECODE, AttentionKind.VERIFY)
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def _new_workspace(self, key: tuple) -> Workspace:
+        """One wrapper per key; DECODE/VERIFY wrappers get fixed buffers in graph mode."""
+        kind, batch, _query_len = key
+        ws = Workspace(self.device)
+        fi = self._fi
+        if kind is AttentionKind.PREFILL:
+            ws.state["wrapper"] = fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._float_workspace, "NHD", backend=self.prefill_backend
+            )
+        elif self.graph_max_pages_per_request is None:
+            ws.state["wrapper"] = fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._float_workspace, "NHD", use_tensor_cores=True
+            )
+        else:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            ws.state["wrapper"] = fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._float_workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=torch.zeros(batch + 1, **i32),
+                paged_kv_indices_buffer=torch.zeros(batch * self.graph_max_pages_per_request, **i32),
+                paged_kv_last_page_len_buffer=torch.ones(batch, **i32),
+            )
+        ws.state["planned_event"] = None
+        return ws
+
+    def _finish_plan(self, plan: AttentionPlan, ws: Workspace) -> None:
+        """Plan the key's wrapper for this batch (mutates the wrapper and the workspace) and
+        derive the K/V write rows. Host metadata is rebuilt from the layout so FlashInfer never
+        has to copy device tensors back to the host (no sync per step)."""
+        g = self.geometry
+        bs = g.block_size
+        layout = plan.layout
+        kv_lens = torch.tensor(layout.kv_lens, dtype=torch.int32)
+        used_pages = (kv_lens + bs - 1) // bs
+        page_indptr = torch.zeros(plan.batch_size + 1, dtype=torch.int32)
+        torch.cumsum(used_pages, 0, out=page_indptr[1:])
+        last_page_len = (kv_lens - 1) % bs + 1
+        if plan.kind is not AttentionKind.PREFILL and self.graph_max_pages_per_request is not None:
+            worst = int(used_pages.max())
+            if worst > self.graph_max_pages_per_request:
+                raise InvalidArgument(
+                    f"a request needs {worst} pages, more than graph_max_pages_per_request="
+                    f"{self.graph_max_pages_per_request} this backend was built with"
+                )
+
+        # FlashInfer plans copy through a pinned host buffer with an async memcpy; re-planning the
+        # same wrapper before that copy ran would overwrite it. Wait for the previous one (free
+        # unless the host is more than one plan of this key ahead of the device).
+        previous = ws.state["planned_event"]
+        if previous is not None:
+            previous.synchronize()
+
+        wrapper = ws.state["wrapper"]
+        common = dict(
+            q_data_type=g.dtype,
+            kv_data_type=g.dtype,
+            sm_scale=self._default_scale,
+        )
+        if plan.kind is AttentionKind.PREFILL:
+            qo_indptr = torch.zeros(plan.batch_size + 1, dtype=torch.int32)
+            torch.cumsum(torch.tensor(layout.query_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
+            wrapper.plan(
+                qo_indptr,
+                page_indptr,
+                plan.kv_page_indices,
+                last_page_len,
+                g.num_qo_heads,
+                g.num_kv_heads,
+                g.head_dim,
+                bs,
+                causal=True,
+                **common,
+            )
+        else:
+            wrapper.plan(
+                page_indptr,
+                plan.kv_page_indices,
+                last_page_len,
+                g.num_qo_heads,
+                g.num_kv_heads,
+                g.head_dim,
+                bs,
+                pos_encoding_mode="NONE",
+                q_len_per_req=plan.query_len,
+                **common,
+            )
+        event = torch.cuda.Event()
+        event.record()
+        ws.state["planned_event"] = event
+
+        plan.extras["wrapper"] = wrapper
+        plan.extras["k_rows"], plan.extras["v_rows"] = self._write_rows(plan, ws)
+
+    def _write_rows(self, plan: AttentionPlan, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of the flat K/V view for this forward's slots (see the module docstring), in
+        per-key buffers so captured graphs keep reading the current plan's values."""
+        bs = self.geometry.block_size
+        slots = plan.slot_mapping
+        T = plan.num_tokens
+        k_rows = ws.state.get("k_rows")
+        if k_rows is None or k_rows.numel() != T:
+            k_rows = torch.empty(T, dtype=torch.int64, device=self.device)
+            v_rows = torch.empty(T, dtype=torch.int64, device=self.device)
+            ws.state["k_rows"], ws.state["v_rows"] = k_rows, v_rows
+        v_rows = ws.state["v_rows"]
+        torch.floor_divide(slots, bs, out=k_rows)
+        k_rows.mul_(bs).add_(slots)  # s + (s // bs) * bs
+        torch.add(k_rows, bs, out=v_rows)
+        return k_rows, v_rows
+
+    # -- per-layer calls ----------------------------------------------------------------------
+
+    def _check_layer(self, kv_layer: torch.Tensor) -> None:
+        if kv_layer.device != self.device:
+            raise InvalidArgument(f"kv_layer is on {kv_layer.device}, the backend on {self.device}")
+        if kv_layer.dtype != self.geometry.dtype:
+            raise InvalidArgument(
+                f"kv_layer dtype {kv_layer.dtype} differs from the geometry's {self.geometry.dtype}"
+            )
+        if not kv_layer.is_contiguous():
+            raise InvalidArgument("kv_layer must be contiguous (a KVPool.layer view is)")
+
+    def _write_kv(self, plan: AttentionPlan, kv_layer, k, v) -> None:
+        """Mutates ``kv_layer`` at the plan's slots only."""
+        self._check_layer(kv_layer)
+        g = self.geometry
+        flat = kv_layer.view(-1, g.num_kv_heads, g.head_dim)
+        flat.index_copy_(0, plan.extras["k_rows"], k.to(flat.dtype))
+        flat.index_copy_(0, plan.extras["v_rows"], v.to(flat.dtype))
+
+    def _attend(self, plan: AttentionPlan, q, kv_layer, scale: float) -> torch.Tensor:
+        self._check_layer(kv_layer)
+        if q.dtype != self.geometry.dtype or q.device != self.device:
+            raise InvalidArgument(
+                f"q must be {self.geometry.dtype} on {self.device}, got {q.dtype} on {q.device}"
+            )
+        wrapper = plan.extras["wrapper"]
+        # Plans fix sm_scale = 1/sqrt(head_dim). Another scale goes in through q_scale, which
+        # FlashInfer folds into sm_scale (q_scale * sm_scale) for 16-bit inputs.
+        ratio = scale / self._default_scale
+        q_scale = None if abs(ratio - 1.0) <= 1e-12 else ratio
+        return wrapper.run(q.contiguous(), kv_layer, q_scale=q_scale)
+
+
+__all__ = ["FlashInferBackend"]

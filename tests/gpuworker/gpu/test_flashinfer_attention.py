@@ -1,0 +1,225 @@
+"""FlashInfer backend vs the torch reference backend on the same inputs (bf16, GPU).
+
+Every case builds one random bf16 pool, shuffled block tables with reserved headroom past the
+logical length, and writes this forward's K/V through both backends into two copies of the pool:
+
+    pages of a request:  [ cached | written now ][ headroom (NaN in the FlashInfer copy) ]
+
+The FlashInfer copy has NaN in every page no request's logical KV covers, the torch copy has
+zeros there: equal outputs prove FlashInfer reads only positions ``0..kv_len-1``. Written pages
+must be bit-identical, attention outputs within a relative error of 2e-2 (measured ~2e-3).
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.gpuworker.attention.base import AttentionGeometry, AttentionKind, BatchLayout, get_backend
+from services.gpuworker.attention.flashinfer_backend import FlashInferBackend
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+BS = 16
+# head_dim 64, bf16: the geometry of the benchmark model, so one JIT build serves tests and bench
+GEOM = AttentionGeometry(num_qo_heads=8, num_kv_heads=2, head_dim=64, block_size=BS, dtype=torch.bfloat16)
+REL_TOL = 2e-2
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def make_layout(cached: list[int], qlens: list[int], num_blocks: int, seed: int) -> BatchLayout:
+    """Disjoint shuffled tables with 0-2 pages of reserved headroom per request."""
+    rng = random.Random(seed)
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables = []
+    for c, q in zip(cached, qlens):
+        need = -(-(c + q) // BS) + rng.randint(0, 2)
+        tables.append([ids.pop() for _ in range(need)])
+    return BatchLayout(block_tables=tables, cached_lens=list(cached), query_lens=list(qlens))
+
+
+def logical_pages(layout: BatchLayout) -> list[int]:
+    return [p for t, n in zip(layout.block_tables, layout.kv_lens) for p in t[: -(-n // BS)]]
+
+
+def pools_for(layout: BatchLayout, num_blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FlashInfer pool with NaN outside logical pages, torch pool with zeros there)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    shape = (num_blocks, 2, BS, GEOM.num_kv_heads, GEOM.head_dim)
+    base = torch.randn(shape, generator=g, device=DEV).to(torch.bfloat16)
+    keep = torch.zeros(num_blocks, dtype=torch.bool, device=DEV)
+    keep[torch.tensor(logical_pages(layout), device=DEV)] = True
+    mask = keep.view(-1, 1, 1, 1, 1)
+    return torch.where(mask, base, float("nan")), torch.where(mask, base, 0.0)
+
+
+def qkv(T: int, seed: int):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(T, GEOM.num_qo_heads, GEOM.head_dim, generator=g, device=DEV).to(torch.bfloat16)
+    k = torch.randn(T, GEOM.num_kv_heads, GEOM.head_dim, generator=g, device=DEV).to(torch.bfloat16)
+    v = torch.randn(T, GEOM.num_kv_heads, GEOM.head_dim, generator=g, device=DEV).to(torch.bfloat16)
+    return q, k, v
+
+
+@pytest.fixture(scope="module")
+def fi():
+    return get_backend("flashinfer", DEV, GEOM)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return get_backend("torch", DEV, GEOM)
+
+
+def compare(fi, ref, layout, kind, *, scale=GEOM.head_dim**-0.5, seed=0, num_blocks=256):
+    """Write + attend through both backends; check pools and outputs. Returns the rel. error."""
+    pool_fi, pool_ref = pools_for(layout, num_blocks, seed)
+    q, k, v = qkv(layout.num_tokens, seed + 1)
+    plan_fi, plan_ref = fi.plan(layout, kind), ref.plan(layout, kind)
+    assert plan_fi.kind is plan_ref.kind
+    fi.write_kv(plan_fi, pool_fi, k, v)
+    ref.write_kv(plan_ref, pool_ref, k, v)
+    pages = torch.tensor(logical_pages(layout), device=DEV)
+    assert torch.equal(pool_fi[pages], pool_ref[pages]), "paged writes differ"
+    out = fi.attend(plan_fi, q, pool_fi, scale=scale)
+    expect = ref.attend(plan_ref, q, pool_ref, scale=scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all(), "FlashInfer read a page past the logical length"
+    err = rel_err(out, expect)
+    assert err <= REL_TOL, err
+    return err
+
+
+def test_decode_matches_torch(fi, ref):
+    cached = [0, 14, 15, 16, 99, 332, 1000]
+    layout = make_layout(cached, [1] * len(cached), 256, seed=1)
+    compare(fi, ref, layout, AttentionKind.DECODE, seed=1)
+
+
+def test_verify_matches_torch(fi, ref):
+    """Multi-token decode: last accepted token + 3 drafts per request, causal among the 4."""
+    cached = [0, 12, 13, 60, 255, 700]
+    layout = make_layout(cached, [4] * len(cached), 256, seed=2)
+    compare(fi, ref, layout, AttentionKind.VERIFY, seed=2)
+
+
+def test_prefill_ragged_matches_torch(fi, ref):
+    """Prompt chunks over cached prefixes, mixed with a one-token request."""
+    cached = [0, 0, 16, 100, 5, 333]
+    qlens = [1, 37, 16, 7, 300, 1]
+    layout = make_layout(cached, qlens, 256, seed=3)
+    compare(fi, ref, layout, AttentionKind.PREFILL, seed=3)
+
+
+@pytest.mark.parametrize("kind,q", [(AttentionKind.DECODE, 1), (AttentionKind.VERIFY, 3), (AttentionKind.PREFILL, 5)])
+def test_non_default_scale(fi, ref, kind, q):
+    """A softmax scale other than 1/sqrt(head_dim) reaches the kernel (through q_scale)."""
+    layout = make_layout([40, 77], [q, q], 64, seed=4)
+    compare(fi, ref, layout, kind, scale=0.37, seed=4, num_blocks=64)
+
+
+def test_replan_same_key_reuses_wrapper_and_stales_old_plan(ref):
+    fi = get_backend("flashinfer", DEV, GEOM)
+    first = make_layout([10, 20, 30], [1, 1, 1], 128, seed=5)
+    old = fi.plan(first)
+    wrapper = old.extras["wrapper"]
+    second = make_layout([200, 3, 64], [1, 1, 1], 128, seed=6)
+    compare(fi, ref, second, AttentionKind.DECODE, seed=6, num_blocks=128)
+    assert fi.stats.hits == 1 and fi.stats.misses == 1
+    assert fi.plan(second).extras["wrapper"] is wrapper
+    pool = torch.zeros(128, 2, BS, GEOM.num_kv_heads, GEOM.head_dim, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(FailedPrecondition):
+        fi.attend(old, torch.zeros(3, 8, 64, dtype=torch.bfloat16, device=DEV), pool, scale=0.125)
+
+
+def test_rejections(fi):
+    layout = make_layout([5], [1], 8, seed=7)
+    plan = fi.plan(layout)
+    pool = torch.zeros(8, 2, BS, 2, 64, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(InvalidArgument):  # q in the wrong dtype
+        fi.attend(plan, torch.zeros(1, 8, 64, device=DEV), pool, scale=0.125)
+    with pytest.raises(InvalidArgument):  # float32 pool
+        fi.write_kv(plan, pool.float(), torch.zeros(1, 2, 64, device=DEV), torch.zeros(1, 2, 64, device=DEV))
+    with pytest.raises(InvalidArgument):  # past the reserved capacity (one block)
+        fi.plan(BatchLayout(block_tables=[[0]], cached_lens=[BS], query_lens=[1]))
+    with pytest.raises(InvalidArgument):
+        get_backend("flashinfer", DEV, AttentionGeometry(8, 2, 64, BS, torch.float32))
+    with pytest.raises(InvalidArgument):
+        get_backend("flashinfer", DEV, AttentionGeometry(8, 2, 16, BS, torch.bfloat16))
+    with pytest.raises(InvalidArgument):
+        get_backend("flashinfer", "cpu", GEOM)
+
+
+def test_graph_mode_rejects_tables_longer_than_its_buffers():
+    small = FlashInferBackend(DEV, GEOM, graph_max_pages_per_request=2)
+    with pytest.raises(InvalidArgument):
+        small.plan(BatchLayout(block_tables=[[0, 1, 2]], cached_lens=[40], query_lens=[1]))
+    small.plan(BatchLayout(block_tables=[[0, 1, 2]], cached_lens=[20], query_lens=[1]))  # 2 pages: fine
+
+
+@pytest.mark.parametrize("kind,q", [(AttentionKind.DECODE, 1), (AttentionKind.VERIFY, 4)])
+def test_cuda_graph_replays_after_replan(ref, kind, q):
+    """Capture write_kv + attend for two layers, re-plan the same key with other lengths and
+    tables, replay: results equal the torch backend on the NEW layout."""
+    fi = FlashInferBackend(DEV, GEOM, graph_max_pages_per_request=32)
+    B, nb, layers = 3, 160, 2
+    first = make_layout([17, 40, 3], [q] * B, nb, seed=8)
+    pools = [torch.zeros(nb, 2, BS, 2, 64, dtype=torch.bfloat16, device=DEV) for _ in range(layers)]
+    q_in, k_in, v_in = (t.clone() for t in qkv(B * q, seed=9))
+    plan = fi.plan(first, kind)
+
+    def forward():
+        outs = []
+        for pool in pools:
+            fi.write_kv(plan, pool, k_in, v_in)
+            outs.append(fi.attend(plan, q_in, pool, scale=0.125))
+        return outs
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()  # warm-up outside capture (allocator, lazy init)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_outs = forward()
+
+    second = make_layout([300, 5, 129], [q] * B, nb, seed=10)
+    for i in range(layers):
+        fresh_fi, _ = pools_for(second, nb, seed=11 + i)
+        pools[i].copy_(fresh_fi)
+    q2, k2, v2 = qkv(B * q, seed=12)
+    q_in.copy_(q2), k_in.copy_(k2), v_in.copy_(v2)
+    fi.plan(second, kind)  # same key: same buffers, new contents
+    graph.replay()
+    torch.cuda.synchronize()
+
+    for i in range(layers):
+        _, pool_ref = pools_for(second, nb, seed=11 + i)
+        plan_ref = ref.plan(second, kind)
+        ref.write_kv(plan_ref, pool_ref, k2, v2)
+        expect = ref.attend(plan_ref, q2, pool_ref, scale=0.125)
+        pages = torch.tensor(logical_pages(second), device=DEV)
+        assert torch.equal(pools[i][pages], pool_ref[pages])
+        assert rel_err(static_outs[i], expect) <= REL_TOL
+
+
+def test_flashinfer_is_not_imported_by_cpu_paths():
+    code = (
+        "import sys, torch\n"
+        "from services.gpuworker.attention.base import AttentionGeometry, get_backend\n"
+        "import services.gpuworker.model\n"
+        "get_backend('torch', 'cpu', AttentionGeometry(4, 2, 64, 16))\n"
+        "assert 'flashinfer' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
