@@ -1,0 +1,407 @@
+"""The kvstore core verbs, in process: exact block ids, eviction order, atomicity of every verb
+(a rejected call changes nothing), idempotency, dedup, leases, incarnations and events."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.common.spec import SpecMode
+from services.kvstore import EventKind, ExtendItem, KVStore, TrimItem
+from services.kvstore.block_pool import BlockPool
+
+
+def reserve(store, w, request_id, tokens, **kw):
+    return store.reserve(worker_id=w.worker_id, incarnation=w.incarnation, request_id=request_id, tokens=tokens, **kw)
+
+
+def release(store, r, final=None, new=()):
+    return store.release(reservation_id=r.reservation_id, incarnation=r.incarnation, new_tokens=new, final_positions=final)
+
+
+def pool_of(store, worker_id="w0"):
+    return store._workers[worker_id].pool
+
+
+def usage(store, worker_id="w0"):
+    [info] = [w for w in store.list_workers() if w.worker_id == worker_id]
+    return info.pool.free, info.pool.cached, info.pool.in_use
+
+
+def test_block_ids_through_reserve_publish_release(store, make_spec):
+    w = store.register_worker(make_spec())
+    r = reserve(store, w, "a", list(range(1, 11)), headroom_positions=2)  # 10 + 2 -> 3 blocks
+    assert (r.block_table, r.reused_positions, r.capacity_positions, r.published_blocks) == ((0, 1, 2), 0, 12, 0)
+    assert pool_of(store).free_ids() == [3, 4, 5, 6, 7]
+    p = store.publish(reservation_id=r.reservation_id, incarnation=r.incarnation, new_tokens=[11], final_positions=10)
+    assert (p.newly_published, p.deduplicated, p.reservation.published_blocks, p.reservation.num_tokens) == (2, 0, 2, 11)
+    done = release(store, r)
+    assert (done.freed_blocks, done.unpinned_blocks, done.newly_published) == (1, 2, 0)
+    assert pool_of(store).free_ids() == [3, 4, 5, 6, 7, 2]  # freed blocks go to the tail
+    assert usage(store) == (6, 2, 0)
+    # The continuation hits both published blocks and gets the head of the free queue.
+    r2 = reserve(store, w, "b", list(range(1, 12)) + [50])
+    assert (r2.block_table, r2.reused_positions) == ((0, 1, 3), 8)
+    assert usage(store) == (5, 0, 3)
+    assert store.check_invariants() == []
+
+
+def test_eviction_takes_lru_leaves_first_and_match_does_not_touch_the_clock(store, make_spec):
+    w = store.register_worker(make_spec())
+    x = reserve(store, w, "x", list(range(1, 13)))  # blocks 0,1,2 hold x0-x1-x2
+    release(store, x, final=12)
+    y = reserve(store, w, "y", [20, 21, 22, 23, 24])  # blocks 3,4; block 3 holds y0
+    release(store, y, final=5)
+    z = reserve(store, w, "z", [1, 2, 3, 4, 30, 31, 32, 33, 34])  # reuses x0; blocks 5,6
+    assert (z.block_table, z.reused_positions) == ((0, 5, 6), 4)
+    release(store, z, final=9)  # block 5 holds z1 under x0; x0 touched last
+    pool = pool_of(store)
+    assert pool.free_ids() == [7, 4, 6]
+    # Leaves now: x2 (oldest), y0, z1. x1 and x0 are pinned by their resident children.
+    assert pool.eviction_order() == [2, 3, 5]
+    before = (pool.eviction_order(), pool.free_ids(), store.tick)
+    for prompt in ([1, 2, 3, 4, 5, 6, 7, 8, 9], [20, 21, 22, 23, 24], [1, 2, 3, 4, 30, 31, 32, 33, 34]):
+        assert store.match(prompt)[0].reusable_positions > 0
+    assert (pool.eviction_order(), pool.free_ids(), store.tick) == before
+    # Needing all 8 blocks: the 3 free ones first, then x2, x1 (now a leaf, same old tick),
+    # y0, z1 (deeper than x0, same tick), x0.
+    big = reserve(store, w, "big", list(range(60, 92)))
+    assert big.block_table == (7, 4, 6, 2, 1, 3, 5, 0)
+    removed = [e for e in store.events_since("w0", 0) if e.kind is EventKind.REMOVED]
+    assert [e.block_ids for e in removed] == [(2, 1, 3, 5, 0)]
+    assert store.stats().workers[0].evictions == 5 and store.stats().trie_nodes == 0
+    assert store.check_invariants() == []
+
+
+def test_pool_orders_evictable_leaves_by_tick_then_depth_then_id():
+    pool = BlockPool(5)
+    blocks = pool.allocate(5, detach=lambda b: None)
+    for block, depth in zip(blocks, [2, 5, 2, 1, 9]):
+        block.node = types.SimpleNamespace(depth=depth)
+    pool.unpin_many([blocks[3]], tick=6)
+    pool.unpin_many([blocks[0], blocks[1], blocks[2]], tick=7)
+    pool.unpin_many([blocks[4]], tick=8)
+    assert pool.eviction_order() == [3, 1, 0, 2, 4]
+    assert pool.available_for(0) == 5 and pool.num_free == 0
+    victims = pool.allocate(5, detach=lambda b: None)
+    assert [b.block_id for b in victims] == [3, 1, 0, 2, 4]
+    assert pool.audit("pool") == []
+
+
+def test_reserve_is_idempotent_per_request_id(store, make_spec, fingerprint):
+    w = store.register_worker(make_spec())
+    r = reserve(store, w, "a", [1, 2, 3, 4, 5], headroom_positions=3)
+    before = fingerprint(store)
+    assert reserve(store, w, "a", np.array([1, 2, 3, 4, 5], dtype=np.uint32), headroom_positions=3) == r
+    assert fingerprint(store) == before
+    for args in (dict(tokens=[1, 2, 3, 4, 6], headroom_positions=3), dict(tokens=[1, 2, 3, 4, 5]),
+                 dict(tokens=[1, 2, 3, 4, 5], headroom_positions=3, cache_salt=b"t")):
+        with pytest.raises(InvalidArgument):
+            reserve(store, w, "a", **args)
+    assert fingerprint(store) == before
+    # After the reservation ended, the request id starts a new one.
+    release(store, r)
+    assert reserve(store, w, "a", [1, 2, 3, 4, 5], headroom_positions=3).reservation_id != r.reservation_id
+
+
+def test_resource_exhausted_is_all_or_nothing_and_counts_pins(store, make_spec, fingerprint):
+    w = store.register_worker(make_spec(num_blocks=4))
+    prompt = list(range(1, 13))
+    a = reserve(store, w, "a", prompt)  # 3 blocks
+    before = fingerprint(store)
+    with pytest.raises(ResourceExhausted, match="needs 2 .* only 1"):
+        reserve(store, w, "b", list(range(40, 48)))
+    assert fingerprint(store) == before
+    release(store, a, final=12)  # 3 cached + 1 free
+    # n = 13 reuses all 3 cached blocks and needs 1 more: fits exactly.
+    b = reserve(store, w, "b", prompt + [13])
+    assert (b.reused_positions, b.block_table) == (12, (0, 1, 2, 3))
+    release(store, b)
+    # With 4 more positions it needs 2 fresh blocks; free + cached = 4 but 3 of the cached ones
+    # are the blocks this request itself pins, so only 1 can be had.
+    before = fingerprint(store)
+    with pytest.raises(ResourceExhausted, match="needs 2 .* only 1"):
+        reserve(store, w, "c", prompt + [13], headroom_positions=4)
+    assert fingerprint(store) == before
+    assert store.check_invariants() == []
+
+
+def test_extend_and_trim_apply_each_item_atomically(store, make_spec, fingerprint):
+    w = store.register_worker(make_spec(num_blocks=8, max_seq_len=40))
+    a = reserve(store, w, "a", list(range(1, 10)))  # 9 tokens -> blocks 0,1,2
+    b = reserve(store, w, "b", [50, 51, 52])  # block 3
+    store.publish(reservation_id=a.reservation_id, incarnation=a.incarnation, final_positions=8)
+    res = store.extend([
+        ExtendItem(a.reservation_id, a.incarnation, 40),  # 10 blocks: more than the pool
+        ExtendItem(b.reservation_id, b.incarnation, 9),  # +2 blocks
+        ExtendItem(b.reservation_id, b.incarnation, 5),  # already enough: no-op
+        ExtendItem("r-nope", a.incarnation, 8),
+        ExtendItem(a.reservation_id, a.incarnation + 1, 16),
+        ExtendItem(a.reservation_id, a.incarnation, 44),  # past max_seq_len
+        ExtendItem(a.reservation_id, a.incarnation, -1),
+    ])
+    assert [type(r.error) for r in res] == [ResourceExhausted, type(None), type(None), NotFound,
+                                            FailedPrecondition, InvalidArgument, InvalidArgument]
+    assert res[0].block_table == (0, 1, 2) and res[0].capacity_positions == 12
+    assert (res[1].block_table, res[1].added_blocks, res[1].capacity_positions) == ((3, 4, 5), (4, 5), 12)
+    assert res[2].ok and res[2].block_table == (3, 4, 5) and res[2].added_blocks == ()
+    before = fingerprint(store)
+    res = store.trim([
+        TrimItem(a.reservation_id, a.incarnation, 4),  # below its 2 published blocks
+        TrimItem(a.reservation_id, a.incarnation, 8),  # below its 9 known tokens
+        TrimItem(b.reservation_id, b.incarnation + 1, 3),
+    ])
+    assert [type(r.error) for r in res] == [FailedPrecondition, InvalidArgument, FailedPrecondition]
+    assert fingerprint(store) == before
+    res = store.trim([TrimItem(b.reservation_id, b.incarnation, 3), TrimItem(a.reservation_id, a.incarnation, 9)])
+    assert (res[0].block_table, res[0].freed_blocks, res[0].capacity_positions) == ((3,), (4, 5), 4)
+    assert (res[1].block_table, res[1].freed_blocks) == ((0, 1, 2), ())
+    assert pool_of(store).free_ids() == [6, 7, 4, 5]
+    assert store.check_invariants() == []
+
+
+def test_publish_dedups_against_the_copy_already_on_the_worker(store, make_spec):
+    w = store.register_worker(make_spec())
+    prompt = list(range(1, 10))  # 9 tokens: 2 keyed blocks, 3 blocks of capacity
+    a = reserve(store, w, "a", prompt)
+    b = reserve(store, w, "b", prompt)
+    assert (a.block_table, b.block_table) == ((0, 1, 2), (3, 4, 5))
+    store.publish(reservation_id=a.reservation_id, incarnation=a.incarnation, final_positions=4)
+    p = store.publish(reservation_id=b.reservation_id, incarnation=b.incarnation, final_positions=9)
+    # b's block 0 is replaced by a's copy (3 freed); its block 1 is new in the trie.
+    assert (p.reservation.block_table, p.deduplicated, p.newly_published) == ((0, 4, 5), 1, 1)
+    p = store.publish(reservation_id=a.reservation_id, incarnation=a.incarnation, final_positions=9)
+    assert (p.reservation.block_table, p.deduplicated, p.newly_published) == ((0, 4, 2), 1, 0)
+    assert pool_of(store).free_ids() == [6, 7, 3, 1]
+    assert pool_of(store).blocks[0].ref_count == 2 and pool_of(store).blocks[4].ref_count == 2
+    stored = [e for e in store.events_since("w0", 0) if e.kind is EventKind.STORED]
+    assert [(e.block_ids, e.parent_key) for e in stored] == [((0,), stored[0].parent_key), ((4,), stored[0].block_keys[0])]
+    release(store, a)
+    release(store, b)
+    assert usage(store) == (6, 2, 0)
+    st = store.stats().workers[0]
+    assert (st.published_blocks, st.deduplicated_blocks) == (2, 2)
+    assert store.check_invariants() == []
+
+
+def test_publish_rejects_bad_input_without_appending(store, make_spec, fingerprint):
+    w = store.register_worker(make_spec(vocab_size=100, max_seq_len=12))
+    r = reserve(store, w, "a", [1, 2, 3, 4, 5])  # 5 tokens, capacity 8
+    before = fingerprint(store)
+    bad = [
+        dict(new_tokens=[], final_positions=6),  # more final positions than known tokens
+        dict(new_tokens=[6, 7, 8, 9], final_positions=9),  # more than the capacity
+        dict(new_tokens=[6, 100], final_positions=4),  # token id >= vocab
+        dict(new_tokens=list(range(9)), final_positions=4),  # 14 > max_seq_len + 1
+        dict(new_tokens=[6], final_positions=-1),
+    ]
+    for kw in bad:
+        with pytest.raises(InvalidArgument):
+            store.publish(reservation_id=r.reservation_id, incarnation=r.incarnation, **kw)
+    with pytest.raises(FailedPrecondition):
+        store.publish(reservation_id=r.reservation_id, incarnation=r.incarnation + 1, final_positions=4)
+    with pytest.raises(NotFound):
+        store.publish(reservation_id="r-0-99", incarnation=r.incarnation, final_positions=4)
+    assert fingerprint(store) == before
+    assert store.get_reservation(r.reservation_id).num_tokens == 5
+
+
+def test_suspend_then_reserve_again_hits_its_own_prefix(store, make_spec):
+    w = store.register_worker(make_spec(spec_mode=SpecMode.EAGLE3))
+    prompt = list(range(1, 8))
+    r = reserve(store, w, "req", prompt, headroom_positions=4)
+    generated = [20, 21, 22, 23]
+    done = store.suspend(reservation_id=r.reservation_id, incarnation=r.incarnation, new_tokens=generated,
+                         final_positions=10)
+    assert done.newly_published == 2  # 11 tokens, D = 1: 10 keyed positions, 10 final -> 2 blocks
+    again = reserve(store, w, "req", prompt + generated)
+    assert again.reused_positions == 8 and again.reservation_id != r.reservation_id
+    assert store.check_invariants() == []
+
+
+def test_abort_publishes_nothing_and_is_idempotent(store, make_spec):
+    w = store.register_worker(make_spec())
+    r = reserve(store, w, "a", list(range(1, 10)))
+    assert store.abort(reservation_id=r.reservation_id, incarnation=r.incarnation) is True
+    assert usage(store) == (8, 0, 0) and store.match(list(range(1, 10)))[0].reusable_positions == 0
+    assert store.abort(reservation_id=r.reservation_id, incarnation=r.incarnation) is False
+    with pytest.raises(FailedPrecondition):
+        store.abort(reservation_id=r.reservation_id, incarnation=r.incarnation + 5)
+    with pytest.raises(NotFound):
+        store.abort(reservation_id="r-0-77", incarnation=r.incarnation)
+    with pytest.raises(FailedPrecondition, match="ended"):
+        release(store, r)
+    # A published prefix survives an abort of a later user of it, unpinned.
+    b = reserve(store, w, "b", list(range(1, 10)))
+    release(store, b, final=9)
+    c = reserve(store, w, "c", list(range(1, 10)) + [40])
+    store.publish(reservation_id=c.reservation_id, incarnation=c.incarnation, new_tokens=[41], final_positions=10)
+    assert store.abort(reservation_id=c.reservation_id, incarnation=c.incarnation)
+    assert usage(store) == (6, 2, 0)
+    assert store.check_invariants() == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(block_size=3), dict(block_size=0), dict(block_size=2048), dict(num_blocks=0),
+        dict(spec_mode=99), dict(mtp_depth=-1), dict(vocab_size=0), dict(max_seq_len=0),
+        dict(worker_id=""), dict(num_blocks=2.5), dict(num_blocks=True),
+    ],
+)
+def test_register_rejects_bad_specs_and_changes_nothing(store, make_spec, fingerprint, bad):
+    w = store.register_worker(make_spec())
+    reserve(store, w, "a", [1, 2, 3])
+    before = fingerprint(store)
+    with pytest.raises(InvalidArgument):
+        store.register_worker(make_spec(**{"worker_id": "w0", **bad}))
+    assert fingerprint(store) == before
+
+
+def test_reregistration_replaces_the_incarnation(store, make_spec):
+    w = store.register_worker(make_spec())
+    other = store.register_worker(make_spec("w1"))
+    r = reserve(store, w, "a", list(range(1, 10)))
+    store.publish(reservation_id=r.reservation_id, incarnation=r.incarnation, final_positions=9)
+    assert store.stats().trie_nodes == 2
+    w2 = store.register_worker(make_spec(num_blocks=5))
+    assert w.incarnation < other.incarnation < w2.incarnation
+    assert usage(store) == (5, 0, 0) and store.stats().trie_nodes == 0
+    assert store.events_since("w0", 0)[-1].kind is EventKind.CLEARED
+    assert store.events_since("w0", 0)[-1].incarnation == w.incarnation
+    with pytest.raises(FailedPrecondition):
+        release(store, r)
+    assert store.abort(reservation_id=r.reservation_id, incarnation=r.incarnation) is False
+    with pytest.raises(FailedPrecondition):
+        reserve(store, w, "b", [1, 2])  # the old incarnation
+    assert reserve(store, w2, "a", [1, 2]).block_table == (0,)
+    assert store.check_invariants() == []
+
+
+def test_lapsed_lease_drops_the_worker(store, clock, make_spec):
+    w = store.register_worker(make_spec())
+    r = reserve(store, w, "a", list(range(1, 10)))
+    clock.advance(9.5)
+    assert store.heartbeat("w0", w.incarnation) == 10.0
+    with pytest.raises(FailedPrecondition):
+        store.heartbeat("w0", w.incarnation + 1)
+    clock.advance(9.5)
+    assert [i.worker_id for i in store.list_workers()] == ["w0"]
+    assert store.list_workers()[0].lease_expires_in_s == pytest.approx(0.5)
+    clock.advance(0.5)
+    assert store.expire_leases() == ["w0"]
+    assert store.list_workers() == [] and store.match([1, 2, 3]) == []
+    assert store.events_since("w0", 0)[-1].kind is EventKind.CLEARED
+    with pytest.raises(NotFound):
+        store.heartbeat("w0", w.incarnation)
+    with pytest.raises(FailedPrecondition):
+        store.publish(reservation_id=r.reservation_id, incarnation=r.incarnation, final_positions=4)
+    assert store.stats().live_reservations == 0 and store.check_invariants() == []
+
+
+def test_lease_lapse_is_noticed_by_any_verb(store, clock, make_spec):
+    w = store.register_worker(make_spec())
+    store.register_worker(make_spec("w1"))
+    r = reserve(store, w, "a", [1, 2, 3, 4, 5])
+    clock.advance(5)
+    store.heartbeat("w1", store.list_workers()[1].incarnation)
+    clock.advance(5)
+    with pytest.raises(FailedPrecondition, match="ended"):
+        store.get_reservation(r.reservation_id)
+    assert [i.worker_id for i in store.list_workers()] == ["w1"]
+
+
+def test_stale_incarnation_is_rejected_by_every_mutating_verb(store, make_spec, fingerprint):
+    w = store.register_worker(make_spec())
+    r = reserve(store, w, "a", list(range(1, 10)))
+    stale = w.incarnation + 1
+    before = fingerprint(store)
+    calls = [
+        lambda: store.heartbeat("w0", stale),
+        lambda: store.reserve(worker_id="w0", incarnation=stale, request_id="b", tokens=[1]),
+        lambda: store.publish(reservation_id=r.reservation_id, incarnation=stale, final_positions=4),
+        lambda: store.release(reservation_id=r.reservation_id, incarnation=stale, final_positions=4),
+        lambda: store.suspend(reservation_id=r.reservation_id, incarnation=stale),
+        lambda: store.abort(reservation_id=r.reservation_id, incarnation=stale),
+    ]
+    for call in calls:
+        with pytest.raises(FailedPrecondition):
+            call()
+    for verb, item in ((store.extend, ExtendItem), (store.trim, TrimItem)):
+        [res] = verb([item(r.reservation_id, stale, 12)])
+        assert isinstance(res.error, FailedPrecondition) and res.block_table == r.block_table
+    assert fingerprint(store) == before
+
+
+def test_reserve_validates_its_input_and_changes_nothing(clock, make_spec, fingerprint):
+    store = KVStore(clock=clock, epoch=0, max_tokens=32)
+    w = store.register_worker(make_spec(vocab_size=100, max_seq_len=20))
+    before = fingerprint(store)
+    bad = [
+        dict(tokens=[]), dict(tokens=list(range(21))), dict(tokens=[1, 100]), dict(tokens=[1], headroom_positions=-1),
+        dict(tokens=[1], request_id=""), dict(tokens=[1], cache_salt="salt"), dict(tokens=[1] * 33),
+    ]
+    for kw in bad:
+        kw = {"request_id": "a", **kw}
+        with pytest.raises(InvalidArgument):
+            store.reserve(worker_id="w0", incarnation=w.incarnation, **kw)
+    with pytest.raises(NotFound):
+        store.reserve(worker_id="nope", incarnation=w.incarnation, request_id="a", tokens=[1])
+    assert fingerprint(store) == before
+    # Headroom is a hint: capacity is clamped to max_seq_len.
+    r = reserve(store, w, "a", list(range(18)), headroom_positions=10)
+    assert r.capacity_positions == 20
+
+
+def test_match_reports_compatible_workers_only(store, make_spec):
+    a = store.register_worker(make_spec("a", max_seq_len=64))
+    store.register_worker(make_spec("b", max_seq_len=8))
+    store.register_worker(make_spec("c", vocab_size=10))
+    store.register_worker(make_spec("d", model_id="other"))
+    r = reserve(store, a, "x", list(range(1, 13)))
+    release(store, r, final=12)
+    prompt = list(range(1, 13)) + [13]
+    found = {m.worker_id: m for m in store.match(prompt, model_id="m")}
+    assert sorted(found) == ["a"]  # b: too long, c: token ids >= vocab, d: another model
+    assert (found["a"].reusable_positions, found["a"].reusable_blocks) == (12, 3)
+    assert (found["a"].pool.cached, found["a"].live_reservations) == (3, 0)
+    assert sorted(m.worker_id for m in store.match([1, 2, 3])) == ["a", "b", "c", "d"]
+    assert store.stats().matches == 2
+
+
+def test_events_are_sequenced_buffered_and_pushed(clock, make_spec):
+    store = KVStore(clock=clock, epoch=0, events_per_worker=3)
+    seen = []
+    unsubscribe = store.subscribe(lambda wid, e: seen.append((wid, e.seq, e.kind)))
+    store.subscribe(lambda wid, e: 1 / 0)  # a broken subscriber must not break the store
+    w = store.register_worker(make_spec())
+    for i in range(4):
+        r = reserve(store, w, f"q{i}", [10 * i + k for k in range(1, 6)])
+        release(store, r, final=4)
+    assert [s[1] for s in seen] == [1, 2, 3, 4]
+    assert all(s[2] is EventKind.STORED for s in seen)
+    assert [e.seq for e in store.events_since("w0", 0)] == [2, 3, 4]  # ring of 3
+    assert [e.seq for e in store.events_since("w0", 3)] == [4]
+    unsubscribe()
+    w = store.register_worker(make_spec())  # CLEARED, seq keeps counting
+    assert [e.seq for e in store.events_since("w0", 4)] == [5] and len(seen) == 4
+    with pytest.raises(NotFound):
+        store.events_since("nobody", 0)
+
+
+def test_stats_count_requests_hits_and_evictions(store, make_spec):
+    w = store.register_worker(make_spec(num_blocks=4))
+    r = reserve(store, w, "a", list(range(1, 10)))
+    release(store, r, final=9)
+    r = reserve(store, w, "b", list(range(1, 10)) + [60, 61, 62, 63])  # reuses 2 blocks
+    release(store, r, final=13)
+    r = reserve(store, w, "c", list(range(70, 86)))  # needs all 4: evicts 3
+    st = store.stats("w0")
+    assert (st.reservations_created, st.live_reservations, st.trie_nodes) == (3, 1, 0)
+    [ws] = st.workers
+    assert (ws.requested_positions, ws.reused_positions, ws.evictions, ws.published_blocks) == (38, 8, 3, 3)
+    with pytest.raises(NotFound):
+        store.stats("nobody")
