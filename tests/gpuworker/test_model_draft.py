@@ -244,3 +244,19 @@ def test_draft_saved_next_to_the_model_loads_back(tmp_path, caplog):
         _, other, _ = load_model(tmp_path, spec_mode=SpecMode.MTP, mtp_depth=2)
     assert isinstance(other, MTPDraft) and "random" in caplog.text
     assert load_model(tmp_path)[1] is None
+
+
+def test_draft_autograd_only_in_train_mode(make_backend):
+    target, draft, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3, seed=2)
+    backend = make_backend(target, BS)
+    kv, dkv = target.new_kv_pool(NB, BS), draft.new_kv_pool(NB, BS)
+    t = _tokens(9, seed=9)
+    plan = backend.plan(BatchLayout([[4, 6, 8]], [0], [8]))
+    aux = target(torch.tensor(t[:8]), plan, backend, kv, aux_layers=draft.aux_layers).aux_hidden
+    out = draft(torch.tensor(t[1:9]), aux, plan, backend, dkv, context_is_aux=True)  # eval mode
+    assert not out.logits.requires_grad and dkv.data.grad_fn is None
+    draft.train()
+    out = draft(torch.tensor(t[1:9]), aux, plan, backend, dkv, context_is_aux=True)
+    out.logits.logsumexp(-1).sum().backward()
+    assert draft.fc.weight.grad is not None and draft.fc.weight.grad.abs().sum() > 0
+    assert draft.layer.self_attn.k_proj.weight.grad.abs().sum() > 0  # through the paged KV

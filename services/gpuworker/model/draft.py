@@ -58,12 +58,14 @@ MTP (D = K, K chained modules; ``MTPDraft.forward`` per module, ``MTPDraft.run_c
         module k at n'-1 reads d_{k-1}            -> d_k          (K proposals per step)
         module k at n'-2 reads t[n'-2+k] (= d_{k-2} when k >= 3); its KV is speculative
 
-Neither forward is wrapped in ``no_grad``: serving code runs them under
-``torch.inference_mode()``; ``tandem distill-draft`` trains through them.
+Autograd: in eval mode (how ``load_model`` returns a draft) every call runs without gradients,
+so writes into the pool never chain autograd history from step to step; in train mode
+(``tandem distill-draft``) gradients flow, through the pool too.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -77,6 +79,17 @@ from services.gpuworker.kv.pool import KVPool
 from services.gpuworker.model.config import DraftConfig, LlamaConfig
 from services.gpuworker.model.layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from services.gpuworker.model.llama import TargetModel
+
+
+def _grad_only_when_training(fn):
+    """Run ``fn`` with autograd on only if it is on already and the module is in train mode."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.training):
+            return fn(self, *args, **kwargs)
+
+    return wrapper
 
 
 @dataclass
@@ -175,6 +188,7 @@ class Eagle3Draft(DraftModel):
         self.norm = RMSNorm(h, c.rms_norm_eps)
         self.lm_head = nn.Linear(h, c.vocab_size, bias=False)
 
+    @_grad_only_when_training
     def forward(
         self,
         next_token_ids: torch.Tensor,
@@ -230,6 +244,7 @@ class MTPDraft(DraftModel):
             MTPModule(c, target.rotary, config.intermediate_size) for _ in range(config.num_modules)
         )
 
+    @_grad_only_when_training
     def forward(
         self,
         module: int,
@@ -257,6 +272,7 @@ class MTPDraft(DraftModel):
         rows = out if logits_indices is None else out.index_select(0, logits_indices)
         return DraftOutput(hidden=out, logits=self.target_lm_head(m.norm(rows)).float())
 
+    @_grad_only_when_training
     def run_chain(
         self,
         lookahead: torch.Tensor,
