@@ -14,6 +14,7 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "kvstore": ("services.kvstore.main", "run the kvstore gRPC service"),
+    "router": ("services.router.main", "run the router gRPC service"),
     "worker": ("services.gpuworker.main", "run a gpuworker (model + KV pools + engine)"),
     "up": ("services.launcher", "run kvstore + router + workers locally and wait"),
     "generate": ("services.client", "stream an answer from the router"),

@@ -1,0 +1,189 @@
+"""Bearer-token authentication and TLS/mTLS credentials for Tandem's gRPC servers and channels.
+
+The interceptor only extracts the token and asks a service-supplied ``authenticate`` callable who
+it belongs to; the service decides what a principal is (the router maps tokens to tenants)::
+
+    client ── metadata "authorization: Bearer <token>" ──▶ BearerAuthInterceptor
+                                                             principal = authenticate(token)
+                                                               raises Unauthenticated → UNAUTHENTICATED
+                                                             handler runs with current_principal()
+
+The principal lives in a context variable set around the handler, so it cannot leak between
+RPCs. Health and reflection stay open (load balancers probe them without credentials).
+TLS helpers read PEM files named in settings; a client CA on the server side turns on mTLS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grpc
+
+from services.common.errors import InvalidArgument, TandemError
+
+log = logging.getLogger(__name__)
+
+AUTHORIZATION_KEY = "authorization"
+DEFAULT_EXEMPT_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+_principal: contextvars.ContextVar[object | None] = contextvars.ContextVar("tandem_principal", default=None)
+
+
+def bearer_token(metadata) -> str | None:
+    """The token of an ``authorization: Bearer <token>`` metadata entry, or None (read-only).
+
+    The scheme is case-insensitive (RFC 6750); any other scheme or an empty token counts as none.
+    """
+    for key, value in metadata or ():
+        if key.lower() != AUTHORIZATION_KEY or not isinstance(value, str):
+            continue
+        scheme, _, token = value.strip().partition(" ")
+        token = token.strip()
+        if scheme.lower() == "bearer" and token:
+            return token
+        return None
+    return None
+
+
+def current_principal() -> object | None:
+    """Who the current RPC was authenticated as (None outside an authenticated handler)."""
+    return _principal.get()
+
+
+async def _reject(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, TandemError):
+        await context.abort(grpc.StatusCode[exc.code.value], exc.message)
+    log.exception("authentication failed internally for %s", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error (see server logs)")
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Authenticate every RPC (except ``exempt_prefixes``) before its handler runs.
+
+    ``authenticate(token_or_None)`` returns the principal or raises a :class:`TandemError`
+    (normally ``Unauthenticated``), which becomes the call's status; the handler never runs then.
+    """
+
+    def __init__(
+        self,
+        authenticate: Callable[[str | None], object],
+        *,
+        exempt_prefixes: Sequence[str] = DEFAULT_EXEMPT_METHOD_PREFIXES,
+    ):
+        self._authenticate = authenticate
+        self._exempt = tuple(exempt_prefixes)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(self._exempt):
+            return handler
+        token = bearer_token(handler_call_details.invocation_metadata)
+        authenticate = self._authenticate
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                try:
+                    principal = authenticate(token)
+                except BaseException as exc:  # noqa: BLE001 - becomes the call's status
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    await _reject(context, exc, method)
+                reset = _principal.set(principal)
+                try:
+                    return await inner(request, context)
+                finally:
+                    _principal.reset(reset)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request, context):
+                try:
+                    principal = authenticate(token)
+                except BaseException as exc:  # noqa: BLE001
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    await _reject(context, exc, method)
+                result = inner_stream(request, context)
+                if not inspect.isasyncgen(result):
+                    reset = _principal.set(principal)
+                    try:
+                        await result
+                    finally:
+                        _principal.reset(reset)
+                    return
+                # Set the principal around each step of the handler only, never across our own
+                # yield (a generator closed later from another task must not reset it there).
+                try:
+                    while True:
+                        reset = _principal.set(principal)
+                        try:
+                            item = await result.__anext__()
+                        except StopAsyncIteration:
+                            break
+                        finally:
+                            _principal.reset(reset)
+                        yield item
+                finally:
+                    await result.aclose()
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+# ------------------------------------------------------------------------------------------- TLS
+def _read_pem(path: str | Path, what: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read {what} {str(path)!r}: {exc.strerror or exc}") from None
+    if b"-----BEGIN" not in data:
+        raise InvalidArgument(f"{what} {str(path)!r} is not a PEM file")
+    return data
+
+
+def load_server_credentials(
+    cert_file: str | Path, key_file: str | Path, client_ca_file: str | Path | None = None
+) -> grpc.ServerCredentials:
+    """TLS credentials for a server from PEM files (read-only).
+
+    With ``client_ca_file`` the server requires and verifies client certificates (mTLS).
+    Unreadable or non-PEM files are InvalidArgument, reported at start rather than at first call.
+    """
+    cert = _read_pem(cert_file, "TLS certificate")
+    key = _read_pem(key_file, "TLS private key")
+    if client_ca_file:
+        ca = _read_pem(client_ca_file, "TLS client CA")
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+def load_channel_credentials(
+    ca_file: str | Path | None = None,
+    cert_file: str | Path | None = None,
+    key_file: str | Path | None = None,
+) -> grpc.ChannelCredentials:
+    """TLS credentials for a client channel from PEM files (read-only).
+
+    ``ca_file`` None trusts the system roots; ``cert_file`` + ``key_file`` (both or neither)
+    present a client certificate for mTLS.
+    """
+    if bool(cert_file) != bool(key_file):
+        raise InvalidArgument("a client certificate needs both cert_file and key_file")
+    ca = _read_pem(ca_file, "TLS CA") if ca_file else None
+    cert = _read_pem(cert_file, "TLS client certificate") if cert_file else None
+    key = _read_pem(key_file, "TLS client key") if key_file else None
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)

@@ -1,0 +1,127 @@
+"""Client channels from one Tandem service to another: limits, deadlines, tracing, optional TLS.
+
+Every outgoing call must carry a deadline. Callers compute one from their own caller's remaining
+time with :func:`call_timeout`; as a backstop the channel's :class:`DefaultDeadline` interceptors
+give any call made without ``timeout=`` the channel's default, so no call can hang forever::
+
+    stub.Match(req)               ──▶ DefaultDeadline (timeout None → default_timeout_s)
+    stub.Match(req, timeout=0.3)  ──▶ DefaultDeadline (kept)  ──▶ tracing (inject traceparent) ──▶ wire
+
+:class:`ChannelPool` keeps one channel per address (the router dials many workers) and closes
+them all on shutdown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import grpc
+
+from services.common.errors import InvalidArgument
+from services.common.telemetry import client_tracing_interceptors
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def call_timeout(remaining_s: float | None, cap_s: float, *, floor_s: float = 0.001) -> float:
+    """Deadline (seconds) for an outgoing call: the caller's remaining time, capped at ``cap_s``.
+
+    ``remaining_s`` None means the caller set no deadline (then ``cap_s``). Never below
+    ``floor_s``: an already expired caller gets a call that fails at once with
+    DEADLINE_EXCEEDED rather than one without a deadline. Pure.
+    """
+    if cap_s <= 0:
+        raise InvalidArgument(f"cap_s must be > 0, got {cap_s}")
+    timeout = cap_s if remaining_s is None else min(remaining_s, cap_s)
+    return max(timeout, floor_s)
+
+
+def _with_default_timeout(details: grpc.aio.ClientCallDetails, default_s: float) -> grpc.aio.ClientCallDetails:
+    if details.timeout is not None:
+        return details
+    return details._replace(timeout=default_s)
+
+
+class _DefaultDeadlineUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, default_s: float):
+        self.default_s = default_s
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(_with_default_timeout(client_call_details, self.default_s), request)
+
+
+class _DefaultDeadlineUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, default_s: float):
+        self.default_s = default_s
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(_with_default_timeout(client_call_details, self.default_s), request)
+
+
+def default_deadline_interceptors(default_s: float) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors that give calls made without ``timeout=`` a deadline of ``default_s``."""
+    if not default_s > 0:
+        raise InvalidArgument(f"default deadline must be > 0, got {default_s}")
+    return [_DefaultDeadlineUnaryUnary(default_s), _DefaultDeadlineUnaryStream(default_s)]
+
+
+def open_channel(
+    address: str,
+    *,
+    credentials: grpc.ChannelCredentials | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    default_timeout_s: float = 60.0,
+    trace: bool = True,
+    interceptors: Iterable[grpc.aio.ClientInterceptor] = (),
+    options: Sequence[tuple[str, object]] = (),
+) -> grpc.aio.Channel:
+    """A ``grpc.aio`` channel to ``address`` (must be called with an event loop running).
+
+    Bounded message sizes both ways, a default deadline for calls without one, W3C trace context
+    propagation (``trace``), then ``interceptors``; TLS when ``credentials`` are given.
+    """
+    if not address:
+        raise InvalidArgument("address is required")
+    chain = [*default_deadline_interceptors(default_timeout_s)]
+    if trace:
+        chain.extend(client_tracing_interceptors())
+    chain.extend(interceptors)
+    opts = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        *options,
+    ]
+    if credentials is not None:
+        return grpc.aio.secure_channel(address, credentials, options=opts, interceptors=chain)
+    return grpc.aio.insecure_channel(address, options=opts, interceptors=chain)
+
+
+class ChannelPool:
+    """One lazily opened channel per address, all sharing the same settings.
+
+    :meth:`get` mutates the pool (opens a channel on first use); :meth:`close` closes them all.
+    """
+
+    def __init__(self, **channel_kwargs):
+        self._kwargs = channel_kwargs
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = open_channel(address, **self._kwargs)
+        return channel
+
+    def __contains__(self, address: str) -> bool:
+        return address in self._channels
+
+    async def discard(self, address: str) -> None:
+        """Close and forget the channel to ``address`` (e.g. a worker that left the registry)."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()

@@ -1,0 +1,268 @@
+"""OpenTelemetry tracing shared by the three services: provider setup and gRPC interceptors.
+
+One trace follows a request across processes because every outgoing call carries the W3C trace
+context (``traceparent`` metadata) and every server continues it::
+
+    router process                                   kvstore / worker process
+    --------------                                   ------------------------
+    SERVER span /tandem.router.v1.Router/Generate
+      └ INTERNAL span "reserve"   (current)
+          stub.Reserve(...)
+          ClientTracingInterceptor:
+            inject traceparent ──── metadata ────▶  ServerTracingInterceptor:
+                                                      extract traceparent
+                                                      SERVER span /tandem.kvstore.v1.KVStore/Reserve
+                                                      (child of "reserve", same trace id)
+
+* :func:`setup_tracing` installs a ``TracerProvider`` for a service: spans go to an OTLP/gRPC
+  exporter when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (the exporter reads the standard
+  ``OTEL_EXPORTER_OTLP_*`` variables), nowhere otherwise; tests inject their own span processor
+  or exporter (e.g. ``InMemorySpanExporter``).
+* :class:`ServerTracingInterceptor` — a ``grpc.aio`` server interceptor: one SERVER span per RPC,
+  named by the full method, with ``rpc.*`` attributes and ``rpc.grpc.status_code``.
+* :func:`client_tracing_interceptors` — ``grpc.aio`` client interceptors (unary-unary and
+  unary-stream) that inject the current context into outgoing metadata. They create no span of
+  their own: the server's span is the hop, parented on whatever span is current at the caller.
+* :func:`get_tracer` — for internal spans: ``with get_tracer(__name__).start_as_current_span("reserve"):``.
+
+Without :func:`setup_tracing` the OpenTelemetry API is a no-op that still propagates an incoming
+context, so a service that does not trace keeps the trace connected for the next hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+from collections.abc import Sequence
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+log = logging.getLogger(__name__)
+
+OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
+
+# Health probes and reflection are polled constantly and say nothing about a request.
+DEFAULT_EXCLUDED_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+# OpenTelemetry's gRPC conventions: a SERVER span is an error only for these codes; the others
+# (INVALID_ARGUMENT, NOT_FOUND, ...) are the caller's fault and leave the status unset.
+_SERVER_ERROR_CODES = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
+
+
+def setup_tracing(
+    service_name: str,
+    *,
+    span_processors: Sequence[SpanProcessor] = (),
+    exporter: SpanExporter | None = None,
+    set_global: bool = True,
+) -> TracerProvider:
+    """Create this process's ``TracerProvider`` (``service.name`` = ``service_name``) and return it.
+
+    Exports over OTLP/gRPC (batched) if ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; ``exporter`` is
+    attached with a synchronous processor (tests read spans as soon as they end);
+    ``span_processors`` are attached as given. With ``set_global`` (default) the provider becomes
+    OpenTelemetry's global one — which OpenTelemetry allows once per process; later calls still
+    return a working provider, which callers then pass to the interceptors explicitly.
+    Mutates global state only through ``trace.set_tracer_provider``.
+    """
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    if os.environ.get(OTLP_ENDPOINT_ENV):
+        # Imported only when used: the exporter pulls in its own gRPC/protobuf machinery.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        log.info("tracing %s to %s", service_name, os.environ[OTLP_ENDPOINT_ENV])
+    for processor in span_processors:
+        provider.add_span_processor(processor)
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    if set_global:
+        trace.set_tracer_provider(provider)
+    return provider
+
+
+def get_tracer(name: str, tracer_provider: trace.TracerProvider | None = None) -> trace.Tracer:
+    """A tracer for internal spans; ``tracer_provider`` None means the global one (read-only)."""
+    return trace.get_tracer(name, tracer_provider=tracer_provider)
+
+
+def _split_method(full_method: str) -> tuple[str, str]:
+    """``/pkg.Service/Method`` → (``pkg.Service``, ``Method``)."""
+    service, _, method = full_method.lstrip("/").partition("/")
+    return service, method
+
+
+def _metadata_carrier(metadata) -> dict[str, str]:
+    """gRPC metadata as a dict for the propagator (text values only; keys are lower-case)."""
+    carrier: dict[str, str] = {}
+    for key, value in metadata or ():
+        if isinstance(value, str):
+            carrier[key] = value
+    return carrier
+
+
+def _finish_span(span: trace.Span, code: grpc.StatusCode) -> None:
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code in _SERVER_ERROR_CODES:
+        span.set_status(Status(StatusCode.ERROR, code.name))
+
+
+def _code_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
+    """The status the RPC ended with, as far as the server can tell."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if exc is None:
+        return grpc.StatusCode.OK
+    if isinstance(exc, grpc.aio.AbortError):
+        return grpc.StatusCode.UNKNOWN  # aborted without a recorded code: should not happen
+    if isinstance(exc, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN
+
+
+class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
+    """One SERVER span per RPC (unary and server-streaming), continuing the caller's trace.
+
+    The span is current while the handler runs, so internal spans and outgoing calls made by the
+    handler become its children. Methods starting with one of ``exclude_prefixes`` are not traced.
+    Place it outermost (first in ``GrpcServer(interceptors=...)``) so the span also covers
+    authentication failures.
+    """
+
+    def __init__(
+        self,
+        tracer_provider: trace.TracerProvider | None = None,
+        *,
+        exclude_prefixes: Sequence[str] = DEFAULT_EXCLUDED_METHOD_PREFIXES,
+    ):
+        self._tracer = get_tracer(__name__, tracer_provider)
+        self._exclude = tuple(exclude_prefixes)
+
+    def _start(self, method: str, metadata) -> trace.Span:
+        parent = propagate.extract(_metadata_carrier(metadata))
+        service, name = _split_method(method)
+        return self._tracer.start_span(
+            method,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
+        )
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(self._exclude):
+            return handler
+        metadata = handler_call_details.invocation_metadata
+        start = self._start
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                span = start(method, metadata)
+                token = otel_context.attach(trace.set_span_in_context(span))
+                error: BaseException | None = None
+                try:
+                    return await inner(request, context)
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    _finish_span(span, _code_of(context, error))
+                    span.end()
+                    otel_context.detach(token)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def unary_stream(request, context):
+                span = start(method, metadata)
+                span_context = trace.set_span_in_context(span)
+                error: BaseException | None = None
+                try:
+                    result = inner_stream(request, context)
+                    if not inspect.isasyncgen(result):
+                        token = otel_context.attach(span_context)
+                        try:
+                            await result
+                        finally:
+                            otel_context.detach(token)
+                        return
+                    # The span is current only while the handler runs (each step), never across
+                    # our own yield: a generator closed later from another task must not detach
+                    # a context it did not attach.
+                    try:
+                        while True:
+                            token = otel_context.attach(span_context)
+                            try:
+                                item = await result.__anext__()
+                            except StopAsyncIteration:
+                                break
+                            finally:
+                                otel_context.detach(token)
+                            yield item
+                    finally:
+                        await result.aclose()  # close the handler now, not whenever GC gets to it
+                except BaseException as exc:
+                    error = exc
+                    raise
+                finally:
+                    _finish_span(span, _code_of(context, error))
+                    span.end()
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler  # client/bidi streaming: none in Tandem's protos
+
+
+def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    """``details`` with the current trace context added to its metadata (a new value)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    if not carrier:
+        return details
+    metadata = grpc.aio.Metadata(*(details.metadata or ()))
+    for key, value in carrier.items():
+        metadata[key] = value
+    return details._replace(metadata=metadata)
+
+
+class _UnaryUnaryTracing(grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(_with_trace_context(client_call_details), request)
+
+
+class _UnaryStreamTracing(grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(_with_trace_context(client_call_details), request)
+
+
+def client_tracing_interceptors() -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors for ``grpc.aio`` channels that propagate the current trace context.
+
+    Two objects because ``grpc.aio`` files each interceptor under one call type only.
+    """
+    return [_UnaryUnaryTracing(), _UnaryStreamTracing()]

@@ -1,0 +1,504 @@
+"""Serving one request end to end over the network: the router's orchestration.
+
+    Match ──▶ rank (policy) ──▶ Reserve on the first choice ──▶ Worker.Generate(reservation) ──▶ deltas
+      ▲         RESOURCE_EXHAUSTED: next choice; none left:          │
+      │         wait in the bounded queue and plan again             │ fails before the first message
+      └──────────────────────────────────────────────────────────────┘ (retry.AttemptState decides)
+
+Who ends a reservation (DESIGN §4 "nothing leaks"):
+
+* The worker, once it has the request: Release on success, Abort on failure or cancellation, each
+  after the GPU step that last wrote the blocks completed. The first message the router receives
+  proves the worker has it; from then on the router never touches the reservation.
+* Before that message, the router cannot tell whether the request arrived. It then *settles*:
+  it asks the worker to ``Abort(request_id)``; if the worker has the request it answers OK and
+  ends the reservation itself; if the worker answers NOT_FOUND, or cannot be reached (gone: its
+  lease would drop the blocks anyway), the router aborts the reservation in the kvstore (Abort is
+  idempotent, so a reservation the worker already ended is a no-op). Settling runs in the
+  background so a retry elsewhere or the client's error is not delayed.
+* A cancelled or expired client cancels the worker stream (the worker then aborts).
+
+Decisions live in pure modules (``policy``, ``retry``, ``directory``, ``jobs``); this one only
+sequences calls, and every call carries a deadline derived from the client's remaining time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace
+
+from services.common.channels import ChannelPool, call_timeout
+from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
+from services.common.telemetry import get_tracer
+from services.common.tokenizer import IncrementalDecoder, Tokenizer
+from services.common.wire import tokens_to_proto
+from services.router.directory import WorkerDirectory, WorkerEntry
+from services.router.jobs import GenerateJob
+from services.router.policy import PolicyWeights, WorkerCandidate, rank_workers
+from services.router.retry import AttemptState, WaitQueue, backoff_delays, error_for
+from services.router.tenants import Tenant
+from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
+from tandem.kvstore.v1 import kvstore_pb2_grpc
+from tandem.worker.v1 import worker_pb2 as worker_pb
+from tandem.worker.v1 import worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    worker_pb.FINISH_REASON_LENGTH: "length",
+    worker_pb.FINISH_REASON_STOP: "stop",
+    worker_pb.FINISH_REASON_MAX_SEQ_LEN: "max_seq_len",
+}
+# Stop waiting for capacity this long before the client's deadline, so it gets
+# RESOURCE_EXHAUSTED ("no capacity before the deadline") rather than a bare DEADLINE_EXCEEDED.
+_QUEUE_DEADLINE_MARGIN_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchConfig:
+    """The dispatcher's knobs (from ``RouterSettings``)."""
+
+    model_id: str = ""
+    weights: PolicyWeights = PolicyWeights()
+    max_attempts: int = 3
+    queue_retry_s: float = 0.05
+    queue_retry_max_s: float = 0.5
+    max_queue_wait_s: float = 30.0
+    kvstore_timeout_s: float = 2.0
+    worker_probe_timeout_s: float = 1.0
+    max_request_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """New text and token ids of a request."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Accounting of a finished request (see ``tandem.router.v1.Usage``)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    mean_acceptance_length: float
+    worker_id: str
+    time_to_first_token_s: float
+    finish_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """The last message of a request: remaining text and ids, and the usage."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    usage: Usage
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """A worker for ``Router.ListWorkers``."""
+
+    entry: WorkerEntry
+    health: str  # SERVING / NOT_SERVING / UNREACHABLE
+    in_flight: int
+
+
+class _WorkerFailed(Exception):
+    """The worker stream ended in an error (code name + details)."""
+
+    def __init__(self, code_name: str, message: str):
+        super().__init__(f"{code_name}: {message}")
+        self.code_name = code_name
+        self.message = message
+
+
+class _Progress:
+    """What one attempt has seen from its worker (mutated while streaming)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.acknowledged = False  # any message received: the worker owns the reservation
+        self.tokens: list[int] = []
+        self.first_token_at: float | None = None
+        self.sent_text = ""
+        self.decoder = IncrementalDecoder(tokenizer)
+
+
+def _entry(w: kv_pb.WorkerInfo) -> WorkerEntry:
+    return WorkerEntry(
+        worker_id=w.worker_id,
+        incarnation=w.incarnation,
+        address=w.address,
+        model_id=w.model_id,
+        spec_mode=w.spec_mode,
+        span=w.span,
+        block_size=w.block_size,
+        num_blocks=w.pool.total,
+        used_blocks=w.pool.in_use,
+        vocab_size=w.vocab_size,
+        max_seq_len=w.max_seq_len,
+    )
+
+
+def _kv_error(verb: str, err: grpc.aio.AioRpcError) -> Exception:
+    code = err.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable(f"kvstore {verb} failed: {code.name}: {err.details()}")
+    return error_for(code.name, f"kvstore {verb}: {err.details()}")
+
+
+class Dispatcher:
+    """Routes and streams requests; holds the router's shared state (directory, queue, RNG).
+
+    Single event loop; the only concurrency is between requests' coroutines.
+    """
+
+    def __init__(
+        self,
+        *,
+        kvstore: grpc.aio.Channel,
+        channels: ChannelPool,
+        tokenizer: Tokenizer,
+        directory: WorkerDirectory,
+        queue: WaitQueue,
+        config: DispatchConfig = DispatchConfig(),
+        rng: random.Random | None = None,
+        tracer_provider: trace.TracerProvider | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._kv = kvstore_pb2_grpc.KVStoreStub(kvstore)
+        self._channels = channels
+        self._tokenizer = tokenizer
+        self.directory = directory
+        self.queue = queue
+        self.config = config
+        self._rng = rng or random.Random()
+        self._tracer = get_tracer(__name__, tracer_provider)
+        self._clock = clock
+        self._live: set[str] = set()
+        self._cleanup: set[asyncio.Task] = set()
+
+    # --------------------------------------------------------------------------------- helpers
+    def _timeout(self, deadline: float | None, cap_s: float) -> float:
+        remaining = None if deadline is None else deadline - self._clock()
+        return call_timeout(remaining, cap_s)
+
+    def _worker_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        return worker_pb2_grpc.WorkerStub(self._channels.get(address))
+
+    async def refresh_directory(self, deadline: float | None = None) -> list[WorkerEntry]:
+        """Reload the registry from kvstore ListWorkers (mutates the directory)."""
+        try:
+            resp = await self._kv.ListWorkers(
+                kv_pb.ListWorkersRequest(), timeout=self._timeout(deadline, self.config.kvstore_timeout_s)
+            )
+        except grpc.aio.AioRpcError as err:
+            raise _kv_error("ListWorkers", err) from None
+        entries = [_entry(w) for w in resp.workers]
+        self.directory.replace(entries)
+        return entries
+
+    # ---------------------------------------------------------------------------------- planning
+    async def _plan(self, job: GenerateJob, tenant: Tenant, prompt_pb, state: AttemptState,
+                    deadline: float | None) -> list[tuple[WorkerEntry, int]]:
+        """Match + rank: (worker, reusable positions) in preference order (read-only for the
+        kvstore). Raises when no worker could ever take the request."""
+        try:
+            resp = await self._kv.Match(
+                kv_pb.MatchRequest(tokens=prompt_pb, cache_salt=tenant.cache_salt, model_id=self.config.model_id),
+                timeout=self._timeout(deadline, self.config.kvstore_timeout_s),
+            )
+        except grpc.aio.AioRpcError as err:
+            raise _kv_error("Match", err) from None
+        matches = list(resp.workers)
+        if not self.directory.is_fresh_for((m.worker_id, m.incarnation) for m in matches):
+            await self.refresh_directory(deadline)
+        if not matches:
+            raise self._why_no_match(job)
+
+        n, headroom = job.prompt_tokens, job.headroom_positions
+        candidates, reusable, too_small = [], {}, []
+        for m in matches:
+            entry = self.directory.get(m.worker_id)
+            if entry is None or entry.incarnation != m.incarnation:
+                continue  # re-registered since the Match: the next plan sees it
+            need = -(-min(n + headroom, entry.max_seq_len) // entry.block_size)
+            if need > entry.num_blocks:
+                too_small.append(f"{entry.worker_id} has {entry.num_blocks} blocks, needs {need}")
+                continue
+            reusable[m.worker_id] = (entry, m.reusable_positions)
+            candidates.append(
+                WorkerCandidate(
+                    worker_id=m.worker_id,
+                    model_id=entry.model_id,
+                    block_size=entry.block_size,
+                    reusable_blocks=m.reusable_blocks,
+                    active_blocks=m.pool.in_use,
+                    queued=max(m.live_reservations, self.directory.in_flight(m.worker_id)),
+                    healthy=self.directory.is_healthy(m.worker_id),
+                )
+            )
+        if not candidates and too_small:
+            raise ResourceExhausted(f"the prompt can never fit: {'; '.join(too_small)}")
+        ranked = rank_workers(
+            candidates, prompt_tokens=n, weights=self.config.weights, rng=self._rng,
+            model_id=self.config.model_id, exclude=state.excluded,
+        )
+        if not ranked:
+            if candidates:
+                raise state.no_worker_left()
+            raise Unavailable("the workers changed while routing; try again")
+        return [reusable[r.worker_id] for r in ranked]
+
+    def _why_no_match(self, job: GenerateJob) -> Exception:
+        """Why Match found no compatible worker (registry read-only)."""
+        model = self.config.model_id
+        workers = [e for e in self.directory.entries() if not model or e.model_id == model]
+        if not workers:
+            return Unavailable("no worker is registered" + (f" for model {model!r}" if model else ""))
+        longest = max(e.max_seq_len for e in workers)
+        if job.prompt_tokens > longest:
+            return InvalidArgument(
+                f"prompt of {job.prompt_tokens} tokens exceeds the longest sequence any worker serves ({longest})"
+            )
+        return InvalidArgument("no worker's vocabulary covers every prompt token id")
+
+    async def _reserve(self, job: GenerateJob, tenant: Tenant, prompt_pb, state: AttemptState,
+                       deadline: float | None) -> tuple[WorkerEntry, kv_pb.Reservation]:
+        """Reserve on the best worker that has room; wait in the queue while none has (mutates
+        the kvstore: one reservation on success, nothing otherwise)."""
+        delays = backoff_delays(self.config.queue_retry_s, self.config.queue_retry_max_s)
+        queued_until: float | None = None
+        try:
+            while True:
+                last = ""
+                for entry, _reusable in await self._plan(job, tenant, prompt_pb, state, deadline):
+                    request = kv_pb.ReserveRequest(
+                        worker_id=entry.worker_id,
+                        incarnation=entry.incarnation,
+                        request_id=state.reservation_request_id(),
+                        tokens=prompt_pb,
+                        cache_salt=tenant.cache_salt,
+                        headroom_positions=job.headroom_positions,
+                    )
+                    try:
+                        resp = await self._kv.Reserve(
+                            request, timeout=self._timeout(deadline, self.config.kvstore_timeout_s)
+                        )
+                        return entry, resp.reservation
+                    except grpc.aio.AioRpcError as err:
+                        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                            last = err.details() or ""
+                            continue  # fall through to the next choice
+                        if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                            self.directory.invalidate()  # the worker re-registered or left
+                            last = f"{entry.worker_id} changed: {err.details()}"
+                            continue
+                        raise _kv_error("Reserve", err) from None
+                # nothing fits right now: wait (bounded queue) and plan again
+                now = self._clock()
+                if queued_until is None:
+                    self.queue.enter()
+                    queued_until = now + self.config.max_queue_wait_s
+                limit = queued_until if deadline is None else min(queued_until, deadline - _QUEUE_DEADLINE_MARGIN_S)
+                delay = next(delays)
+                if now + delay > limit:
+                    raise ResourceExhausted(f"no worker had capacity before the deadline ({last})")
+                await asyncio.sleep(delay)
+        finally:
+            if queued_until is not None:
+                self.queue.leave()
+
+    # --------------------------------------------------------------------------------- streaming
+    async def _stream(self, job: GenerateJob, entry: WorkerEntry, reservation: kv_pb.Reservation,
+                      worker_request_id: str, deadline: float | None, arrival: float,
+                      progress: _Progress) -> AsyncIterator[TextDelta | Completion]:
+        """Run Worker.Generate and translate its messages; raises _WorkerFailed on a worker error.
+        The call is cancelled whenever this generator stops early."""
+        request = worker_pb.GenerateRequest(
+            request_id=worker_request_id,
+            prompt=tokens_to_proto(job.prompt),
+            sampling=worker_pb.SamplingParams(
+                temperature=job.sampling.temperature,
+                top_p=job.sampling.top_p,
+                top_k=job.sampling.top_k,
+                seed=job.sampling.seed,
+                max_new_tokens=job.sampling.max_new_tokens,
+                stop_token_ids=job.sampling.stop_token_ids,
+            ),
+            spec=worker_pb.SpecParams(num_draft_tokens=job.num_draft_tokens),
+            reservation=worker_pb.ReservationRef(
+                reservation_id=reservation.reservation_id,
+                incarnation=reservation.incarnation,
+                block_table=reservation.block_table,
+                reused_positions=reservation.reused_positions,
+            ),
+        )
+        span = self._tracer.start_span(
+            "worker.generate", attributes={"tandem.worker_id": entry.worker_id, "tandem.request_id": worker_request_id}
+        )
+        # The span only needs to be current while the call is created: that is when the trace
+        # context is copied into the call (and its metadata). No span stays current across yields.
+        with trace.use_span(span, end_on_exit=False):
+            call = self._worker_stub(entry.address).Generate(
+                request, timeout=self._timeout(deadline, self.config.max_request_s)
+            )
+        try:
+            async for msg in call:
+                progress.acknowledged = True
+                ids = tuple(msg.token_ids)
+                if ids:
+                    if progress.first_token_at is None:
+                        progress.first_token_at = self._clock()
+                    progress.tokens.extend(ids)
+                if msg.finish_reason != worker_pb.FINISH_REASON_UNSPECIFIED or msg.HasField("usage"):
+                    yield self._completion(job, entry, reservation, msg, ids, arrival, progress)
+                    return
+                if ids:
+                    text = progress.decoder.push(list(ids))
+                    progress.sent_text += text
+                    yield TextDelta(text, ids)
+            raise _WorkerFailed("UNAVAILABLE", "the worker ended the stream without a final message")
+        except grpc.aio.AioRpcError as err:
+            span.set_attribute("rpc.grpc.status_code", err.code().value[0])
+            raise _WorkerFailed(err.code().name, err.details() or "") from None
+        finally:
+            if not call.done():
+                call.cancel()
+            span.end()
+
+    def _completion(self, job, entry, reservation, msg, ids, arrival, progress: _Progress) -> Completion:
+        full = self._tokenizer.decode(progress.tokens)
+        # The incremental decoder holds back an incomplete character; the end flushes it.
+        tail = full[len(progress.sent_text):] if full.startswith(progress.sent_text) else ""
+        first = progress.first_token_at if progress.first_token_at is not None else self._clock()
+        usage = msg.usage
+        acceptance = usage.mean_acceptance_length
+        return Completion(
+            text=tail,
+            token_ids=ids,
+            usage=Usage(
+                prompt_tokens=job.prompt_tokens,
+                cached_tokens=usage.cached_tokens if msg.HasField("usage") else reservation.reused_positions,
+                completion_tokens=usage.completion_tokens or len(progress.tokens),
+                mean_acceptance_length=acceptance if math.isfinite(acceptance) else 0.0,
+                worker_id=entry.worker_id,
+                time_to_first_token_s=max(0.0, first - arrival),
+                finish_reason=_FINISH_REASONS.get(msg.finish_reason, "length"),
+            ),
+        )
+
+    # ----------------------------------------------------------------------------------- settle
+    def _settle_later(self, entry: WorkerEntry, reservation: kv_pb.Reservation, worker_request_id: str) -> None:
+        """Settle a reservation the worker never acknowledged, in the background (see module doc)."""
+        task = asyncio.get_running_loop().create_task(self._settle(entry, reservation, worker_request_id))
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
+
+    async def _settle(self, entry: WorkerEntry, reservation: kv_pb.Reservation, worker_request_id: str) -> str:
+        """Returns who ends the reservation: "worker", "router" or "gone" (already ended)."""
+        timeout = self.config.worker_probe_timeout_s
+        try:
+            await self._worker_stub(entry.address).Abort(
+                worker_pb.AbortRequest(request_id=worker_request_id), timeout=timeout
+            )
+            return "worker"  # it had the request; it aborts after its GPU step completed
+        except grpc.aio.AioRpcError as err:
+            log.debug("worker %s abort probe for %s: %s", entry.worker_id, worker_request_id, err.code().name)
+        try:
+            await self._kv.Abort(
+                kv_pb.AbortRequest(reservation_id=reservation.reservation_id, incarnation=reservation.incarnation),
+                timeout=self.config.kvstore_timeout_s,
+            )
+            return "router"
+        except grpc.aio.AioRpcError as err:
+            if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                return "gone"  # ended, or the worker re-registered (its blocks were dropped)
+            log.warning("could not abort reservation %s on %s: %s %s", reservation.reservation_id,
+                        entry.worker_id, err.code().name, err.details())
+            return "unknown"
+
+    # -------------------------------------------------------------------------------- generate
+    async def generate(self, job: GenerateJob, tenant: Tenant, *, deadline: float | None,
+                       arrival: float) -> AsyncIterator[TextDelta | Completion]:
+        """Serve ``job`` for ``tenant``: yields deltas, then one Completion. ``deadline`` is the
+        client's (monotonic seconds, None = none). Raises typed errors (see ``retry``)."""
+        if job.request_id in self._live:
+            raise AlreadyExists(f"request {job.request_id!r} is already running on this router")
+        self._live.add(job.request_id)
+        try:
+            prompt_pb = tokens_to_proto(job.prompt)
+            state = AttemptState(job.request_id, self.config.max_attempts)
+            while True:
+                with self._tracer.start_as_current_span("reserve") as span:
+                    entry, reservation = await self._reserve(job, tenant, prompt_pb, state, deadline)
+                    span.set_attribute("tandem.worker_id", entry.worker_id)
+                    span.set_attribute("tandem.reused_positions", reservation.reused_positions)
+                worker_request_id = state.reservation_request_id()
+                progress = _Progress(self._tokenizer)
+                finished = False
+                stream = self._stream(job, entry, reservation, worker_request_id, deadline, arrival, progress)
+                self.directory.begin(entry.worker_id)
+                try:
+                    try:
+                        async for event in stream:
+                            if isinstance(event, Completion):
+                                finished = True
+                            yield event
+                    finally:
+                        await stream.aclose()  # cancels the worker call at once if we stop early
+                    return
+                except _WorkerFailed as failure:
+                    if not progress.acknowledged:
+                        self._settle_later(entry, reservation, worker_request_id)
+                    if state.worker_is_broken(failure.code_name):
+                        self.directory.mark_failed(entry.worker_id)
+                    log.info("request %s: worker %s failed (%s)", job.request_id, entry.worker_id, failure)
+                    state.worker_failed(entry.worker_id, failure.code_name, failure.message,
+                                        streamed_tokens=len(progress.tokens))
+                except BaseException:
+                    # cancelled, expired, or the consumer stopped early
+                    if not finished and not progress.acknowledged:
+                        self._settle_later(entry, reservation, worker_request_id)
+                    raise
+                finally:
+                    self.directory.end(entry.worker_id)
+        finally:
+            self._live.discard(job.request_id)
+
+    # ----------------------------------------------------------------------------- list workers
+    async def _health(self, address: str) -> str:
+        try:
+            resp = await health_pb2_grpc.HealthStub(self._channels.get(address)).Check(
+                health_pb2.HealthCheckRequest(), timeout=self.config.worker_probe_timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return "UNREACHABLE"
+        return "SERVING" if resp.status == health_pb2.HealthCheckResponse.SERVING else "NOT_SERVING"
+
+    async def list_workers(self, *, deadline: float | None) -> list[WorkerView]:
+        """Every registered worker with its health as seen from here (refreshes the directory)."""
+        entries = await self.refresh_directory(deadline)
+        healths = await asyncio.gather(*(self._health(e.address) for e in entries))
+        return [WorkerView(e, h, self.directory.in_flight(e.worker_id)) for e, h in zip(entries, healths)]
+
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Let pending settle tasks finish (bounded), then cancel the rest."""
+        pending = list(self._cleanup)
+        if pending:
+            _done, still = await asyncio.wait(pending, timeout=timeout_s)
+            for task in still:
+                task.cancel()

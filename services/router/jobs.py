@@ -1,0 +1,155 @@
+"""A validated generation request (:class:`GenerateJob`) and the checks that produce it. Pure.
+
+Everything a client can get wrong is rejected here with INVALID_ARGUMENT, before the router
+touches the kvstore (so a bad request changes no counter anywhere).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.common.errors import InvalidArgument
+from services.common.tokenizer import Tokenizer
+
+MAX_REQUEST_ID_CHARS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What the router accepts (from its settings and tokenizer)."""
+
+    vocab_size: int
+    max_new_tokens: int
+    max_prompt_tokens: int
+    default_draft_tokens: int
+    max_draft_tokens: int
+    eos_token_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling parameters as the worker receives them (normalized: top_p 0 → 1)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateJob:
+    """One accepted request. ``prompt`` is a read-only uint32 array."""
+
+    request_id: str
+    prompt: np.ndarray
+    sampling: Sampling
+    num_draft_tokens: int
+
+    @property
+    def headroom_positions(self) -> int:
+        """Capacity to reserve past the prompt: the first step's draft tokens plus its bonus token."""
+        return self.num_draft_tokens + 1
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.prompt.size)
+
+
+def _finite(name: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise InvalidArgument(f"{name} must be a finite number, got {value}")
+    return float(value)
+
+
+def _request_id(request_id: str, new_id: Callable[[], str]) -> str:
+    if not request_id:
+        return new_id()
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+    if not request_id.isprintable() or any(c.isspace() for c in request_id):
+        raise InvalidArgument("request_id must be printable and contain no whitespace")
+    return request_id
+
+
+def build_job(
+    *,
+    text: str | None,
+    token_ids: np.ndarray | None,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    num_draft_tokens: int | None = None,
+    stop_token_ids: Sequence[int] = (),
+    request_id: str = "",
+    limits: RequestLimits,
+    tokenizer: Tokenizer,
+    new_request_id: Callable[[], str] = lambda: uuid.uuid4().hex,
+) -> GenerateJob:
+    """Validate a request and tokenize its prompt (exactly one of ``text`` / ``token_ids``).
+
+    Raises InvalidArgument for: no or empty prompt, a prompt longer than the limit, token ids
+    (prompt or stop) outside the vocabulary, ``max_new_tokens`` 0 or above the limit, sampling
+    values out of range, too many draft tokens, a malformed request id. An empty ``request_id``
+    gets a fresh uuid4. Pure apart from ``new_request_id``.
+    """
+    if (text is None) == (token_ids is None):
+        raise InvalidArgument("exactly one of text and token_ids must be given")
+    if text is not None:
+        if not text:
+            raise InvalidArgument("prompt text is empty")
+        prompt = np.asarray(tokenizer.encode(text), dtype=np.uint32)
+    else:
+        prompt = np.asarray(token_ids, dtype=np.uint32)
+    if prompt.size == 0:
+        raise InvalidArgument("prompt is empty")
+    if prompt.size > limits.max_prompt_tokens:
+        raise InvalidArgument(f"prompt has {prompt.size} tokens; the limit is {limits.max_prompt_tokens}")
+    top = int(prompt.max())
+    if top >= limits.vocab_size:
+        raise InvalidArgument(f"prompt token id {top} is outside the vocabulary (size {limits.vocab_size})")
+    prompt.setflags(write=False)
+
+    if not 1 <= max_new_tokens <= limits.max_new_tokens:
+        raise InvalidArgument(f"max_new_tokens must be in 1..{limits.max_new_tokens}, got {max_new_tokens}")
+    temperature = _finite("temperature", temperature)
+    if temperature < 0:
+        raise InvalidArgument(f"temperature must be >= 0, got {temperature}")
+    top_p = _finite("top_p", top_p)
+    if not 0 <= top_p <= 1:
+        raise InvalidArgument(f"top_p must be in [0, 1] (0 means 1), got {top_p}")
+    if top_k < 0:
+        raise InvalidArgument(f"top_k must be >= 0, got {top_k}")
+
+    draft = limits.default_draft_tokens if num_draft_tokens is None else num_draft_tokens
+    if not 0 <= draft <= limits.max_draft_tokens:
+        raise InvalidArgument(f"num_draft_tokens must be in 0..{limits.max_draft_tokens}, got {draft}")
+
+    stops = list(dict.fromkeys(int(t) for t in stop_token_ids))  # de-duplicated, order kept
+    bad = [t for t in stops if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidArgument(f"stop token id {bad[0]} is outside the vocabulary (size {limits.vocab_size})")
+    if limits.eos_token_id is not None and limits.eos_token_id not in stops:
+        stops.append(limits.eos_token_id)  # end-of-sequence is always a stop
+
+    return GenerateJob(
+        request_id=_request_id(request_id, new_request_id),
+        prompt=prompt,
+        sampling=Sampling(
+            temperature=temperature,
+            top_p=top_p or 1.0,
+            top_k=int(top_k),
+            seed=int(seed),
+            max_new_tokens=int(max_new_tokens),
+            stop_token_ids=tuple(stops),
+        ),
+        num_draft_tokens=int(draft),
+    )

@@ -1,0 +1,143 @@
+"""Assemble a running router: tokenizer, tenants, channels, dispatcher, servicer, gRPC server.
+
+Health turns SERVING once the kvstore answers (the router can do nothing useful before); the
+server's interceptors are, outermost first: tracing (a span per RPC), bearer-token auth, then the
+common error mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from services.common.auth import BearerAuthInterceptor, load_channel_credentials, load_server_credentials
+from services.common.channels import ChannelPool, open_channel
+from services.common.errors import TandemError
+from services.common.server import GrpcServer, ServiceBinding
+from services.common.telemetry import ServerTracingInterceptor
+from services.common.tokenizer import load_tokenizer
+from services.router.directory import WorkerDirectory
+from services.router.dispatcher import DispatchConfig, Dispatcher
+from services.router.jobs import RequestLimits
+from services.router.policy import PolicyWeights
+from services.router.retry import WaitQueue
+from services.router.servicer import RouterServicer
+from services.router.settings import RouterSettings
+from services.router.tenants import TenantRegistry
+from tandem.router.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+KVSTORE_PROBE_S = 0.2  # how often readiness retries the kvstore
+
+
+@dataclass
+class Router:
+    """The parts of a running router (for the CLI and tests)."""
+
+    servicer: RouterServicer
+    dispatcher: Dispatcher
+    tenants: TenantRegistry
+    ready: asyncio.Event  # set once the kvstore answered (health SERVING)
+
+
+def dispatch_config(settings: RouterSettings) -> DispatchConfig:
+    """The dispatcher's knobs from the settings (pure)."""
+    return DispatchConfig(
+        model_id=settings.model_id,
+        weights=PolicyWeights(settings.policy_alpha, settings.policy_beta, settings.policy_gamma),
+        max_attempts=settings.max_attempts,
+        queue_retry_s=settings.queue_retry_s,
+        queue_retry_max_s=settings.queue_retry_max_s,
+        max_queue_wait_s=settings.max_queue_wait_s,
+        kvstore_timeout_s=settings.kvstore_timeout_s,
+        worker_probe_timeout_s=settings.worker_probe_timeout_s,
+        max_request_s=settings.max_request_s,
+    )
+
+
+async def start_router(
+    settings: RouterSettings,
+    *,
+    tracer_provider: trace.TracerProvider | None = None,
+) -> tuple[GrpcServer, Router]:
+    """Start serving (health SERVING once the kvstore answers); return (server, parts).
+
+    Configuration errors (tenants, TLS files, tokenizer) raise before anything binds.
+    """
+    tokenizer = load_tokenizer(settings.model)
+    tenants = TenantRegistry.from_settings(settings.tenants, settings.shared_tenants)
+    upstream = (
+        load_channel_credentials(settings.upstream_ca_file, settings.upstream_cert_file, settings.upstream_key_file)
+        if settings.upstream_ca_file
+        else None
+    )
+    server_credentials = (
+        load_server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file or None)
+        if settings.tls_cert_file
+        else None
+    )
+    limits = RequestLimits(
+        vocab_size=tokenizer.vocab_size,
+        max_new_tokens=settings.max_new_tokens,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        default_draft_tokens=settings.num_draft_tokens,
+        max_draft_tokens=settings.max_draft_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    kv_channel = open_channel(
+        settings.kvstore, credentials=upstream, max_message_bytes=settings.max_receive_bytes,
+        default_timeout_s=settings.kvstore_timeout_s,
+    )
+    channels = ChannelPool(
+        credentials=upstream, max_message_bytes=settings.max_receive_bytes, default_timeout_s=settings.max_request_s
+    )
+    dispatcher = Dispatcher(
+        kvstore=kv_channel,
+        channels=channels,
+        tokenizer=tokenizer,
+        directory=WorkerDirectory(ttl_s=settings.registry_ttl_s, cooldown_s=settings.failed_worker_cooldown_s),
+        queue=WaitQueue(settings.max_queued),
+        config=dispatch_config(settings),
+        rng=random.Random(settings.policy_seed),
+        tracer_provider=tracer_provider,
+    )
+    servicer = RouterServicer(dispatcher, tenants, tokenizer, limits)
+    server = GrpcServer(
+        [ServiceBinding(router_pb2_grpc.add_RouterServicer_to_server, servicer, SERVICE_NAME)],
+        host=settings.host,
+        port=settings.port,
+        max_receive_bytes=settings.max_receive_bytes,
+        max_concurrent_rpcs=settings.max_concurrent_rpcs,
+        grace_s=settings.grace_s,
+        interceptors=[ServerTracingInterceptor(tracer_provider), BearerAuthInterceptor(tenants.authenticate)],
+        server_credentials=server_credentials,
+    )
+    router = Router(servicer, dispatcher, tenants, asyncio.Event())
+    await server.start()
+    server.run_in_background(_lifetime(server, router, kv_channel, channels))
+    return server, router
+
+
+async def _lifetime(server: GrpcServer, router: Router, kv_channel, channels: ChannelPool) -> None:
+    """Turn SERVING once the kvstore answers; on shutdown (cancelled) close every channel."""
+    try:
+        while True:
+            try:
+                await router.dispatcher.refresh_directory()
+                break
+            except TandemError as err:
+                log.info("waiting for the kvstore: %s", err.message)
+                await asyncio.sleep(KVSTORE_PROBE_S)
+        await server.set_serving()
+        router.ready.set()
+        await asyncio.Event().wait()  # until the server stops and cancels us
+    finally:
+        await router.dispatcher.close()
+        await channels.close()
+        await kv_channel.close()

@@ -1,0 +1,104 @@
+"""gRPC adapter of the router: proto → validated job → :class:`Dispatcher` → proto.
+
+Status codes of ``Router.Generate``: UNAUTHENTICATED (bearer token; by the auth interceptor, or
+here if none is installed), INVALID_ARGUMENT (see ``jobs.build_job``; nothing reaches the kvstore),
+RESOURCE_EXHAUSTED (no capacity before the deadline, or the wait queue is full), UNAVAILABLE (no
+worker; a worker failed after tokens were streamed; retries used up), ALREADY_EXISTS (the request
+id is already running here), DEADLINE_EXCEEDED / CANCELLED (client), INTERNAL.
+"""
+
+from __future__ import annotations
+
+import time
+
+from services.common.auth import current_principal
+from services.common.errors import InvalidArgument
+from services.common.tokenizer import Tokenizer
+from services.common.wire import tokens_from_proto
+from services.router.dispatcher import Completion, Dispatcher
+from services.router.jobs import RequestLimits, build_job
+from services.router.tenants import Tenant, TenantRegistry
+from tandem.router.v1 import router_pb2 as pb
+from tandem.router.v1 import router_pb2_grpc
+
+
+def _deadline(context, now: float) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else now + remaining
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Thin adapter over one :class:`Dispatcher`."""
+
+    def __init__(self, dispatcher: Dispatcher, tenants: TenantRegistry, tokenizer: Tokenizer, limits: RequestLimits):
+        self.dispatcher = dispatcher
+        self.tenants = tenants
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def _tenant(self) -> Tenant:
+        principal = current_principal()
+        if isinstance(principal, Tenant):
+            return principal
+        # No auth interceptor in front of us: fail closed (public only in demo mode).
+        return self.tenants.authenticate(None)
+
+    async def Generate(self, request, context):
+        arrival = time.monotonic()
+        tenant = self._tenant()
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise InvalidArgument("prompt is empty: set text or token_ids")
+        job = build_job(
+            text=request.text if which == "text" else None,
+            token_ids=tokens_from_proto(request.token_ids, field="token_ids") if which == "token_ids" else None,
+            max_new_tokens=request.max_new_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            seed=request.seed,
+            num_draft_tokens=request.num_draft_tokens if request.HasField("num_draft_tokens") else None,
+            stop_token_ids=request.stop_token_ids,
+            request_id=request.request_id,
+            limits=self.limits,
+            tokenizer=self.tokenizer,
+        )
+        async for event in self.dispatcher.generate(job, tenant, deadline=_deadline(context, arrival), arrival=arrival):
+            if isinstance(event, Completion):
+                u = event.usage
+                yield pb.GenerateResponse(
+                    text=event.text,
+                    token_ids=event.token_ids,
+                    usage=pb.Usage(
+                        prompt_tokens=u.prompt_tokens,
+                        cached_tokens=u.cached_tokens,
+                        completion_tokens=u.completion_tokens,
+                        mean_acceptance_length=u.mean_acceptance_length,
+                        worker_id=u.worker_id,
+                        time_to_first_token_s=u.time_to_first_token_s,
+                        finish_reason=u.finish_reason,
+                    ),
+                )
+            else:
+                yield pb.GenerateResponse(text=event.text, token_ids=event.token_ids)
+
+    async def ListWorkers(self, request, context):
+        self._tenant()  # same authentication as Generate
+        views = await self.dispatcher.list_workers(deadline=_deadline(context, time.monotonic()))
+        return pb.ListWorkersResponse(
+            workers=[
+                pb.WorkerStatus(
+                    worker_id=v.entry.worker_id,
+                    address=v.entry.address,
+                    model_id=v.entry.model_id,
+                    spec_mode=v.entry.spec_mode,
+                    span=v.entry.span,
+                    block_size=v.entry.block_size,
+                    num_blocks=v.entry.num_blocks,
+                    used_blocks=v.entry.used_blocks,
+                    health=v.health,
+                    in_flight=v.in_flight,
+                )
+                for v in views
+            ]
+        )

@@ -1,0 +1,72 @@
+"""Configuration of the router service (``TANDEM_ROUTER_*`` env vars or ``tandem router`` flags)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class RouterSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", extra="forbid")
+
+    # --- serving
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(50050, ge=0, le=65535, description="port to bind (0 = any free port)")
+    kvstore: str = Field("127.0.0.1:50051", min_length=1, description="kvstore host:port")
+    model: str = Field("tiny", min_length=1, description="model folder whose tokenizer to load, or 'tiny' (byte-level)")
+    model_id: str = Field("", description="only route to workers registered with this model fingerprint ('' = any)")
+    max_receive_bytes: int = Field(16 << 20, ge=1024, description="largest message in bytes (both ways, server and channels)")
+    max_concurrent_rpcs: int = Field(1024, ge=1, description="RPCs handled at once; more are refused")
+    grace_s: float = Field(5.0, ge=0, description="seconds in-flight RPCs get on shutdown")
+
+    # --- request limits
+    max_new_tokens: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
+    max_prompt_tokens: int = Field(1 << 17, ge=1, description="longest prompt accepted, in tokens")
+    num_draft_tokens: int = Field(4, ge=0, description="draft tokens per step when a request does not say")
+    max_draft_tokens: int = Field(16, ge=0, description="largest num_draft_tokens a request may ask for")
+
+    # --- tenants
+    tenants: str = Field("", description="bearer tokens: 'tokA=alice,tokB=bob', inline JSON or a JSON file path ('' = demo mode: everyone is 'public')")
+    shared_tenants: str = Field("", description="comma-separated tenants that share one cache namespace (opt-in cross-tenant reuse)")
+
+    # --- routing policy
+    policy_alpha: float = Field(1.0, ge=0, description="cost per prompt block not reusable on a worker")
+    policy_beta: float = Field(0.01, ge=0, description="cost per block in use on a worker")
+    policy_gamma: float = Field(2.0, ge=0, description="cost per request running or queued on a worker")
+    policy_seed: int | None = Field(None, description="seed of the tie-breaking RNG (unset = from the OS)")
+
+    # --- retries, queueing, deadlines
+    max_attempts: int = Field(3, ge=1, description="workers tried per request when one fails before its first token")
+    max_queued: int = Field(256, ge=0, description="requests waiting for capacity at once; more get RESOURCE_EXHAUSTED")
+    queue_retry_s: float = Field(0.05, gt=0, description="first wait between capacity retries (doubles up to queue_retry_max_s)")
+    queue_retry_max_s: float = Field(0.5, gt=0, description="longest wait between capacity retries")
+    max_queue_wait_s: float = Field(30.0, ge=0, description="longest a request waits for capacity (also bounded by its deadline)")
+    kvstore_timeout_s: float = Field(2.0, gt=0, description="deadline cap of each kvstore call")
+    worker_probe_timeout_s: float = Field(1.0, gt=0, description="deadline of worker health checks and abort probes")
+    max_request_s: float = Field(600.0, gt=0, description="deadline of a worker Generate call when the client set none (and its cap)")
+    registry_ttl_s: float = Field(2.0, ge=0, description="how long a kvstore ListWorkers answer is reused")
+    failed_worker_cooldown_s: float = Field(5.0, ge=0, description="a worker that failed is avoided by new requests for this long")
+
+    # --- TLS (PEM file paths; empty = plaintext)
+    tls_cert_file: str = Field("", description="server certificate (enables TLS)")
+    tls_key_file: str = Field("", description="server private key")
+    tls_client_ca_file: str = Field("", description="CA of client certificates (enables mTLS: clients must present one)")
+    upstream_ca_file: str = Field("", description="CA to verify the kvstore and workers (enables TLS to them)")
+    upstream_cert_file: str = Field("", description="client certificate presented to the kvstore and workers (mTLS)")
+    upstream_key_file: str = Field("", description="private key of upstream_cert_file")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RouterSettings:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mTLS) needs tls_cert_file and tls_key_file")
+        if bool(self.upstream_cert_file) != bool(self.upstream_key_file):
+            raise ValueError("upstream_cert_file and upstream_key_file go together")
+        if (self.upstream_cert_file or self.upstream_key_file) and not self.upstream_ca_file:
+            raise ValueError("upstream_cert_file needs upstream_ca_file (TLS to the kvstore and workers)")
+        if self.num_draft_tokens > self.max_draft_tokens:
+            raise ValueError(f"num_draft_tokens ({self.num_draft_tokens}) exceeds max_draft_tokens ({self.max_draft_tokens})")
+        if self.queue_retry_s > self.queue_retry_max_s:
+            raise ValueError("queue_retry_s must not exceed queue_retry_max_s")
+        return self
