@@ -1,0 +1,231 @@
+"""Running the draft layers for a batch: *fill* (after the target) and *chain* (before it).
+
+Notation as in ``model/draft.py``: a request has accepted tokens ``t[0..L)``; its newest token
+``t[L-1]`` has not been fed to the target yet, so the target KV (and target hidden) covers
+``T = L - 1`` positions while decoding. Proposal ``d_j`` stands for ``t[L-1+j]`` (j ≥ 1).
+
+Fill — positions ``[F, hi)`` of every draft layer, right after the target forward of the step::
+
+    position:      F .......... known-D ........ T-1 | T ...
+    draft KV:      final inputs       | speculative  | (chain, next step)
+    EAGLE-3 (D=1): token t[i+1], context = target aux a[i]; never speculative (T <= known-1)
+    MTP     (D=K): module k reads t[i+k]; where that is past the known tokens it reads the
+                   proposal d_(i+k-T) of an earlier module of this same fill
+
+  ``hi = T`` when the request drafts now (it is decoding: ``T = known - 1``); otherwise
+  ``hi = min(T, known - D)`` so nothing speculative is written (prefill chunks, k = 0, finished
+  requests). Afterwards ``F = min(T, known - D)`` and the target conditioning rows of
+  ``[F, T)`` are kept in ``RequestState.pending_hidden`` for the next fill (MTP: K-1 rows).
+  A drafting fill proposes ``d_1`` (EAGLE-3) or ``d_1..d_K`` (MTP) from the row at ``T-1``.
+
+Chain — next step, before the target: proposals beyond what the fill made, one position per
+call, with EAGLE-style self-feeding: the last draft layer reads the newest proposal and its own
+output hidden of the previous position instead of a target hidden state::
+
+    EAGLE-3:          layer at position T-1+j reads d_j, context g[T-2+j]        -> d_(j+1)
+    MTP, k > K:       module K at position T+j-K reads d_j, prev hidden m_K[T+j-K-1] -> d_(j+1)
+                      (the LAST module is chained; modules 1..K-1 are not used past K)
+
+  Chain positions ``>= T`` are speculative draft KV; the next fill rewrites those that become
+  final. A chain of ``k`` proposals ends at position ``T + k - 1 - D < L + k``, inside the
+  capacity the step reserved for verification.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from services.common.spec import SpecMode
+from services.gpuworker.attention.base import AttentionBackend, AttentionKind, BatchLayout
+from services.gpuworker.engine.request import RequestState
+from services.gpuworker.engine.sampling import draw_uniforms, probs_from_logits, sample_rows
+from services.gpuworker.kv.pool import KVPool
+from services.gpuworker.model.draft import DraftModel, Eagle3Draft, MTPDraft
+
+
+@dataclasses.dataclass
+class FillJob:
+    """One request's fill: the target conditioning rows the step produced for positions
+    ``[T_old, T)`` (``new_rows``, may be empty) and how many proposals to make now (0 = none)."""
+
+    state: RequestState
+    new_rows: torch.Tensor | None
+    wanted: int
+
+
+def choose_proposals(states: list[RequestState], logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """One proposal per row of ``logits`` [B, V] for ``states[b]``: argmax for greedy requests,
+    a sample from the transformed draft distribution otherwise (one uniform drawn from that
+    request's generator, which is mutated). Returns ``(tokens [B] on the logits' device,
+    per-row distributions q (None for greedy))``."""
+    tokens = torch.argmax(logits, dim=-1)
+    probs: list[torch.Tensor | None] = [None] * len(states)
+    for b, s in enumerate(states):
+        if not s.spec.sampling.greedy:
+            q = probs_from_logits(logits[b : b + 1], s.spec.sampling)
+            tokens[b] = sample_rows(q, draw_uniforms(s.generator, 1))[0]
+            probs[b] = q[0]
+    return tokens, probs
+
+
+class DraftRunner:
+    """Drives one draft model over the draft pool. Mutates the pool and the ``RequestState``s
+    it is given (proposals, draft length, pending rows); returns the position ranges it wrote."""
+
+    def __init__(self, draft: DraftModel, backend: AttentionBackend, pool: KVPool, device: torch.device):
+        self.draft = draft
+        self.backend = backend
+        self.pool = pool
+        self.device = device
+        self.mode = draft.spec_mode
+        self.span = draft.span
+        self.num_layers = draft.num_kv_layers
+        if self.mode not in (SpecMode.EAGLE3, SpecMode.MTP):
+            raise ValueError(f"no draft runner for {self.mode}")
+
+    @property
+    def target_aux_layers(self) -> tuple[int, ...]:
+        """Target layers whose outputs the fill needs (EAGLE-3), else ()."""
+        return self.draft.aux_layers if self.mode is SpecMode.EAGLE3 else ()
+
+    # -- fill -----------------------------------------------------------------------------------
+
+    def fill(self, jobs: list[FillJob]) -> dict[str, tuple[int, int]]:
+        """Bring every job's draft KV up to date (see the module docstring); make proposals for
+        jobs with ``wanted > 0``. Returns request id → written position range ``[lo, hi)``."""
+        run: list[tuple[FillJob, int, int, torch.Tensor]] = []
+        written: dict[str, tuple[int, int]] = {}
+        for job in jobs:
+            s = job.state
+            known, T, F = s.logical_len, s.target_len, s.draft_len
+            parts = [x for x in (s.pending_hidden, job.new_rows) if x is not None and x.shape[0] > 0]
+            rows = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None)
+            drafting = job.wanted > 0 and T == known - 1
+            hi = T if drafting else min(T, known - self.span)
+            new_f = max(F, min(T, known - self.span))
+            if hi > F:
+                run.append((job, F, hi, rows[: hi - F]))
+                written[s.request_id] = (F, hi)
+            s.pending_hidden = rows[new_f - F :] if rows is not None and rows.shape[0] > new_f - F else None
+            s.draft_len = new_f
+            s.drafts, s.draft_probs, s.chain_hidden = None, None, None
+        if run:
+            if self.mode is SpecMode.EAGLE3:
+                self._fill_eagle(run)
+            else:
+                self._fill_mtp(run)
+        return written
+
+    def _layout(self, run) -> BatchLayout:
+        return BatchLayout(
+            block_tables=[list(j.state.block_table) for j, _, _, _ in run],
+            cached_lens=[lo for _, lo, _, _ in run],
+            query_lens=[hi - lo for _, lo, hi, _ in run],
+        )
+
+    def _drafting(self, run) -> tuple[list[int], torch.Tensor]:
+        """Indices (into ``run``) of drafting jobs and their last rows in the flattened batch."""
+        idx, rows, end = [], [], 0
+        for b, (job, lo, hi, _) in enumerate(run):
+            end += hi - lo
+            if job.wanted > 0 and hi == job.state.target_len == job.state.logical_len - 1:
+                idx.append(b)
+                rows.append(end - 1)
+        return idx, torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _fill_eagle(self, run) -> None:
+        draft: Eagle3Draft = self.draft  # type: ignore[assignment]
+        plan = self.backend.plan(self._layout(run))
+        next_ids = torch.tensor(
+            [tok for job, lo, hi, _ in run for tok in job.state.tokens[lo + 1 : hi + 1]],
+            dtype=torch.long, device=self.device,
+        )
+        context = torch.cat([rows for _, _, _, rows in run])
+        drafting, last_rows = self._drafting(run)
+        out = draft(next_ids, context, plan, self.backend, self.pool, context_is_aux=True, logits_indices=last_rows)
+        if drafting:
+            states = [run[b][0].state for b in drafting]
+            tokens, probs = choose_proposals(states, out.logits)
+            hidden = out.hidden.index_select(0, last_rows)
+            for i, s in enumerate(states):
+                self._set_proposals(s, tokens[i : i + 1], [probs[i]], hidden[i])
+
+    def _fill_mtp(self, run) -> None:
+        draft: MTPDraft = self.draft  # type: ignore[assignment]
+        K = self.num_layers
+        plan = self.backend.plan(self._layout(run))
+        drafting, last_rows = self._drafting(run)
+        slot_of = {b: i for i, b in enumerate(drafting)}
+        # lookahead[row, k-1] = t[i+k] when known, else -(j) for proposal d_j (j >= 1)
+        look, owner = [], []
+        for b, (job, lo, hi, _) in enumerate(run):
+            toks, T = job.state.tokens, job.state.target_len
+            for i in range(lo, hi):
+                look.append([toks[i + k] if i + k < len(toks) else -(i + k - T) for k in range(1, K + 1)])
+                owner.append(slot_of.get(b, -1))
+        look_t = torch.tensor(look, dtype=torch.long, device=self.device)
+        owner_t = torch.tensor(owner, dtype=torch.long, device=self.device).clamp(min=0)
+        states = [run[b][0].state for b in drafting]
+        proposals = torch.zeros(len(drafting), K + 1, dtype=torch.long, device=self.device)  # col j = d_j
+        probs_cols: list[list[torch.Tensor | None]] = []
+        prev = torch.cat([rows for _, _, _, rows in run])
+        for k in range(1, K + 1):
+            col = look_t[:, k - 1]
+            # an unknown token can only be a proposal of an earlier module (j < k)
+            fill = proposals[owner_t, (-col).clamp(min=0, max=K)] if drafting else torch.zeros_like(col)
+            tokens = torch.where(col >= 0, col, fill)
+            out = draft(k, tokens, prev, plan, self.backend, self.pool, logits_indices=last_rows)
+            if drafting:
+                chosen, probs = choose_proposals(states, out.logits)
+                proposals[:, k] = chosen
+                probs_cols.append(probs)
+            prev = out.hidden
+        if drafting:
+            hidden = prev.index_select(0, last_rows)
+            for i, s in enumerate(states):
+                self._set_proposals(s, proposals[i, 1:], [c[i] for c in probs_cols], hidden[i])
+
+    def _set_proposals(self, s: RequestState, tokens: torch.Tensor, probs: list, hidden: torch.Tensor) -> None:
+        s.drafts = tokens.clone()
+        s.draft_probs = None if s.spec.sampling.greedy else torch.stack(probs)
+        s.chain_hidden = hidden
+
+    # -- chain ----------------------------------------------------------------------------------
+
+    def chain(self, wanted: dict[str, int], states: list[RequestState]) -> dict[str, tuple[int, int]]:
+        """Extend each state's proposals to ``wanted[rid]`` by self-fed single-position steps
+        (one DECODE forward per extra proposal). Mutates states and the last draft layer's KV.
+        Returns request id → written position range."""
+        written: dict[str, tuple[int, int]] = {}
+        todo = [s for s in states if s.drafts is not None and s.chain_hidden is not None
+                and len(s.drafts) == self.num_layers and wanted.get(s.request_id, 0) > len(s.drafts)]
+        for s in todo:
+            p = self._chain_position(s)
+            written[s.request_id] = (p, p + wanted[s.request_id] - len(s.drafts))
+        while todo:
+            layout = BatchLayout(
+                block_tables=[list(s.block_table) for s in todo],
+                cached_lens=[self._chain_position(s) for s in todo],
+                query_lens=[1] * len(todo),
+            )
+            plan = self.backend.plan(layout, AttentionKind.DECODE)
+            tokens = torch.stack([s.drafts[-1] for s in todo])
+            hidden = torch.stack([s.chain_hidden for s in todo])
+            if self.mode is SpecMode.EAGLE3:
+                out = self.draft(tokens, hidden, plan, self.backend, self.pool, context_is_aux=False)
+            else:
+                out = self.draft(self.num_layers, tokens, hidden, plan, self.backend, self.pool)
+            chosen, probs = choose_proposals(todo, out.logits)
+            for i, s in enumerate(todo):
+                s.drafts = torch.cat([s.drafts, chosen[i : i + 1]])
+                if probs[i] is not None:
+                    s.draft_probs = torch.cat([s.draft_probs, probs[i].unsqueeze(0)])
+                s.chain_hidden = out.hidden[i]
+            todo = [s for s in todo if wanted[s.request_id] > len(s.drafts)]
+        return written
+
+    def _chain_position(self, s: RequestState) -> int:
+        # the newest proposal d_m is t[T+m]; the last layer reads t[i+D] at position i
+        return s.target_len + len(s.drafts) - self.span

@@ -1,0 +1,508 @@
+"""The engine: batched steps of chunked prefill and speculative decoding over paired paged KV.
+
+One ``step()`` runs, for the requests the scheduler picked::
+
+    0. capacity   one batched BlockSource.extend for requests whose step writes past capacity
+    A. chain      draft proposals beyond the fill's (EAGLE-3: d2..dk; MTP: d_(K+1)..dk)
+    B. target     one forward over [prefill chunks | t[L-1], d1..dk | ...] (request-major)
+    C. accept     first token after a prompt; greedy / rejection-sampled / forced verification;
+                  stop tokens, max_new_tokens, max_seq_len
+    D. fill       draft layers over the newly final positions (+ d1 or d1..dK for next step)
+    E. trim       after the step completed: one batched BlockSource.trim of unneeded tail blocks
+
+A decode step of request r with L accepted tokens and k drafts::
+
+    positions:   ...  L-2 | L-1    L     ...   L+k-1 | L+k ...
+    target KV:   final    | t[L-1] d1    ...   dk    |            written in B (k+1 positions)
+    draft KV:    final    | chain (A): T .. T+k-1-D  |            speculative
+    capacity needed: L + k   (decided before the step, so one extend suffices)
+
+The engine is synchronous and deterministic (on CPU): a request's tokens depend on its own seed
+and logits only. It is not thread-safe; the worker service owns one engine and calls it from one
+thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.gpuworker.attention.base import AttentionBackend, AttentionKind, BatchLayout
+from services.gpuworker.engine.acceptance import accept_greedy, accept_sampled_batch
+from services.gpuworker.engine.capacity import BlockSource, blocks_for
+from services.gpuworker.engine.drafting import DraftRunner, FillJob
+from services.gpuworker.engine.report import RequestStepResult, StepReport
+from services.gpuworker.engine.request import FinishReason, RequestSpec, RequestState
+from services.gpuworker.engine.sampling import SamplingParams, draw_uniforms, make_generator, probs_from_logits, sample_rows
+from services.gpuworker.engine.scheduler import ScheduledWork, draft_budget, schedule
+from services.gpuworker.kv.pool import KVPool
+from services.gpuworker.model.draft import DraftModel
+from services.gpuworker.model.llama import TargetModel
+
+TRIM_POLICIES = ("unneeded", "rejected")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs. Immutable; validated on construction (``InvalidArgument``).
+
+    * ``max_batch_tokens``: target tokens per step (prefill chunks + 1 + k per decode).
+    * ``chunk_size``: prompt positions per request per step.
+    * ``max_draft_tokens``: the largest ``k`` a request may ask for.
+    * ``max_seq_len``: prompt + output limit; None = the model's.
+    * ``forced_acceptance``: BENCHMARKS ONLY, never set by default. Accept exactly
+      ``min(a, k_eff)`` drafts every verify, whatever they are, then take the target's token after
+      them. Output is no longer the target's; it only pins the acceptance length for timing.
+    * ``trim_policy``: ``"unneeded"`` (default) trims blocks past the most a request can still
+      write (``prompt + max_new_tokens - 1`` positions, capped by max_seq_len);
+      ``"rejected"`` additionally trims, after every verify, the blocks past the logical length —
+      those held only rejected drafts — and the next step extends again.
+    """
+
+    max_batch_tokens: int = 256
+    chunk_size: int = 64
+    max_batch_size: int = 64
+    max_draft_tokens: int = 8
+    max_seq_len: int | None = None
+    forced_acceptance: int | None = None
+    trim_policy: str = "unneeded"
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_size", "max_batch_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise InvalidArgument(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
+            raise InvalidArgument(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens!r}")
+        if not isinstance(self.max_batch_tokens, int) or self.max_batch_tokens < 1 + self.max_draft_tokens:
+            raise InvalidArgument(
+                f"max_batch_tokens ({self.max_batch_tokens!r}) must fit one verify of "
+                f"1 + max_draft_tokens ({1 + self.max_draft_tokens}) tokens"
+            )
+        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
+            raise InvalidArgument(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
+        if self.forced_acceptance is not None and (
+            not isinstance(self.forced_acceptance, int) or self.forced_acceptance < 0
+        ):
+            raise InvalidArgument(f"forced_acceptance must be None or >= 0, got {self.forced_acceptance!r}")
+        if self.trim_policy not in TRIM_POLICIES:
+            raise InvalidArgument(f"trim_policy must be one of {TRIM_POLICIES}, got {self.trim_policy!r}")
+
+
+class Engine:
+    """Continuous-batching speculative decoder over one target (+ optional draft) and its pools.
+
+    ``add_request`` / ``abort`` between steps; ``step()`` advances every scheduled request and
+    returns a ``StepReport``. All three mutate the engine; ``step`` also mutates both KV pools and
+    calls the block source (at most one ``extend`` and one ``trim``)."""
+
+    def __init__(
+        self,
+        target: TargetModel,
+        draft: DraftModel | None,
+        backend: AttentionBackend,
+        target_pool: KVPool,
+        draft_pool: KVPool | None,
+        block_source: BlockSource,
+        config: EngineConfig = EngineConfig(),
+    ):
+        if (draft is None) != (draft_pool is None):
+            raise InvalidArgument("a draft model needs a draft pool and vice versa")
+        if draft_pool is not None and (
+            draft_pool.num_blocks != target_pool.num_blocks or draft_pool.block_size != target_pool.block_size
+        ):
+            raise InvalidArgument("draft and target pools must pair: same num_blocks and block_size")
+        if backend.geometry.block_size != target_pool.block_size:
+            raise InvalidArgument("backend and pools disagree on block_size")
+        self.target = target
+        self.backend = backend
+        self.target_pool = target_pool
+        self.block_source = block_source
+        self.config = config
+        self.block_size = target_pool.block_size
+        self.device = target_pool.device
+        self.drafter = DraftRunner(draft, backend, draft_pool, self.device) if draft is not None else None
+        self.span = draft.span if draft is not None else 0
+        model_max = target.config.max_seq_len
+        self.max_seq_len = min(config.max_seq_len or model_max, model_max)
+        self._states: dict[str, RequestState] = {}
+        self._arrivals = 0
+
+    # -- request lifecycle ------------------------------------------------------------------------
+
+    def add_request(self, spec: RequestSpec) -> None:
+        """Admit a request (joins the next step). Validates it (``InvalidArgument``,
+        ``AlreadyExists``); its positions below ``reused_positions`` are never recomputed."""
+        self._validate(spec)
+        r = spec.reused_positions
+        self._states[spec.request_id] = RequestState(
+            spec=spec,
+            tokens=[int(t) for t in spec.prompt_ids],
+            block_table=[int(b) for b in spec.block_table],
+            block_size=self.block_size,
+            generator=make_generator(spec.sampling, spec.request_id),
+            target_len=r,
+            draft_len=r,
+            arrival=self._arrivals,
+        )
+        self._arrivals += 1
+
+    def abort(self, request_id: str) -> None:
+        """Drop a live request (between steps, so no step of the engine is writing its blocks).
+        The caller ends its reservation. ``NotFound`` for unknown ids."""
+        if self._states.pop(request_id, None) is None:
+            raise NotFound(f"unknown request {request_id!r}")
+
+    def has_work(self) -> bool:
+        return bool(self._states)
+
+    def request_ids(self) -> list[str]:
+        return list(self._states)
+
+    def state(self, request_id: str) -> RequestState:
+        """The live state (read it, do not mutate it). ``NotFound`` for unknown ids."""
+        if request_id not in self._states:
+            raise NotFound(f"unknown request {request_id!r}")
+        return self._states[request_id]
+
+    def _validate(self, spec: RequestSpec) -> None:
+        if not isinstance(spec, RequestSpec):
+            raise InvalidArgument("add_request needs a RequestSpec")
+        if not isinstance(spec.request_id, str) or not spec.request_id:
+            raise InvalidArgument("request_id must be a non-empty string")
+        if spec.request_id in self._states:
+            raise AlreadyExists(f"request {spec.request_id!r} is already running")
+        n, vocab = len(spec.prompt_ids), self.target.config.vocab_size
+        if n == 0:
+            raise InvalidArgument("prompt_ids must not be empty")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in spec.prompt_ids):
+            raise InvalidArgument(f"prompt token ids must be integers in [0, {vocab})")
+        if n >= self.max_seq_len:
+            raise InvalidArgument(f"prompt of {n} tokens leaves no room under max_seq_len {self.max_seq_len}")
+        if not isinstance(spec.max_new_tokens, int) or spec.max_new_tokens < 1:
+            raise InvalidArgument(f"max_new_tokens must be >= 1, got {spec.max_new_tokens!r}")
+        if not isinstance(spec.sampling, SamplingParams):
+            raise InvalidArgument("sampling must be a SamplingParams")
+        if not isinstance(spec.k, int) or not 0 <= spec.k <= self.config.max_draft_tokens:
+            raise InvalidArgument(f"k must be in [0, {self.config.max_draft_tokens}], got {spec.k!r}")
+        if spec.k > 0 and self.drafter is None:
+            raise InvalidArgument("this engine has no draft model; k must be 0")
+        table = list(spec.block_table)
+        if any(not isinstance(b, int) or not 0 <= b < self.target_pool.num_blocks for b in table):
+            raise InvalidArgument(f"block ids must be integers in [0, {self.target_pool.num_blocks})")
+        if len(set(table)) != len(table):
+            raise InvalidArgument("block_table repeats a block id")
+        r = spec.reused_positions
+        limit = min(n - self.span, n - 1)
+        if not isinstance(r, int) or r < 0 or r % self.block_size or r > limit:
+            raise InvalidArgument(
+                f"reused_positions {r!r} must be a multiple of {self.block_size} in [0, {max(limit, 0)}] "
+                "(the last position and the trailing lookahead span are always recomputed)"
+            )
+        if r > len(table) * self.block_size:
+            raise InvalidArgument(f"reused_positions {r} exceed the block table's capacity")
+
+    # -- the step -----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> StepReport:
+        """Run one batched step (see the module docstring). Mutates the pools, the requests and the
+        block source. Finished requests are reported once and dropped."""
+        cfg = self.config
+        states = sorted(self._states.values(), key=lambda s: s.arrival)
+        work = schedule(states, max_batch_tokens=cfg.max_batch_tokens, max_batch_size=cfg.max_batch_size,
+                        chunk_size=cfg.chunk_size, max_seq_len=self.max_seq_len)
+        cap_before = {s.request_id: s.capacity for s in states}
+        results: dict[str, RequestStepResult] = {}
+        written: dict[str, list[tuple[int, int]]] = {s.request_id: [] for s in states}
+        emitted: dict[str, list[int]] = {w.state.request_id: [] for w in work}
+        verified: dict[str, tuple[int, int]] = {}
+        errors: dict[str, Exception] = {}
+
+        extend_wants = self._reserve(work, errors)
+        work = [w for w in work if not w.state.finished]
+        prefilled = {w.state.request_id: w.num_target_tokens for w in work if w.is_prefill}
+        # A. chain drafting (proposals beyond the fill's), inside the capacity reserved above
+        if self.drafter is not None:
+            decoding = [w for w in work if not w.is_prefill and w.num_drafts > 0]
+            for w in decoding:  # never verify more than we may: truncate to this step's k
+                if w.state.drafts is None:
+                    w.num_drafts = 0
+                elif len(w.state.drafts) > w.num_drafts:
+                    w.state.drafts = w.state.drafts[: w.num_drafts]
+                    if w.state.draft_probs is not None:
+                        w.state.draft_probs = w.state.draft_probs[: w.num_drafts]
+            chained = self.drafter.chain({w.state.request_id: w.num_drafts for w in decoding},
+                                         [w.state for w in decoding])
+            for rid, rng in chained.items():
+                written[rid].append(rng)
+            for w in decoding:  # a chain that could not run leaves fewer proposals than planned
+                w.num_drafts = min(w.num_drafts, 0 if w.state.drafts is None else len(w.state.drafts))
+        target_tokens = sum(w.num_target_tokens for w in work)
+        fill_jobs: list[FillJob] = []
+        if work:
+            fill_jobs = self._target_and_accept(work, written, emitted, verified)
+        draft_tokens = 0
+        if self.drafter is not None and fill_jobs:
+            filled = self.drafter.fill(fill_jobs)
+            for rid, rng in filled.items():
+                written[rid].append(rng)
+            draft_tokens = sum(hi - lo for lo, hi in filled.values())
+        # The step is complete on the device only once synchronized; blocks may be given back
+        # (trim) only after that (DESIGN §2).
+        blocks_written = {rid: self._blocks_of(self._states[rid], rngs) for rid, rngs in written.items()}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        trim_keeps = self._trim(states)
+
+        for s in states:
+            rid = s.request_id
+            if rid not in emitted and rid not in errors and rid not in trim_keeps:
+                continue  # untouched this step
+            proposed, accepted = verified.get(rid, (0, 0))
+            results[rid] = RequestStepResult(
+                request_id=rid,
+                new_token_ids=emitted.get(rid, []),
+                proposed_drafts=proposed,
+                accepted_drafts=accepted,
+                logical_len=s.logical_len,
+                target_len=s.target_len,
+                publishable_positions=s.draft_len,
+                block_table=list(s.block_table),
+                block_size=self.block_size,
+                blocks_written=blocks_written[rid],
+                capacity_before=cap_before[rid],
+                capacity_after=s.capacity,
+                prefill_tokens=prefilled.get(rid, 0),
+                verified=rid in verified,
+                finish_reason=s.finish_reason,
+                error=errors.get(rid),
+            )
+            if s.finished:
+                del self._states[rid]
+        return StepReport(results=results, extend_wants=extend_wants, trim_keeps=trim_keeps,
+                          target_tokens=target_tokens, draft_tokens=draft_tokens)
+
+    # -- 0. capacity ------------------------------------------------------------------------------
+
+    def _reserve(self, work: list[ScheduledWork], errors: dict[str, Exception]) -> dict[str, int]:
+        """One batched extend; shrink (or finish with CAPACITY) what did not get its capacity."""
+        wants = {w.state.request_id: w.needed_capacity for w in work if w.needed_capacity > w.state.capacity}
+        if not wants:
+            return {}
+        answers = self.block_source.extend(dict(wants))
+        for w in work:
+            s = w.state
+            if s.request_id not in wants:
+                continue
+            ans = answers.get(s.request_id)
+            if isinstance(ans, Exception) or ans is None:
+                errors[s.request_id] = ans or FailedPrecondition("block source gave no answer")
+            else:
+                table = [int(b) for b in ans]
+                if table[: len(s.block_table)] != s.block_table:
+                    raise FailedPrecondition(f"{s.request_id}: extend moved existing blocks")
+                s.block_table = table
+            # Whatever we got, fit the step into it: fewer drafts, a shorter chunk, or nothing.
+            cap = s.capacity
+            if w.is_prefill:
+                w.prefill_end = min(w.prefill_end, cap)
+                ok = w.prefill_end > s.target_len
+            else:
+                w.num_drafts = min(w.num_drafts, cap - s.logical_len)
+                ok = w.num_drafts >= 0
+            if not ok:
+                s.finish_reason = FinishReason.CAPACITY
+                errors.setdefault(s.request_id, FailedPrecondition("no capacity for the next step"))
+        return wants
+
+    # -- B + C. target forward and acceptance ----------------------------------------------------
+
+    def _target_and_accept(self, work, written, emitted, verified) -> list[FillJob]:
+        dev = self.device
+        ids: list[torch.Tensor] = []
+        logit_rows: list[int] = []
+        row = 0
+        for w in work:
+            s = w.state
+            if w.is_prefill:
+                ids.append(torch.tensor(s.tokens[s.target_len : w.prefill_end], dtype=torch.long, device=dev))
+                if w.prefill_end == s.num_prompt:
+                    logit_rows.append(row + w.num_target_tokens - 1)
+            else:
+                ids.append(torch.tensor(s.tokens[-1:], dtype=torch.long, device=dev))
+                if w.num_drafts:  # proposals stay on the device: no host round trip
+                    ids.append(s.drafts[: w.num_drafts])
+                logit_rows.extend(range(row, row + w.num_target_tokens))
+            written[s.request_id].append((s.target_len, s.target_len + w.num_target_tokens))
+            row += w.num_target_tokens
+        input_ids = torch.cat(ids)
+        layout = BatchLayout(
+            block_tables=[list(w.state.block_table) for w in work],
+            cached_lens=[w.state.target_len for w in work],
+            query_lens=[w.num_target_tokens for w in work],
+        )
+        qlens = layout.query_lens
+        kind = AttentionKind.VERIFY if len(set(qlens)) == 1 and qlens[0] > 1 and not any(w.is_prefill for w in work) else None
+        plan = self.backend.plan(layout, kind)
+        aux = self.drafter.target_aux_layers if self.drafter is not None else ()
+        out = self.target(input_ids, plan, self.backend, self.target_pool, aux_layers=aux,
+                          logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev))
+        cond = None
+        if self.drafter is not None:
+            cond = out.aux_hidden if aux else out.hidden
+
+        # Which logits row belongs to whom, then one host sync for every greedy decision.
+        picks: dict[str, tuple[int, int]] = {}  # rid -> (first logits row, count)
+        cursor = 0
+        for w in work:
+            s = w.state
+            if w.is_prefill and w.prefill_end == s.num_prompt:
+                picks[s.request_id] = (cursor, 1)
+                cursor += 1
+            elif not w.is_prefill:
+                picks[s.request_id] = (cursor, 1 + w.num_drafts)
+                cursor += 1 + w.num_drafts
+        argmax = torch.argmax(out.logits, dim=-1) if out.logits.shape[0] else None
+        sampled = [w for w in work if w.state.request_id in picks and not w.state.spec.sampling.greedy]
+        sampled_tokens = self._sample_or_verify(sampled, out.logits, picks)
+        greedy_host = argmax.tolist() if argmax is not None else []
+        draft_host = {w.state.request_id: w.state.drafts[: w.num_drafts].tolist()
+                      for w in work if not w.is_prefill and w.num_drafts and w.state.spec.sampling.greedy}
+
+        jobs: list[FillJob] = []
+        row = 0
+        for w in work:
+            s = w.state
+            rid = s.request_id
+            t_old = s.target_len
+            if w.is_prefill:
+                s.target_len = w.prefill_end
+                if rid in picks:
+                    tok = sampled_tokens[rid][1] if rid in sampled_tokens else (greedy_host[picks[rid][0]],)
+                    emitted[rid] = self._append(s, list(tok))
+            else:
+                first, count = picks[rid]
+                if rid in sampled_tokens:
+                    n_acc, toks = sampled_tokens[rid]
+                else:
+                    v = accept_greedy(draft_host.get(rid, []), greedy_host[first : first + count],
+                                      self._forced(w.num_drafts))
+                    n_acc, toks = v.accepted, v.tokens
+                verified[rid] = (w.num_drafts, n_acc)
+                s.decode_steps += 1
+                s.proposed_drafts_total += w.num_drafts
+                s.accepted_drafts_total += n_acc
+                emitted[rid] = self._append(s, list(toks))
+                s.target_len = s.logical_len - 1  # the newest token is fed next step
+            s.drafts = s.draft_probs = s.chain_hidden = None
+            new_rows = cond[row : row + (s.target_len - t_old)] if cond is not None else None
+            row += w.num_target_tokens
+            if self.drafter is None:
+                s.draft_len = s.target_len
+                continue
+            wanted = 0
+            if not s.finished and not s.in_prefill and s.spec.k > 0:
+                wanted = min(draft_budget(s, self.max_seq_len), self.drafter.num_layers)
+            jobs.append(FillJob(s, new_rows, wanted))
+        return jobs
+
+    def _forced(self, num_drafts: int) -> int | None:
+        a = self.config.forced_acceptance
+        return None if a is None else min(a, num_drafts)
+
+    def _sample_or_verify(self, sampled: list[ScheduledWork], logits, picks) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Temperature > 0: the first token after a prompt is sampled from p; decode steps are
+        verified by rejection sampling, batched and padded to the largest k of the batch.
+        Draws from each request's generator (mutated). Returns rid -> (accepted, tokens)."""
+        out: dict[str, tuple[int, tuple[int, ...]]] = {}
+        verify = []
+        for w in sampled:
+            s = w.state
+            first, count = picks[s.request_id]
+            p = probs_from_logits(logits[first : first + count], s.spec.sampling)
+            if w.is_prefill:
+                out[s.request_id] = (0, (int(sample_rows(p, draw_uniforms(s.generator, 1))[0]),))
+            else:
+                verify.append((w, p))
+        if not verify:
+            return out
+        kmax = max(w.num_drafts for w, _ in verify)
+        b, vocab = len(verify), logits.shape[-1]
+        dev = logits.device
+        drafts = torch.zeros(b, kmax, dtype=torch.long, device=dev)
+        q = torch.zeros(b, kmax, vocab, device=dev)
+        p_all = torch.zeros(b, kmax + 1, vocab, device=dev)
+        num = torch.zeros(b, dtype=torch.long)
+        u_acc = torch.zeros(b, kmax, dtype=torch.float64)
+        u_tok = torch.zeros(b, dtype=torch.float64)
+        forced = torch.full((b,), -1, dtype=torch.long)
+        for i, (w, p) in enumerate(verify):
+            s, k = w.state, w.num_drafts
+            if k:
+                drafts[i, :k] = s.drafts[:k]
+                q[i, :k] = s.draft_probs[:k]
+            p_all[i, : k + 1] = p
+            num[i] = k
+            u_acc[i, :k] = draw_uniforms(s.generator, k)  # a fixed count per step: reproducible
+            u_tok[i] = draw_uniforms(s.generator, 1)[0]
+            f = self._forced(k)
+            forced[i] = -1 if f is None else f
+        accepted, token = accept_sampled_batch(drafts, q, p_all, num, u_acc, u_tok, forced)
+        acc_host, tok_host, drafts_host = accepted.tolist(), token.tolist(), drafts.tolist()
+        for i, (w, _) in enumerate(verify):
+            n = acc_host[i]
+            out[w.state.request_id] = (n, tuple(drafts_host[i][:n]) + (tok_host[i],))
+        return out
+
+    def _append(self, s: RequestState, tokens: list[int]) -> list[int]:
+        """Append accepted tokens until a stop condition; sets ``finish_reason``. Mutates ``s``."""
+        emitted = []
+        stops = set(s.spec.stop_ids)
+        for t in tokens:
+            s.tokens.append(int(t))
+            emitted.append(int(t))
+            if t in stops:
+                s.finish_reason = FinishReason.STOP
+            elif s.num_generated >= s.spec.max_new_tokens:
+                s.finish_reason = FinishReason.LENGTH
+            elif s.logical_len >= self.max_seq_len:
+                s.finish_reason = FinishReason.MAX_SEQ_LEN
+            if s.finished:
+                break
+        return emitted
+
+    # -- E. trim -------------------------------------------------------------------------------------
+
+    def _trim(self, states: Iterable[RequestState]) -> dict[str, int]:
+        """One batched trim of blocks no later step of a live request will write."""
+        keeps: dict[str, int] = {}
+        for s in states:
+            if s.finished:
+                continue  # the caller releases the whole reservation
+            most = min(s.num_prompt + s.spec.max_new_tokens, self.max_seq_len) - 1
+            keep = max(most, s.target_len, s.draft_len)
+            if self.config.trim_policy == "rejected" and not s.in_prefill:
+                keep = s.logical_len  # positions >= L hold only rejected or no KV
+            if blocks_for(keep, self.block_size) < len(s.block_table):
+                keeps[s.request_id] = keep
+        if keeps:
+            tables = self.block_source.trim(dict(keeps))
+            for rid, table in tables.items():
+                s = self._states[rid]
+                table = [int(b) for b in table]
+                if table != s.block_table[: len(table)]:
+                    raise FailedPrecondition(f"{rid}: trim changed kept blocks")
+                s.block_table = table
+        return keeps
+
+    def _blocks_of(self, s: RequestState, ranges: list[tuple[int, int]]) -> list[int]:
+        ids: set[int] = set()
+        bs = self.block_size
+        for lo, hi in ranges:
+            if hi > lo:
+                for i in range(lo // bs, (hi - 1) // bs + 1):
+                    ids.add(s.block_table[i])
+        return sorted(ids)

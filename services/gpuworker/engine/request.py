@@ -1,0 +1,121 @@
+"""Requests as the engine sees them: the immutable ``RequestSpec`` a caller submits, and the
+mutable ``RequestState`` the engine advances step by step.
+
+The state keeps three lengths apart (they are different numbers almost all the time)::
+
+    tokens        t[0] ........................................ t[L-1]      L = logical length
+    target KV     [0 ............................. T)                       T = target_len
+    draft KV      [0 ..................... F)                               F = draft_len
+    capacity      [0 .......................................................... C)
+                                            ^ positions >= F may hold speculative draft KV,
+                                              positions >= T rejected target KV: garbage until
+                                              rewritten; nothing reads past the logical length
+
+* ``T`` counts positions whose target KV was computed from final tokens. During prefill
+  ``T`` is the end of the last chunk; while decoding ``T = L - 1`` (the newest token has not
+  been fed to the target yet).
+* ``F`` counts positions whose draft KV (every draft layer) was computed from final tokens:
+  ``F = min(T, L_known - D)`` where ``L_known`` counts tokens that are final (the whole prompt
+  counts from the start). Positions ``< F`` are *publishable* (DESIGN §1).
+* ``C`` is what the block source reserved; the engine extends it before a step needs it and trims
+  it back after, and never writes past it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+import torch
+
+from services.gpuworker.engine.sampling import GREEDY, SamplingParams
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped. The first three match ``tandem.worker.v1.FinishReason``."""
+
+    LENGTH = "length"  # max_new_tokens generated
+    STOP = "stop"  # a stop token was generated (it is part of the output)
+    MAX_SEQ_LEN = "max_seq_len"  # prompt + output reached the engine's max_seq_len
+    CAPACITY = "capacity"  # the block source could not grow the reservation; no progress possible
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+    """What a caller submits. Immutable; validated by ``Engine.add_request``.
+
+    ``block_table`` are the reservation's blocks in position order (its capacity is
+    ``len(block_table) * block_size``); the first ``reused_positions`` positions already hold
+    target and draft KV (prefix reuse) and are never recomputed. ``k`` draft tokens per step
+    (0 = no speculation).
+    """
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    block_table: Sequence[int]
+    reused_positions: int = 0
+    max_new_tokens: int = 16
+    stop_ids: Sequence[int] = ()
+    sampling: SamplingParams = GREEDY
+    k: int = 0
+
+
+@dataclasses.dataclass
+class RequestState:
+    """The engine's mutable view of one live request (see the module docstring for lengths)."""
+
+    spec: RequestSpec
+    tokens: list[int]
+    block_table: list[int]
+    block_size: int
+    generator: torch.Generator
+    target_len: int
+    draft_len: int
+    arrival: int  # admission order, for first-come-first-served scheduling
+    # Target conditioning rows for positions [draft_len, target_len): what the first draft layer
+    # reads there (fused aux states for EAGLE-3, final hidden for MTP). Kept between steps
+    # because the draft KV of those positions cannot be final yet.
+    pending_hidden: torch.Tensor | None = None
+    # Proposals d_1..d_m for t[L..L+m) (int64 [m], on the model's device: no host sync needed
+    # to feed them to the target), the draft distributions they were sampled from ([m, V]; None
+    # for greedy), and the last draft layer's output hidden at the position before the next
+    # chain position (EAGLE-style self-feeding). All None when nothing is proposed.
+    drafts: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None
+    chain_hidden: torch.Tensor | None = None
+    finish_reason: FinishReason | None = None
+    decode_steps: int = 0
+    accepted_drafts_total: int = 0
+    proposed_drafts_total: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.spec.prompt_ids)
+
+    @property
+    def logical_len(self) -> int:
+        """Accepted tokens: prompt + generated."""
+        return len(self.tokens)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def capacity(self) -> int:
+        """Reserved positions (whole blocks)."""
+        return len(self.block_table) * self.block_size
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until the last prompt position has been fed to the target."""
+        return self.target_len < self.num_prompt
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,92 @@
+"""Which requests run in the next step, and how much of each: continuous batching under a
+token budget. Pure functions over ``RequestState``; nothing here touches tensors.
+
+Policy (first come, first served inside each class):
+
+1. every decoding request feeds ``1 + k_eff`` target tokens (last accepted token + drafts), where
+   ``k_eff`` is its draft count capped by what it may still generate (``draft_budget``) and by the
+   budget left; decodes go first so running requests keep streaming;
+2. prefilling requests then fill what is left of ``max_batch_tokens`` with chunks of at most
+   ``chunk_size`` prompt positions each.
+
+Only target tokens are budgeted; draft-layer work follows from them (a few tokens per request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from services.gpuworker.engine.request import RequestState
+
+
+@dataclasses.dataclass
+class ScheduledWork:
+    """One request's share of a step: a prefill chunk ``[target_len, prefill_end)`` or a decode
+    step verifying ``num_drafts`` drafts. Mutable: capacity shortfalls shrink it."""
+
+    state: RequestState
+    prefill_end: int | None = None
+    num_drafts: int = 0
+    # target_len when scheduled: the step's first target position (the state moves on mid-step)
+    start: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.start = self.state.target_len
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.prefill_end is not None
+
+    @property
+    def num_target_tokens(self) -> int:
+        if self.prefill_end is not None:
+            return self.prefill_end - self.start
+        return 1 + self.num_drafts
+
+    @property
+    def needed_capacity(self) -> int:
+        """Positions this step writes up to (exclusive), in the target and the draft pool alike.
+
+        Prefill writes target KV at ``[T, end)`` and draft KV below it. A decode step writes target
+        KV at ``[L-1, L+k)`` and chains drafts at ``[L-1, L-1+k-1)``: both end by ``L + k``."""
+        if self.prefill_end is not None:
+            return self.prefill_end
+        return self.state.logical_len + self.num_drafts
+
+
+def draft_budget(state: RequestState, max_seq_len: int) -> int:
+    """Drafts worth proposing for ``state``'s next verify: its ``k``, capped so the verify's
+    ``k + 1`` output tokens can neither pass ``max_new_tokens`` nor ``max_seq_len``. Pure."""
+    left_new = state.spec.max_new_tokens - state.num_generated - 1
+    left_seq = max_seq_len - state.logical_len - 1
+    return max(0, min(state.spec.k, left_new, left_seq))
+
+
+def schedule(
+    states: Iterable[RequestState],
+    *,
+    max_batch_tokens: int,
+    max_batch_size: int,
+    chunk_size: int,
+    max_seq_len: int,
+) -> list[ScheduledWork]:
+    """Pick the work of one step. ``states`` in arrival order; finished ones are skipped. Pure."""
+    live = [s for s in states if not s.finished]
+    decoding = [s for s in live if not s.in_prefill]
+    prefilling = [s for s in live if s.in_prefill]
+    budget = max_batch_tokens
+    work: list[ScheduledWork] = []
+    for s in decoding:
+        if len(work) >= max_batch_size or budget < 1:
+            break
+        k = min(draft_budget(s, max_seq_len), budget - 1)
+        work.append(ScheduledWork(s, num_drafts=k))
+        budget -= 1 + k
+    for s in prefilling:
+        if len(work) >= max_batch_size or budget < 1:
+            break
+        end = min(s.num_prompt, s.target_len + chunk_size, s.target_len + budget)
+        work.append(ScheduledWork(s, prefill_end=end))
+        budget -= end - s.target_len
+    return work

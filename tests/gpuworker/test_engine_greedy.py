@@ -1,0 +1,81 @@
+"""Speculative greedy decoding is token-identical to plain greedy decoding.
+
+For EAGLE-3 and MTP (K = 2, and K = 3 so that k > K chains the last module), k ∈ {1, 2, 4},
+one continuous batch of prompts of mixed lengths, chunked (chunk 3, smaller than a block of 4)
+and unchunked prefill, plus a late request that reuses the first blocks an earlier request wrote.
+Drafts are scripted (see test_engine_support) so that both accepted and rejected drafts occur; the
+acceptance rate is asserted too, which only a correctly aligned engine reaches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.gpuworker.attention.base import BatchLayout, get_backend
+from services.gpuworker.engine.local import run_until_done, submit
+from test_engine_support import make_setup, models, plain_greedy, prompts
+
+MAX_NEW = 14
+LENGTHS = (5, 13, 22)
+
+
+@pytest.mark.parametrize("chunk", [3, 64])
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["eagle3", "mtp2", "mtp3"])
+def test_speculative_greedy_equals_plain_greedy(mode, k, chunk):
+    ps = prompts(LENGTHS)
+    expected = {f"r{i}": p + plain_greedy(p, MAX_NEW) for i, p in enumerate(ps)}
+    # the late request shares the first 8 tokens' blocks of r2 (+ the lookahead span) and differs after
+    reuse_prompt = ps[2][:12] + prompts([6], seed=9)[0]
+    expected["late"] = reuse_prompt + plain_greedy(reuse_prompt, MAX_NEW)
+    setup = make_setup(mode, scripted=expected, chunk_size=chunk, max_batch_tokens=24)
+    for i, p in enumerate(ps):
+        submit(setup, f"r{i}", p, max_new_tokens=MAX_NEW, k=k)
+    done = run_until_done(setup, keep=["r2"])
+    reused = 8
+    shared = done["r2"].block_table[: reused // 4]
+    assert done["r2"].publishable_positions >= reused
+    submit(setup, "late", reuse_prompt, max_new_tokens=MAX_NEW, k=k, prefix_blocks=shared, reused_positions=reused)
+    writes = []
+    done.update(run_until_done(setup, on_step=lambda rep: writes.extend(
+        b for r in rep.results.values() for b in r.blocks_written)))
+    assert not set(shared) & set(writes), "a reused block was written again"
+    for rid, seq in expected.items():
+        prompt_len = len(reuse_prompt) if rid == "late" else len(ps[int(rid[1])])
+        assert done[rid].tokens == seq[prompt_len:], rid
+    proposed = sum(c.proposed_drafts for c in done.values())
+    accepted = sum(c.accepted_drafts for c in done.values())
+    assert proposed > 0
+    # scripted drafts are right ~75 % of the time: a misaligned engine would accept ~nothing
+    assert accepted / proposed > (0.5 if k == 1 else 0.35), (accepted, proposed)
+    assert accepted < proposed, "some drafts must be rejected for the test to mean anything"
+    steps = sum(c.decode_steps for c in done.values())
+    assert steps < len(expected) * MAX_NEW  # speculation saved target forwards
+
+
+@pytest.mark.parametrize("mode", ["eagle3", "mtp2"])
+def test_unscripted_random_draft_still_matches(mode):
+    ps = prompts((7, 18), seed=3)
+    setup = make_setup(mode, chunk_size=5, max_batch_tokens=16)
+    for i, p in enumerate(ps):
+        submit(setup, f"r{i}", p, max_new_tokens=10, k=3)
+    done = run_until_done(setup)
+    for i, p in enumerate(ps):
+        assert done[f"r{i}"].tokens == plain_greedy(p, 10)
+
+
+@torch.inference_mode()
+def test_plain_engine_matches_full_recompute():
+    """The baseline itself: the engine's plain greedy equals recomputing the whole sequence from
+    scratch (fresh pool, one prefill) for every new token."""
+    target, _ = models("none")
+    prompt = prompts((9,), seed=5)[0]
+    seq = list(prompt)
+    for _ in range(6):
+        backend = get_backend("torch", "cpu", target.attention_geometry(4))
+        pool = target.new_kv_pool(8, 4)
+        plan = backend.plan(BatchLayout([list(range(8))], [0], [len(seq)]))
+        logits = target(torch.tensor(seq), plan, backend, pool).logits
+        seq.append(int(torch.argmax(logits[-1])))
+    assert plain_greedy(prompt, 6) == seq[len(prompt):]

@@ -1,0 +1,106 @@
+"""The published-KV invariant (DESIGN §1): every block the engine reports publishable holds the
+target and draft KV that a from-scratch, unchunked prefill of the same tokens writes
+(allclose 1e-5) — whatever chunking, prefix reuse or speculation produced it — and is never
+written again afterwards.
+
+Chunk sizes 1 … block_size + 3, reuse depths 0, 1 and 2 blocks, EAGLE-3 and MTP (K = 2);
+scripted drafts so that accepted drafts' KV gets published too, and one sampled run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.gpuworker.engine.local import run_until_done, submit
+from services.gpuworker.engine.sampling import SamplingParams
+from test_engine_support import MODES, make_setup, plain_greedy, prompts, reference_kv
+
+BS = 4
+
+
+class PublishWatcher:
+    """Follows step reports: publishable prefixes only grow, stay within L - D, are never written
+    again; remembers each publishable block's content when first reported."""
+
+    def __init__(self, setup, span: int):
+        self.setup, self.span = setup, span
+        self.snap: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.published: dict[str, set[int]] = {}
+        self.last: dict[str, int] = {}
+        self.tables: dict[str, list[int]] = {}
+
+    def __call__(self, report) -> None:
+        eng = self.setup.engine
+        for rid, r in report.results.items():
+            assert r.publishable_positions >= self.last.get(rid, 0), "publishable prefix shrank"
+            assert r.publishable_positions <= r.logical_len - self.span
+            assert r.publishable_positions <= r.target_len
+            pub = self.published.setdefault(rid, set())
+            assert not pub & set(r.blocks_written), f"{rid}: a publishable block was written again"
+            self.last[rid] = r.publishable_positions
+            self.tables[rid] = r.block_table
+            for i, b in enumerate(r.publishable_blocks):
+                if b not in pub:
+                    pub.add(b)
+                    self.snap[(rid, i)] = (eng.target_pool.data[:, b].clone(), eng.drafter.pool.data[:, b].clone())
+
+    def check(self, rid: str, tokens: list[int], mode: str) -> int:
+        """Compare every block ``rid`` published with the reference; returns how many."""
+        eng = self.setup.engine
+        ref_t, ref_d, final = reference_kv(mode, tokens, BS)
+        n = 0
+        for (owner, i), (t_snap, d_snap) in self.snap.items():
+            if owner != rid:
+                continue
+            b = self.tables[rid][i]
+            assert (i + 1) * BS <= final
+            # unchanged since first reported, and equal to the from-scratch prefill
+            assert torch.equal(eng.target_pool.data[:, b], t_snap) and torch.equal(eng.drafter.pool.data[:, b], d_snap)
+            torch.testing.assert_close(t_snap, ref_t.data[:, i], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(d_snap, ref_d.data[:, i], atol=1e-5, rtol=1e-5, msg=lambda m: f"{rid} block {i}: {m}")
+            n += 1
+        return n
+
+
+@pytest.mark.parametrize("chunk", list(range(1, BS + 4)))
+@pytest.mark.parametrize("mode", ["eagle3", "mtp2"])
+def test_published_blocks_equal_unchunked_prefill(mode, chunk):
+    span = MODES[mode][1] if mode.startswith("mtp") else 1
+    first = prompts((15,), seed=chunk)[0]
+    tails = prompts((5, 3, 6), seed=100 + chunk)
+    later = {f"reuse{r}": first[: r + span + 1] + tails[j] for j, r in enumerate((0, BS, 2 * BS))}
+    expected = {"first": first + plain_greedy(first, 9)}
+    expected.update({rid: p + plain_greedy(p, 9) for rid, p in later.items()})
+    setup = make_setup(mode, scripted=expected, chunk_size=chunk, max_batch_tokens=max(chunk, 8), max_draft_tokens=4)
+    watch = PublishWatcher(setup, span)
+    submit(setup, "first", first, max_new_tokens=9, k=3)
+    done = run_until_done(setup, keep=["first"], on_step=watch)
+    for rid, p in later.items():
+        r = int(rid[5:])
+        assert done["first"].publishable_positions >= r
+        submit(setup, rid, p, max_new_tokens=9, k=2, prefix_blocks=done["first"].block_table[: r // BS],
+               reused_positions=r)
+    done.update(run_until_done(setup, keep=list(later), on_step=watch))
+    assert sum(c.accepted_drafts for c in done.values()) > 0
+    for rid, c in done.items():
+        prompt = first if rid == "first" else later[rid]
+        assert c.tokens == expected[rid][len(prompt):]
+        # everything final at the end is publishable (L - D positions), and every full block of
+        # it was checked
+        assert c.publishable_positions == len(prompt) + len(c.tokens) - span
+        assert watch.check(rid, prompt + c.tokens, mode) == c.publishable_positions // BS
+
+
+@pytest.mark.parametrize("mode", ["eagle3", "mtp2"])
+def test_published_blocks_with_sampling(mode):
+    span = MODES[mode][1] if mode.startswith("mtp") else 1
+    setup = make_setup(mode, chunk_size=3, max_batch_tokens=12, max_draft_tokens=4)
+    watch = PublishWatcher(setup, span)
+    ps = prompts((11, 6), seed=42)
+    for i, p in enumerate(ps):
+        submit(setup, f"s{i}", p, max_new_tokens=12, k=3, sampling=SamplingParams(temperature=0.8, seed=i))
+    done = run_until_done(setup, keep=["s0", "s1"], on_step=watch)
+    for i, p in enumerate(ps):
+        c = done[f"s{i}"]
+        assert watch.check(f"s{i}", p + c.tokens, mode) == c.publishable_positions // BS >= 3
