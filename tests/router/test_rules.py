@@ -1,0 +1,175 @@
+"""Pure pieces of the router: request validation, retry decisions, wait queue, worker directory."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from services.common.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+from services.common.tokenizer import ByteTokenizer
+from services.router.directory import WorkerDirectory, WorkerEntry
+from services.router.jobs import RequestLimits, build_job
+from services.router.retry import AttemptState, UpstreamInternal, WaitQueue, backoff_delays, error_for
+
+TOK = ByteTokenizer()
+LIMITS = RequestLimits(vocab_size=TOK.vocab_size, max_new_tokens=64, max_prompt_tokens=100,
+                       default_draft_tokens=4, max_draft_tokens=8, eos_token_id=TOK.eos_token_id)
+
+
+def job(**kw):
+    args = dict(text="hi", token_ids=None, max_new_tokens=8, limits=LIMITS, tokenizer=TOK)
+    args.update(kw)
+    return build_job(**args)
+
+
+# ------------------------------------------------------------------------------------------ jobs
+def test_text_is_tokenized_and_defaults_applied():
+    j = job(text="héllo", new_request_id=lambda: "generated")
+    assert j.prompt.tolist() == TOK.encode("héllo")
+    assert j.request_id == "generated"
+    assert j.num_draft_tokens == 4 and j.headroom_positions == 5
+    assert j.sampling.top_p == 1.0  # 0 means 1
+    assert j.sampling.stop_token_ids == (TOK.eos_token_id,)  # EOS implied
+    assert not j.prompt.flags.writeable
+
+
+def test_token_ids_draft_override_and_stops():
+    j = job(text=None, token_ids=np.array([256, 72, 105], dtype=np.uint32), num_draft_tokens=0,
+            stop_token_ids=[10, 10, TOK.eos_token_id], request_id="req-1")
+    assert j.prompt.tolist() == [256, 72, 105]
+    assert j.num_draft_tokens == 0 and j.headroom_positions == 1
+    assert j.sampling.stop_token_ids == (10, TOK.eos_token_id)
+    assert j.request_id == "req-1"
+
+
+def test_fresh_request_ids_are_uuid4_hex():
+    a, b = job().request_id, job().request_id
+    assert a != b and len(a) == 32 and int(a, 16) >= 0
+
+
+@pytest.mark.parametrize(
+    "kw, fragment",
+    [
+        (dict(text=""), "empty"),
+        (dict(text=None, token_ids=np.zeros(0, np.uint32)), "empty"),
+        (dict(text=None), "exactly one"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=65), "max_new_tokens"),
+        (dict(text=None, token_ids=np.array([1, 259], np.uint32)), "vocabulary"),
+        (dict(text="x" * 100), "limit"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(num_draft_tokens=9), "num_draft_tokens"),
+        (dict(stop_token_ids=[300]), "stop token"),
+        (dict(request_id="has space"), "request_id"),
+        (dict(request_id="x" * 129), "request_id"),
+    ],
+)
+def test_invalid_requests(kw, fragment):
+    with pytest.raises(InvalidArgument) as exc:
+        job(**kw)
+    assert fragment in exc.value.message
+
+
+# ----------------------------------------------------------------------------------------- retry
+def test_attempt_ids_and_retry_before_the_first_token():
+    s = AttemptState("req", max_attempts=3)
+    assert s.reservation_request_id() == "req"
+    s.worker_failed("a", "UNAVAILABLE", "down", streamed_tokens=0)
+    assert s.excluded == {"a"} and s.reservation_request_id() == "req~1"
+    s.worker_failed("b", "FAILED_PRECONDITION", "stale incarnation", streamed_tokens=0)
+    assert s.reservation_request_id() == "req~2"
+    with pytest.raises(Unavailable) as exc:
+        s.worker_failed("c", "UNAVAILABLE", "down too", streamed_tokens=0)
+    assert "3 attempt(s)" in exc.value.message and "a:" in exc.value.message and "c:" in exc.value.message
+
+
+def test_failure_after_tokens_is_unavailable_and_not_retried():
+    s = AttemptState("req", max_attempts=5)
+    with pytest.raises(Unavailable) as exc:
+        s.worker_failed("a", "UNAVAILABLE", "connection reset", streamed_tokens=3)
+    assert "after 3 tokens" in exc.value.message
+    assert s.attempt == 0
+
+
+def test_non_retryable_worker_codes_pass_through():
+    s = AttemptState("req", max_attempts=5)
+    with pytest.raises(InvalidArgument):
+        s.worker_failed("a", "INVALID_ARGUMENT", "bad", streamed_tokens=0)
+    with pytest.raises(DeadlineExceeded):
+        s.worker_failed("a", "DEADLINE_EXCEEDED", "late", streamed_tokens=0)
+    with pytest.raises(UpstreamInternal):
+        s.worker_failed("a", "INTERNAL", "boom", streamed_tokens=0)
+    assert AttemptState.worker_is_broken("UNAVAILABLE")
+    assert not AttemptState.worker_is_broken("RESOURCE_EXHAUSTED")
+
+
+def test_error_for_maps_names():
+    assert isinstance(error_for("RESOURCE_EXHAUSTED", "x"), ResourceExhausted)
+    assert isinstance(error_for("DATA_LOSS", "x"), UpstreamInternal)
+
+
+def test_wait_queue_is_bounded():
+    q = WaitQueue(2)
+    q.enter()
+    q.enter()
+    with pytest.raises(ResourceExhausted):
+        q.enter()
+    q.leave()
+    q.enter()
+    assert q.waiting == 2
+    with pytest.raises(ResourceExhausted):
+        WaitQueue(0).enter()
+    with pytest.raises(FailedPrecondition):
+        WaitQueue(1).leave()
+
+
+def test_backoff_doubles_up_to_the_cap():
+    assert list(itertools.islice(backoff_delays(0.05, 0.3), 5)) == pytest.approx([0.05, 0.1, 0.2, 0.3, 0.3])
+
+
+# ------------------------------------------------------------------------------------- directory
+def entry(worker_id, incarnation=1):
+    return WorkerEntry(worker_id, incarnation, "127.0.0.1:1", "m", 1, 0, 16, 64, 0, 259, 1024)
+
+
+def test_directory_freshness_follows_ttl_and_incarnations():
+    now = [0.0]
+    d = WorkerDirectory(ttl_s=1.0, cooldown_s=5.0, clock=lambda: now[0])
+    assert not d.is_fresh_for([])
+    d.replace([entry("a", 7), entry("b", 3)])
+    assert d.is_fresh_for([("a", 7), ("b", 3)])
+    assert not d.is_fresh_for([("a", 8)])  # restarted worker
+    assert not d.is_fresh_for([("c", 1)])  # new worker
+    now[0] = 1.5
+    assert not d.is_fresh_for([("a", 7)])  # too old
+    d.replace([entry("a", 7)])
+    d.invalidate()
+    assert not d.is_fresh_for([])
+    assert [e.worker_id for e in d.entries()] == ["a"]
+
+
+def test_directory_in_flight_and_cooldown():
+    now = [0.0]
+    d = WorkerDirectory(ttl_s=1.0, cooldown_s=5.0, clock=lambda: now[0])
+    d.begin("a")
+    d.begin("a")
+    d.end("a")
+    assert d.in_flight("a") == 1
+    d.end("a")
+    d.end("a")
+    assert d.in_flight("a") == 0
+    d.mark_failed("a")
+    assert not d.is_healthy("a") and d.is_healthy("b")
+    now[0] = 5.0
+    assert d.is_healthy("a")
