@@ -5,9 +5,11 @@ ragged lengths, KV past reserved capacity, stale plans)."""
 from __future__ import annotations
 
 import math
+import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,7 +176,8 @@ def test_verify_needs_uniform_query_lengths_and_decode_needs_one():
         backend.plan(BatchLayout([[1], [3]], [0, 0], [2, 2]), AttentionKind.DECODE)
     # uniform lengths are still prefill unless the caller asks for VERIFY
     assert backend.plan(BatchLayout([[1], [3]], [0, 0], [2, 2])).kind is AttentionKind.PREFILL
-    assert backend.plan(BatchLayout([[1, 2], [3, 4]], [0, 0], [3, 4]), AttentionKind.PREFILL).query_len is None
+    ragged = BatchLayout([[1, 2], [3, 4]], [0, 0], [3, 4])
+    assert backend.plan(ragged, AttentionKind.PREFILL).query_len is None
 
 
 def test_kv_past_reserved_capacity_is_rejected_before_any_write():
@@ -219,7 +222,10 @@ def test_cpu_path_never_imports_flashinfer():
         "from services.gpuworker.model import load_model\n"
         "import services.gpuworker.tokenizer\n"
         "get_backend('torch', 'cpu', AttentionGeometry(4, 2, 8, 4))\n"
-        "assert not any(m.startswith('flashinfer') or m.endswith('flashinfer_backend') for m in sys.modules), "
-        "[m for m in sys.modules if 'flashinfer' in m]\n"
+        "load_model('tiny')\n"
+        "loaded = [m for m in sys.modules if 'flashinfer' in m]\n"
+        "assert not loaded, loaded\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=root, env=env)

@@ -89,7 +89,8 @@ def test_eagle3_fill_and_drafting_write_only_their_draft_positions(eagle, make_b
     with pytest.raises(InvalidArgument):  # flag and width disagree
         draft(torch.tensor([d1]), fill.hidden[-1:], step, backend, dkv, context_is_aux=True)
     with pytest.raises(InvalidArgument):  # an MTP-sized pool
-        draft(torch.tensor([d1]), fill.hidden[-1:], step, backend, target.new_kv_pool(NB, BS), context_is_aux=False)
+        wrong_pool = target.new_kv_pool(NB, BS)
+        draft(torch.tensor([d1]), fill.hidden[-1:], step, backend, wrong_pool, context_is_aux=False)
 
 
 def test_eagle3_chunked_fill_equals_one_fill(eagle, make_backend):
@@ -107,7 +108,8 @@ def test_eagle3_chunked_fill_equals_one_fill(eagle, make_backend):
             plan = backend.plan(BatchLayout([table], [a], [b - a]))
             out = target(torch.tensor(t[a:b]), plan, backend, kv, aux_layers=draft.aux_layers)
             with torch.inference_mode():
-                d = draft(torch.tensor(t[a + 1 : b + 1]), out.aux_hidden, plan, backend, dkv, context_is_aux=True)
+                nxt = torch.tensor(t[a + 1 : b + 1])  # t[b] at a boundary: the real prompt token
+                d = draft(nxt, out.aux_hidden, plan, backend, dkv, context_is_aux=True)
         return dkv, d.logits[-1]
 
     one_kv, one_logits = run([(0, n)])
@@ -123,7 +125,10 @@ def test_eagle3_chunked_fill_equals_one_fill(eagle, make_backend):
     shifted[12] = (shifted[12] + 1) % 256  # the token fed at position 12
     with torch.inference_mode():
         draft(torch.tensor(shifted), out.aux_hidden, plan, backend, dkv, context_is_aux=True)
-    pos_diff = [p for p in range(n) if not torch.equal(dkv.data[0, table[p // BS], :, p % BS], one_kv.data[0, table[p // BS], :, p % BS])]
+    def at(pool, p):
+        return pool.data[0, table[p // BS], :, p % BS]
+
+    pos_diff = [p for p in range(n) if not torch.equal(at(dkv, p), at(one_kv, p))]
     assert pos_diff == [12]
 
 
@@ -221,7 +226,8 @@ def test_mtp_step_by_step_final_kv_equals_one_pass(mtp3, make_backend):
     for k in range(1, K + 1):
         for i in range(N - k + 1):  # t[i+k] final
             page, off = table[i // BS], i % BS
-            torch.testing.assert_close(dkv.data[k - 1, page, :, off], ref.data[k - 1, page, :, off], atol=1e-5, rtol=1e-5)
+            mine, want = dkv.data[k - 1, page, :, off], ref.data[k - 1, page, :, off]
+            torch.testing.assert_close(mine, want, atol=1e-5, rtol=1e-5)
 
 
 def test_draft_saved_next_to_the_model_loads_back(tmp_path, caplog):

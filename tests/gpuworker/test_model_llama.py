@@ -109,13 +109,19 @@ def test_logits_match_transformers(tmp_path, variant, make_backend, shuffled_tab
 
 
 def test_config_reads_transformers_v4_and_v5_spellings():
-    rope = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    rope = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     common = dict(
         model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
         num_attention_heads=2, max_position_embeddings=64, eos_token_id=[3, 4],
     )
     v4 = LlamaConfig.from_hf({**common, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **rope}})
-    v5 = LlamaConfig.from_hf({**common, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **rope}})
+    v5_rope = {"rope_type": "llama3", "rope_theta": 5e5, **rope}
+    v5 = LlamaConfig.from_hf({**common, "rope_parameters": v5_rope})
     assert v4 == v5
     assert v4.rope_type == "llama3" and v4.rope_theta == 5e5 and v4.num_kv_heads == 2
     assert v4.eos_token_ids == (3, 4)
@@ -173,7 +179,8 @@ def test_chunked_and_decoded_paged_forward_equals_dense_prefill(tiny_target, mak
     assert sorted(got_a) == list(range(len(a))) and sorted(got_b) == list(range(len(b)))
     for got, name, table in ((got_a, "a", ta), (got_b, "b", tb)):
         ref_logits, ref_kv, ref_table = dense[name]
-        torch.testing.assert_close(torch.stack([got[i] for i in sorted(got)]), ref_logits, atol=1e-5, rtol=1e-5)
+        mine = torch.stack([got[i] for i in sorted(got)])
+        torch.testing.assert_close(mine, ref_logits, atol=1e-5, rtol=1e-5)
         n = len(a if name == "a" else b)
         for pos in range(n):
             mine = kv.data[:, table[pos // bs], :, pos % bs]
@@ -190,7 +197,8 @@ def test_verify_batch_equals_prefill(tiny_target, make_backend, shuffled_tables)
     kv = target.new_kv_pool(64, bs)
     tables = shuffled_tables([len(s) for s in seqs], bs, 64, seed=5)
     pre = [len(s) - 4 for s in seqs]
-    target(torch.tensor([t for s, p in zip(seqs, pre) for t in s[:p]]), backend.plan(BatchLayout(tables, [0] * 3, pre)), backend, kv)
+    prefix = torch.tensor([t for s, p in zip(seqs, pre) for t in s[:p]])
+    target(prefix, backend.plan(BatchLayout(tables, [0] * 3, pre)), backend, kv)
     plan = backend.plan(BatchLayout(tables, pre, [4, 4, 4]), AttentionKind.VERIFY)
     out = target(torch.tensor([t for s, p in zip(seqs, pre) for t in s[p:]]), plan, backend, kv)
     for i, (r, p) in enumerate(zip(ref, pre)):

@@ -65,7 +65,8 @@ def load_model(
         config = tiny_config()
         target = TargetModel(config)
         init_weights(target, torch.Generator().manual_seed(seed), TINY_INIT_STD)
-        target.fingerprint = _digest(b"tiny", json.dumps(config.to_hf(), sort_keys=True).encode(), str(seed).encode())
+        config_bytes = json.dumps(config.to_hf(), sort_keys=True).encode()
+        target.fingerprint = _digest(b"tiny", config_bytes, str(seed).encode())
         tokenizer: Tokenizer = ByteTokenizer()
         folder = None
     else:
@@ -150,7 +151,8 @@ def _load_or_init_draft(
     section = _read_json(folder / DRAFT_JSON).get("draft") if folder else None
     if section:
         stored = DraftConfig.from_json(section)
-        if stored.spec_mode is spec_mode and (spec_mode is not SpecMode.MTP or stored.num_modules == mtp_depth):
+        same_depth = spec_mode is not SpecMode.MTP or stored.num_modules == mtp_depth
+        if stored.spec_mode is spec_mode and same_depth:
             draft = build_draft(target, stored)
             weights = folder / str(section.get("weights", DRAFT_WEIGHTS))
             if not weights.is_file():
@@ -158,7 +160,10 @@ def _load_or_init_draft(
             _load_draft_weights(draft, weights)
             draft.fingerprint = _digest((folder / DRAFT_JSON).read_bytes(), _safetensors_header(weights))
             return draft
-        log.warning("%s holds a %s draft; drawing random %s weights", DRAFT_JSON, stored.spec_mode.name, spec_mode.name)
+        log.warning(
+            "%s holds a %s draft (%d modules); drawing random %s weights",
+            DRAFT_JSON, stored.spec_mode.name, stored.num_modules, spec_mode.name,
+        )
     draft = build_draft(target, wanted)
     init_weights(draft, torch.Generator().manual_seed(seed + 1), TINY_INIT_STD)
     draft.fingerprint = _digest(b"random-draft", json.dumps(wanted.to_json()).encode(), str(seed).encode())
@@ -185,7 +190,8 @@ def save_draft(draft: DraftModel, model_dir: str | Path) -> Path:
     folder = Path(model_dir)
     folder.mkdir(parents=True, exist_ok=True)
     weights = folder / DRAFT_WEIGHTS
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in draft.draft_state_dict().items()}, str(weights))
+    state = {k: v.detach().to("cpu").contiguous() for k, v in draft.draft_state_dict().items()}
+    save_file(state, str(weights))
     meta = _read_json(folder / DRAFT_JSON)
     meta["draft"] = {**draft.config.to_json(), "weights": DRAFT_WEIGHTS}
     (folder / DRAFT_JSON).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
@@ -193,7 +199,11 @@ def save_draft(draft: DraftModel, model_dir: str | Path) -> Path:
 
 
 def save_model(
-    target: TargetModel, model_dir: str | Path, *, draft: DraftModel | None = None, tokenizer: Tokenizer | None = None
+    target: TargetModel,
+    model_dir: str | Path,
+    *,
+    draft: DraftModel | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Path:
     """Write ``target`` as a Hugging Face style folder (``config.json`` + ``model.safetensors``),
     plus the draft (``save_draft``) and a byte-tokenizer marker when given. Returns the folder."""
