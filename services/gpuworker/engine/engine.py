@@ -158,6 +158,29 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._states)
 
+    def remap_blocks(self, request_id: str, block_table) -> None:
+        """Adopt the kvstore's block table after a Publish deduplicated some of this request's
+        blocks (another request had published the same keys first; the kvstore pinned that copy
+        and freed ours). Only blocks whose every position is publishable may change — their KV is
+        identical by the publish invariant — so later reads see the same values. Mutates the
+        request's table; ``NotFound`` / ``FailedPrecondition`` otherwise, changing nothing."""
+        s = self._states.get(request_id)
+        if s is None:
+            raise NotFound(f"unknown request {request_id!r}")
+        new = [int(b) for b in block_table]
+        if len(new) != len(s.block_table):
+            raise FailedPrecondition(
+                f"remap of {request_id!r} changes the table length ({len(s.block_table)} -> {len(new)})"
+            )
+        final_blocks = s.draft_len // self.block_size
+        changed = [i for i, (a, b) in enumerate(zip(s.block_table, new)) if a != b]
+        if changed and changed[-1] >= final_blocks:
+            raise FailedPrecondition(
+                f"remap of {request_id!r} touches block {changed[-1]}, past its {final_blocks} final blocks"
+            )
+        s.block_table = new
+
+
     def request_ids(self) -> list[str]:
         return list(self._states)
 
