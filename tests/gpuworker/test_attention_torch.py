@@ -164,6 +164,10 @@ def test_plan_cache_reuses_workspaces_and_rejects_stale_plans():
     backend.write_kv(verify, kv, k6, k6)  # a plan of another key is untouched by re-planning
     backend.plan(BatchLayout([[5], [6], [7]], [0, 0, 0], [1, 1, 1]))  # batch 3: new key
     assert backend.stats.misses == 3
+    other = get_backend("torch", "cpu", GEOM)
+    other.plan(BatchLayout([[5], [6]], [2, 1], [1, 1]))  # same key and generation count as b
+    with pytest.raises(FailedPrecondition, match="another backend"):
+        other.write_kv(b, kv, k, k)
 
 
 def test_verify_needs_uniform_query_lengths_and_decode_needs_one():

@@ -171,6 +171,7 @@ class AttentionPlan:
     kv_last_page_len: torch.Tensor
     block_tables: torch.Tensor
     extras: dict[str, Any] = field(default_factory=dict)
+    owner: int = 0  # id() of the backend that planned it: plans do not travel between backends
 
 
 @dataclass
@@ -268,6 +269,7 @@ class AttentionBackend(abc.ABC):
         self._generations[key] = generation
 
         plan = self._common_plan(layout, kind, key, generation, query_len, ws)
+        plan.owner = id(self)
         self._finish_plan(plan, ws)
         return plan
 
@@ -335,7 +337,9 @@ class AttentionBackend(abc.ABC):
         """Raise unless ``plan`` is the newest plan of its key on this backend and ``kv_layer``
         (``[num_blocks, 2, block_size, kv_heads, head_dim]``) matches the geometry and holds every
         block id the plan names. Reads only host state."""
-        if plan.geometry != self.geometry or self._generations.get(plan.key) != plan.generation:
+        if plan.owner != id(self):
+            raise FailedPrecondition("this attention plan was made by another backend")
+        if self._generations.get(plan.key) != plan.generation:
             raise FailedPrecondition(
                 f"stale attention plan {plan.key} (generation {plan.generation}); a newer plan "
                 "with the same key replaced it"

@@ -105,6 +105,8 @@ class DraftModel(nn.Module):
     """Common part of the draft kinds. Shares the target's embedding (and, for MTP, its LM head)
     by reference: they are not parameters of the draft and not in ``draft_state_dict()``."""
 
+    fingerprint: str = ""  # set by the loader: identifies the draft config + weights
+
     def __init__(self, target: TargetModel, config: DraftConfig):
         super().__init__()
         self.config = config

@@ -44,6 +44,8 @@ class TargetModel(nn.Module):
     """Llama-family decoder (RMSNorm, RoPE incl. llama3 scaling, GQA, SwiGLU, optional tied
     embeddings). Parameter names match Hugging Face's without the ``model.`` prefix."""
 
+    fingerprint: str = ""  # set by the loader: identifies config + weights (kvstore namespace)
+
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config

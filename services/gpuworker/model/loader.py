@@ -74,7 +74,7 @@ def load_model(
         if not (folder / "config.json").is_file():
             raise NotFound(f"no config.json in {folder}")
         config = LlamaConfig.from_hf(_read_json(folder / "config.json"))
-        target = _load_target(folder, config)
+        target = _load_target(folder, config, dtype, device)
         tokenizer = load_tokenizer(folder)
     target.to(device=device, dtype=dtype).eval()
 
@@ -85,11 +85,13 @@ def load_model(
     return target, draft, tokenizer
 
 
-def _load_target(folder: Path, config: LlamaConfig) -> TargetModel:
+def _load_target(folder: Path, config: LlamaConfig, dtype: torch.dtype, device: torch.device) -> TargetModel:
+    """Build without initializing (meta), allocate on ``device`` in ``dtype``, fill from the files:
+    a big model never exists twice or in float32 on the way."""
     files = _weight_files(folder)
     with torch.device("meta"):
         target = TargetModel(config)
-    target.to_empty(device="cpu")
+    target.to(dtype=dtype).to_empty(device=device)
     target.rotary.reset_tables()
     if config.tie_word_embeddings:  # to_empty broke the tie; restore it before loading
         target.lm_head.weight = target.embed_tokens.weight
