@@ -1,0 +1,586 @@
+"""Benchmark of the kvstore: Match alone and the full request cycle, in-process and over gRPC.
+
+Workload (issue 2): 64 distinct 1,024-token system prompts; every request is one of them (chosen
+at random) followed by 1,024 fresh tokens, 2,048 tokens in all; block size 16; EAGLE-3 workers
+(span D = 1, so 63 of a system prompt's 64 blocks are reusable: its last block's keys reach
+into the fresh tail); one worker × 8,192 blocks, and four workers × 8,192 blocks::
+
+    request i:  | system prompt s(i): 1,024 tokens | fresh: 1,024 tokens |
+                '---- 63 reusable blocks ----'  '-- never seen before, published by the cycle --'
+
+Phases, each on freshly registered workers warmed by one cycle per system prompt and then 256
+ordinary cycles (so the LRU cache is full and in its steady state when timing starts):
+
+* ``match``   Match alone (read-only);
+* ``reserve`` (gRPC only) Reserve alone: waves of 48 reservations routed by an untimed Match,
+              each wave aborted untimed (the pool holds ~60 live reservations);
+* ``cycle``   Match → pick the worker with the longest reusable prefix → Reserve (headroom 8) →
+              Publish (every prompt position final) → Release.
+
+In-process calls the ``KVStore`` directly, one call at a time. Over gRPC the kvstore runs in a
+separate process (``python -m services.cli kvstore --port 0``) and a ``grpc.aio`` client keeps 8
+RPCs (or cycles) in flight with packed tokens on the wire; the transport baseline is a bare
+``grpc.aio`` echo of an 8 KB payload (``bench/echo_server.py``, also a separate process) measured
+in the same run with the same client. Every configuration runs 3 times; the median is reported.
+
+    python bench/kvstore_bench.py                       # full run (a few minutes on 2 cores)
+    python bench/kvstore_bench.py --quick               # smoke run
+    python bench/kvstore_bench.py --json out.json --plot docs/img/kvstore_bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.common.spec import SpecMode  # noqa: E402
+from services.kvstore import types as core  # noqa: E402
+from services.kvstore.store import KVStore  # noqa: E402
+
+NUM_SYSTEM_PROMPTS = 64
+SYSTEM_LEN = 1024
+FRESH_LEN = 1024
+BLOCK_SIZE = 16
+NUM_BLOCKS = 8192
+VOCAB = 128_256
+HEADROOM = 8  # k = 7 draft tokens + 1 bonus
+IN_FLIGHT = 8
+RESERVE_WAVE = 48  # live reservations per Reserve wave: 48 × 65 fresh blocks fit beside the cache
+ECHO_PAYLOAD = 8192
+WARMUP_RANDOM = 256
+
+
+# ------------------------------------------------------------------------------------------------
+# Workload
+
+
+class Workload:
+    """The system prompts and a deterministic stream of requests (packed little-endian uint32)."""
+
+    def __init__(self, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.seed = seed
+        self.system = rng.integers(0, VOCAB, size=(NUM_SYSTEM_PROMPTS, SYSTEM_LEN), dtype=np.uint32)
+        self._warmup: list[tuple[int, bytes]] | None = None
+
+    def requests(self, phase: str, count: int) -> list[tuple[int, bytes]]:
+        """``count`` requests ``(system prompt index, packed tokens)`` whose fresh tails are unique
+        to (seed, phase): phases never hit each other's tails."""
+        rng = np.random.default_rng([self.seed, sum(phase.encode()), len(phase)])
+        which = rng.integers(0, NUM_SYSTEM_PROMPTS, size=count)
+        fresh = rng.integers(0, VOCAB, size=(count, FRESH_LEN), dtype=np.uint32)
+        full = np.concatenate([self.system[which], fresh], axis=1).astype("<u4")
+        return [(int(w), full[i].tobytes()) for i, w in enumerate(which)]
+
+    def warmup(self) -> list[tuple[int, bytes]]:
+        """One request per system prompt in order (publishes each once), then ``WARMUP_RANDOM``
+        ordinary requests so the LRU cache is in its steady state when timing starts (the pool
+        fills after ~64 cycles; from then on every cycle evicts)."""
+        if self._warmup is None:
+            rng = np.random.default_rng([self.seed, 1])
+            fresh = rng.integers(0, VOCAB, size=(NUM_SYSTEM_PROMPTS, FRESH_LEN), dtype=np.uint32)
+            full = np.concatenate([self.system, fresh], axis=1).astype("<u4")
+            self._warmup = [(i, full[i].tobytes()) for i in range(NUM_SYSTEM_PROMPTS)]
+            self._warmup += self.requests("warmup", WARMUP_RANDOM)
+        return self._warmup
+
+
+def worker_specs(num_workers: int) -> list[core.WorkerSpec]:
+    return [
+        core.WorkerSpec(
+            worker_id=f"w{k}",
+            address=f"127.0.0.1:{9000 + k}",
+            model_id="bench-model",
+            spec_mode=SpecMode.EAGLE3,
+            mtp_depth=1,
+            block_size=BLOCK_SIZE,
+            num_blocks=NUM_BLOCKS,
+            vocab_size=VOCAB,
+            max_seq_len=8192,
+        )
+        for k in range(num_workers)
+    ]
+
+
+def pick(matches, i: int):
+    """Router-like choice: longest reusable prefix, then fewest live reservations, then rotate."""
+    n = len(matches)
+    return max(
+        enumerate(matches),
+        key=lambda e: (e[1].reusable_positions, -e[1].live_reservations, -((e[0] - i) % n)),
+    )[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass
+class PhaseResult:
+    """One phase of one run: throughput, latency percentiles (ms) and hit rate."""
+
+    name: str
+    ops: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    hit_rate: float | None = None
+    rpc_latency_ms: dict = field(default_factory=dict)  # gRPC cycle: per RPC kind (p50, p99)
+
+    @property
+    def ops_per_s(self) -> float:
+        return self.ops / self.seconds
+
+
+def _percentiles(lat_ns: list[int]) -> tuple[float, float]:
+    a = np.asarray(lat_ns, dtype=np.float64) / 1e6
+    return float(np.percentile(a, 50)), float(np.percentile(a, 99))
+
+
+def _phase(name, ops, seconds, lat_ns, hit_rate=None, rpc_lat=None) -> PhaseResult:
+    p50, p99 = _percentiles(lat_ns)
+    per_rpc = {k: _percentiles(v) for k, v in (rpc_lat or {}).items()}
+    return PhaseResult(name, ops, seconds, p50, p99, hit_rate, per_rpc)
+
+
+# ------------------------------------------------------------------------------------------------
+# In-process
+
+
+def warmed_store(work: Workload, num_workers: int) -> KVStore:
+    """A fresh store whose workers went through the warm-up cycles (see ``Workload.warmup``)."""
+    store = KVStore(lease_ttl_s=3600.0)
+    for spec in worker_specs(num_workers):
+        store.register_worker(spec)
+    for i, (_, toks) in enumerate(work.warmup()):
+        _cycle_inprocess(store, toks, f"warm-{i}", i)
+    return store
+
+
+def run_inprocess(work: Workload, num_workers: int, n_match: int, n_cycle: int) -> list[PhaseResult]:
+    """Drive a ``KVStore`` directly, one call at a time: Match alone, then full cycles, each on a
+    freshly warmed store."""
+    total = SYSTEM_LEN + FRESH_LEN
+    perf = time.perf_counter_ns
+
+    store = warmed_store(work, num_workers)
+    reqs = [t for _, t in work.requests("match", n_match)]  # packed bytes: the store's fast path
+    lat, hits = [], 0
+    t0 = perf()
+    for toks in reqs:
+        s = perf()
+        m = store.match(toks)
+        lat.append(perf() - s)
+        hits += max(x.reusable_positions for x in m)
+    match = _phase("match", len(reqs), (perf() - t0) / 1e9, lat, hits / (len(reqs) * total))
+
+    store = warmed_store(work, num_workers)
+    reqs = [t for _, t in work.requests("cycle", n_cycle)]
+    lat, hits = [], 0
+    t0 = perf()
+    for i, toks in enumerate(reqs):
+        s = perf()
+        hits += _cycle_inprocess(store, toks, f"c-{i}", i)
+        lat.append(perf() - s)
+    cycle = _phase("cycle", len(reqs), (perf() - t0) / 1e9, lat, hits / (len(reqs) * total))
+
+    problems = store.check_invariants()
+    if problems:
+        raise RuntimeError(f"invariants violated after the in-process run: {problems[:5]}")
+    return [match, cycle]
+
+
+def _cycle_inprocess(store: KVStore, tokens: bytes, request_id: str, i: int) -> int:
+    w = pick(store.match(tokens), i)
+    r = store.reserve(
+        worker_id=w.worker_id,
+        incarnation=w.incarnation,
+        request_id=request_id,
+        tokens=tokens,
+        headroom_positions=HEADROOM,
+    )
+    store.publish(reservation_id=r.reservation_id, incarnation=r.incarnation, final_positions=len(tokens) // 4)
+    store.release(reservation_id=r.reservation_id, incarnation=r.incarnation, final_positions=0)
+    return r.reused_positions
+
+
+# ------------------------------------------------------------------------------------------------
+# Separate server processes
+
+
+class ServerProcess:
+    """A server in a child process; its address comes from a line it writes (stdout or log file)."""
+
+    def __init__(self, argv: list[str], pattern: str, *, address_format: str = "{}", timeout_s: float = 30.0):
+        self._log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            argv, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = Path(self._log.name).read_text()
+            m = re.search(pattern, text)
+            if m:
+                self.address = address_format.format(m.group(1))
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server {argv} did not start:\n{text}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        os.unlink(self._log.name)
+
+
+def start_kvstore_process() -> ServerProcess:
+    argv = [sys.executable, "-m", "services.cli", "--log-level", "INFO", "kvstore", "--port", "0",
+            "--lease-ttl-s", "3600"]
+    return ServerProcess(argv, r"kvstore serving on (\S+)")
+
+
+def start_echo_process() -> ServerProcess:
+    return ServerProcess([sys.executable, str(ROOT / "bench" / "echo_server.py"), "--port", "0"],
+                         r"PORT (\d+)", address_format="127.0.0.1:{}")
+
+
+# ------------------------------------------------------------------------------------------------
+# gRPC client
+
+
+async def _closed_loop(jobs, fn, in_flight: int) -> tuple[float, list[int]]:
+    """Run ``await fn(job)`` for every job with ``in_flight`` workers; return (seconds, latencies)."""
+    it = iter(jobs)
+    lat: list[int] = []
+    perf = time.perf_counter_ns
+
+    async def worker():
+        for job in it:
+            s = perf()
+            await fn(job)
+            lat.append(perf() - s)
+
+    t0 = perf()
+    await asyncio.gather(*(worker() for _ in range(in_flight)))
+    return (perf() - t0) / 1e9, lat
+
+
+async def bench_echo(address: str, n: int) -> PhaseResult:
+    import grpc
+
+    payload = os.urandom(ECHO_PAYLOAD)
+    async with grpc.aio.insecure_channel(address) as ch:
+        echo = ch.unary_unary("/tandem.bench.Echo/Echo", request_serializer=None, response_deserializer=None)
+
+        async def one(_):
+            await echo(payload, timeout=10)
+
+        await _closed_loop(range(200), one, IN_FLIGHT)  # warm-up
+        seconds, lat = await _closed_loop(range(n), one, IN_FLIGHT)
+    return _phase("echo", n, seconds, lat)
+
+
+class GrpcKV:
+    """The benchmark's kvstore client: one ``grpc.aio`` channel, packed tokens, per-RPC latencies."""
+
+    def __init__(self, channel, num_workers: int):
+        from tandem.common.v1 import common_pb2
+        from tandem.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+        self.pb, self.common = kvstore_pb2, common_pb2
+        self.stub = kvstore_pb2_grpc.KVStoreStub(channel)
+        self.num_workers = num_workers
+        self.rpc_lat: dict[str, list[int]] = {"Match": [], "Reserve": [], "Publish": [], "Release": []}
+
+    async def register(self) -> None:
+        """(Re-)register every worker: a new incarnation starts from an empty pool (mutates)."""
+        pb = self.pb
+        for spec in worker_specs(self.num_workers):
+            await self.stub.RegisterWorker(
+                pb.RegisterWorkerRequest(
+                    worker_id=spec.worker_id, address=spec.address, model_id=spec.model_id,
+                    spec_mode=spec.spec_mode.value, block_size=spec.block_size, num_blocks=spec.num_blocks,
+                    vocab_size=spec.vocab_size, max_seq_len=spec.max_seq_len,
+                ),
+                timeout=10,
+            )
+
+    async def warm(self, work: Workload) -> None:
+        await self.register()
+        await _closed_loop([(i, f"warm-{i}", t) for i, (_, t) in enumerate(work.warmup())], self.cycle, 1)
+        for v in self.rpc_lat.values():
+            v.clear()
+
+    async def _timed(self, kind, call, req):
+        s = time.perf_counter_ns()
+        resp = await call(req, timeout=10)
+        self.rpc_lat[kind].append(time.perf_counter_ns() - s)
+        return resp
+
+    async def cycle(self, job) -> int:
+        """Match → pick → Reserve → Publish → Release; returns the reused positions."""
+        i, rid, toks = job
+        pb, stub = self.pb, self.stub
+        tok = self.common.TokenIds(packed=toks)
+        m = await self._timed("Match", stub.Match, pb.MatchRequest(tokens=tok))
+        w = pick(m.workers, i)
+        r = (await self._timed("Reserve", stub.Reserve, pb.ReserveRequest(
+            worker_id=w.worker_id, incarnation=w.incarnation, request_id=rid, tokens=tok,
+            headroom_positions=HEADROOM))).reservation
+        await self._timed("Publish", stub.Publish, pb.PublishRequest(
+            reservation_id=r.reservation_id, incarnation=r.incarnation, final_positions=len(toks) // 4))
+        await self._timed("Release", stub.Release, pb.ReleaseRequest(
+            reservation_id=r.reservation_id, incarnation=r.incarnation))
+        return r.reused_positions
+
+    async def check(self) -> None:
+        """Fail loudly if the run broke an invariant or leaked a reservation."""
+        check = await self.stub.CheckInvariants(self.pb.CheckInvariantsRequest(), timeout=30)
+        if not check.ok:
+            raise RuntimeError(f"invariants violated after the gRPC run: {list(check.violations)[:5]}")
+        stats = await self.stub.Stats(self.pb.StatsRequest(), timeout=10)
+        if stats.live_reservations:
+            raise RuntimeError(f"{stats.live_reservations} reservations leaked")
+
+
+async def bench_kvstore_grpc(work: Workload, address: str, num_workers: int, n_match: int, n_reserve: int,
+                             n_cycle: int) -> list[PhaseResult]:
+    """Match alone, Reserve alone and full cycles against a kvstore at ``address``."""
+    import grpc
+
+    total = SYSTEM_LEN + FRESH_LEN
+    async with grpc.aio.insecure_channel(address) as ch:
+        kv = GrpcKV(ch, num_workers)
+        pb, common, stub = kv.pb, kv.common, kv.stub
+
+        # Match alone.
+        await kv.warm(work)
+        hits = 0
+        match_reqs = [pb.MatchRequest(tokens=common.TokenIds(packed=t)) for _, t in work.requests("match", n_match)]
+
+        async def match(req):
+            nonlocal hits
+            resp = await stub.Match(req, timeout=10)
+            hits += max(w.reusable_positions for w in resp.workers)
+
+        seconds, lat = await _closed_loop(match_reqs, match, IN_FLIGHT)
+        results = [_phase("match", n_match, seconds, lat, hits / (n_match * total))]
+
+        # Reserve alone: timed waves of RESERVE_WAVE reservations, each wave aborted untimed.
+        await kv.warm(work)
+        reqs = work.requests("reserve", n_reserve)
+        hits, seconds, lat = 0, 0.0, []
+        for start in range(0, n_reserve, RESERVE_WAVE):
+            wave = []
+            for j in range(start, min(start + RESERVE_WAVE, n_reserve)):
+                tok = common.TokenIds(packed=reqs[j][1])
+                # untimed: route like a router would, to the worker holding the prefix
+                w = pick((await stub.Match(pb.MatchRequest(tokens=tok), timeout=10)).workers, j)
+                wave.append(pb.ReserveRequest(worker_id=w.worker_id, incarnation=w.incarnation, request_id=f"rv-{j}",
+                                              tokens=tok, headroom_positions=HEADROOM))
+            live = []
+
+            async def reserve(req):
+                nonlocal hits
+                r = (await stub.Reserve(req, timeout=10)).reservation
+                hits += r.reused_positions
+                live.append(r)
+
+            s, wl = await _closed_loop(wave, reserve, IN_FLIGHT)
+            seconds += s
+            lat += wl
+            await asyncio.gather(*(stub.Abort(pb.AbortRequest(reservation_id=r.reservation_id,
+                                                              incarnation=r.incarnation), timeout=10)
+                                   for r in live))
+        results.append(_phase("reserve", n_reserve, seconds, lat, hits / (n_reserve * total)))
+
+        # Full cycles, IN_FLIGHT at a time.
+        await kv.warm(work)
+        hits = 0
+        jobs = [(i, f"c-{i}", t) for i, (_, t) in enumerate(work.requests("cycle", n_cycle))]
+
+        async def counted_cycle(job):
+            nonlocal hits
+            reused = await kv.cycle(job)  # not `hits += await ...`: that reads hits before awaiting
+            hits += reused
+
+        seconds, lat = await _closed_loop(jobs, counted_cycle, IN_FLIGHT)
+        results.append(_phase("cycle", n_cycle, seconds, lat, hits / (n_cycle * total), kv.rpc_lat))
+        await kv.check()
+    return results
+
+
+# ------------------------------------------------------------------------------------------------
+# Driver
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
+            "date": dt.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+
+def _median_phase(runs: list[PhaseResult]) -> dict:
+    """Median over runs of every number; ``runs_ops_per_s`` keeps each run's throughput."""
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    out = {
+        "ops_per_s": med([r.ops_per_s for r in runs]),
+        "runs_ops_per_s": [round(r.ops_per_s, 1) for r in runs],
+        "p50_ms": med([r.p50_ms for r in runs]),
+        "p99_ms": med([r.p99_ms for r in runs]),
+        "ops": runs[0].ops,
+    }
+    if runs[0].hit_rate is not None:
+        out["hit_rate"] = med([r.hit_rate for r in runs])
+    if runs[0].rpc_latency_ms:
+        out["rpc_latency_ms"] = {
+            k: [med([r.rpc_latency_ms[k][0] for r in runs]), med([r.rpc_latency_ms[k][1] for r in runs])]
+            for k in runs[0].rpc_latency_ms
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="few operations, one run (smoke test)")
+    parser.add_argument("--skip-grpc", action="store_true")
+    parser.add_argument("--skip-inprocess", action="store_true")
+    parser.add_argument("--workers", default="1,4", help="comma-separated worker counts")
+    parser.add_argument("--json", type=Path, help="write all results here")
+    parser.add_argument("--plot", type=Path, help="write a PNG chart here")
+    args = parser.parse_args(argv)
+
+    scale = 0.05 if args.quick else 1.0
+    runs = 1 if args.quick else args.runs
+    n = lambda x: max(IN_FLIGHT * 4, int(x * scale))  # noqa: E731
+    n_inp_match, n_inp_cycle = n(8192), n(4096)
+    n_rpc_match, n_rpc_reserve, n_rpc_cycle, n_echo = n(6144), n(RESERVE_WAVE * 96), n(2048), n(6144)
+    worker_counts = [int(x) for x in args.workers.split(",")]
+    work = Workload(seed=0)
+    raw: dict[str, list[PhaseResult]] = {}
+
+    def record(prefix: str, results: list[PhaseResult]) -> None:
+        for r in results:
+            raw.setdefault(f"{prefix}/{r.name}", []).append(r)
+            extra = f" hit {r.hit_rate:.1%}" if r.hit_rate is not None else ""
+            print(f"  {prefix}/{r.name:8s} {r.ops_per_s:10.0f} ops/s  p50 {r.p50_ms:.3f} ms"
+                  f"  p99 {r.p99_ms:.3f} ms{extra}", flush=True)
+
+    loads = []
+    for run in range(runs):
+        loads.append(os.getloadavg()[0])
+        print(f"== run {run + 1}/{runs} (1-min load average {loads[-1]:.2f})", flush=True)
+        if not args.skip_inprocess:
+            for nw in worker_counts:
+                print(f"-- in-process, {nw} worker(s)", flush=True)
+                record(f"inproc/{nw}w", run_inprocess(work, nw, n_inp_match, n_inp_cycle))
+        if not args.skip_grpc:
+            print("-- gRPC echo baseline (separate process)", flush=True)
+            echo = start_echo_process()
+            try:
+                record("grpc", [asyncio.run(bench_echo(echo.address, n_echo))])
+            finally:
+                echo.stop()
+            for nw in worker_counts:
+                print(f"-- gRPC kvstore (separate process), {nw} worker(s)", flush=True)
+                server = start_kvstore_process()
+                try:
+                    record(f"grpc/{nw}w", asyncio.run(bench_kvstore_grpc(
+                        work, server.address, nw, n_rpc_match, n_rpc_reserve, n_rpc_cycle)))
+                finally:
+                    server.stop()
+
+    summary = {k: _median_phase(v) for k, v in raw.items()}
+    echo_rate = summary.get("grpc/echo", {}).get("ops_per_s")
+    print(f"\n== median of {runs} run(s)")
+    print(f"{'config':22s} {'ops/s':>10s} {'x echo':>7s} {'p50 ms':>8s} {'p99 ms':>8s} {'hit':>6s}")
+    for k, s in summary.items():
+        ratio = f"{s['ops_per_s'] / echo_rate:.2f}" if echo_rate and k.startswith("grpc/") else "-"
+        hit = f"{s['hit_rate']:.1%}" if "hit_rate" in s else "-"
+        print(f"{k:22s} {s['ops_per_s']:10.0f} {ratio:>7s} {s['p50_ms']:8.3f} {s['p99_ms']:8.3f} {hit:>6s}")
+        if echo_rate and k.startswith("grpc/"):
+            s["x_echo"] = s["ops_per_s"] / echo_rate
+    for k, s in summary.items():
+        for rpc, (p50, p99) in s.get("rpc_latency_ms", {}).items():
+            print(f"  {k} {rpc:8s} p50 {p50:.3f} ms  p99 {p99:.3f} ms")
+
+    info = machine()
+    info["load_avg_1min_at_run_start"] = loads
+    info["load_avg_1min_at_end"] = os.getloadavg()[0]
+    command = "python " + " ".join([os.path.relpath(__file__, ROOT), *(argv if argv is not None else sys.argv[1:])])
+    print(f"\nmachine: {info}\ncommand: {command}")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": info, "command": command, "runs": runs,
+                                         "summary": summary,
+                                         "raw": {k: [asdict(r) for r in v] for k, v in raw.items()}}, indent=1))
+    if args.plot:
+        plot(summary, args.plot, info)
+    return 0
+
+
+def plot(summary: dict, path: Path, info: dict) -> None:
+    """Two panels: in-process throughput against the goals, gRPC throughput against the echo."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    inp = {k.removeprefix("inproc/"): v["ops_per_s"] for k, v in summary.items() if k.startswith("inproc/")}
+    if inp:
+        a.bar(list(inp), list(inp.values()), color=["#4c72b0" if "match" in k else "#dd8452" for k in inp])
+        a.axhline(25_000, ls="--", c="#4c72b0", lw=1, label="goal Match 25k/s")
+        a.axhline(5_000, ls="--", c="#dd8452", lw=1, label="goal cycle 5k/s")
+        a.set_title("in-process (one call at a time)")
+        a.set_ylabel("operations / s")
+        a.legend(fontsize=8)
+        a.tick_params(axis="x", labelrotation=20)
+    rpc = {k.removeprefix("grpc/"): v["ops_per_s"] for k, v in summary.items() if k.startswith("grpc/")}
+    if rpc:
+        b.bar(list(rpc), list(rpc.values()), color=["#999999" if k == "echo" else "#55a868" for k in rpc])
+        if "echo" in rpc:
+            b.axhline(0.65 * rpc["echo"], ls="--", c="k", lw=1, label="goal 0.65 × echo")
+            b.legend(fontsize=8)
+        b.set_title(f"gRPC, separate processes, {IN_FLIGHT} in flight (cycle = 4 RPCs)")
+        b.set_ylabel("RPCs (cycles) / s")
+        b.tick_params(axis="x", labelrotation=20)
+    fig.suptitle(f"kvstore benchmark — {info['cpu']}, {info['nproc']} cores, Python {info['python']}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
