@@ -1,10 +1,10 @@
 """Worker benchmark (GPU): FlashInfer attention bandwidth and decode tokens/s of a ~1B Llama.
 
-Part 1 — attention: one DECODE attention call over batch 64 x 4,096 cached tokens (the model's
-geometry: GQA 32/8, head_dim 64, bf16, pages of 16), as KV bytes read per second and as a
+Part 1 — attention: one DECODE attention call over batch 64 x 4,096 cached tokens (GQA 32/8,
+bf16, pages of 16; head_dim 128 = the model's, and 64), as KV bytes read per second and as a
 fraction of a device-to-device copy measured in the same run.
 
-Part 2 — decode: a random ~1.1B-parameter Llama (hidden 2048, 16 layers, GQA 32/8, head 64,
+Part 2 — decode: a random ~1.3B-parameter Llama (hidden 2048, 16 layers, GQA 32/8, head 128,
 vocab 32,000, bf16) with a random EAGLE-3 draft layer, every forward captured in a CUDA graph
 (FlashInfer wrappers in graph mode, re-planned before each replay). Per batch size (1, 16, 64):
 
@@ -38,6 +38,10 @@ BLOCK = 16
 
 # ------------------------------------------------------------------------------------------------
 # timing helpers
+
+
+def rel_err(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def gpu_ms(fn, reps: int = 30, warmup: int = 3) -> float:
@@ -87,6 +91,17 @@ def attention_bandwidth(head_dim: int, batch: int = 64, ctx: int = 4096, qo_head
     copy = gpu_ms(lambda: dst.copy_(src), reps=50)
     attn_bw = kv_bytes / attn / 1e6  # GB/s
     copy_bw = 2 * kv_bytes / copy / 1e6  # a copy reads and writes every byte
+    variants = {}
+    wrapper = plan.extras["wrapper"]
+    host = dict(
+        indptr=torch.arange(0, num_pages + 1, pages_per_req, dtype=torch.int32),
+        last=torch.full((batch,), BLOCK, dtype=torch.int32),
+    )
+    for name, extra in (("no_split_kv", {"disable_split_kv": True}), ("split_64_pages", {"fixed_split_size": 64})):
+        wrapper.plan(host["indptr"], plan.kv_page_indices, host["last"], qo_heads, kv_heads, head_dim, BLOCK,
+                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, **extra)
+        ms = gpu_ms(lambda: wrapper.run(q, pool), reps=30)
+        variants[name] = {"attention_ms": ms, "fraction_of_copy": (kv_bytes / ms / 1e6) / copy_bw}
     plan_us = {}
     for b in (1, 64):
         lay = BatchLayout(block_tables=tables[:b], cached_lens=[ctx - 1] * b, query_lens=[1] * b)
@@ -110,6 +125,7 @@ def attention_bandwidth(head_dim: int, batch: int = 64, ctx: int = 4096, qo_head
         "attention_GBps": attn_bw,
         "copy_GBps": copy_bw,
         "fraction_of_copy": attn_bw / copy_bw,
+        "variants": variants,
         "plan_us_by_batch": plan_us,
     }
 
@@ -128,7 +144,7 @@ def bench_config():
         num_layers=16,
         num_heads=32,
         num_kv_heads=8,
-        head_dim=64,
+        head_dim=128,  # q_proj 2048 -> 4096 (allowed: head_dim is explicit in the config)
         max_seq_len=8192,
     )
 
@@ -162,7 +178,7 @@ def build_models(seed: int = 0):
 class Graph:
     """A CUDA graph of ``fn`` (captured once; replay re-runs it on the current plan buffers)."""
 
-    def __init__(self, fn, pool):
+    def __init__(self, fn):
         import torch
 
         side = torch.cuda.Stream()
@@ -171,7 +187,9 @@ class Graph:
             fn()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # a private memory pool per graph: graphs replay in data-dependent orders (decode,
+        # verify, fill, chain), so none may reuse another's intermediates
+        with torch.cuda.graph(self.graph):
             self.out = fn()
 
     def replay(self) -> None:
@@ -181,7 +199,7 @@ class Graph:
 class DecodeBench:
     """All graphs and state for one batch size. Mutates the pools it is given."""
 
-    def __init__(self, target, draft, backend, tpool, dpool, batch: int, k: int, ctx: int, pages_per_req: int, mempool):
+    def __init__(self, target, draft, backend, tpool, dpool, batch: int, k: int, ctx: int, pages_per_req: int):
         import torch
 
         from services.gpuworker.attention.base import AttentionKind
@@ -208,7 +226,7 @@ class DecodeBench:
             self.ids.copy_(out.logits.argmax(-1))
             return out.logits
 
-        self.g_decode = Graph(decode, mempool)
+        self.g_decode = Graph(decode)
 
         # -- speculative graphs
         q = k + 1
@@ -223,7 +241,7 @@ class DecodeBench:
             state["aux"] = out.aux_hidden.view(B, q, -1)
             return out.logits
 
-        self.g_verify = Graph(verify, mempool)
+        self.g_verify = Graph(verify)
         self.v_arg, self.v_aux = state["arg"], state["aux"]
         self.c_tok = torch.zeros(B, dtype=torch.int64, device=dev)
         self.c_ctx = torch.zeros(B, H, dtype=torch.bfloat16, device=dev)
@@ -246,7 +264,7 @@ class DecodeBench:
                 self.c_ctx.copy_(d.hidden.view(B, rows, H)[:, a])
                 return d.logits
 
-            self.g_fill[a] = Graph(fill, mempool)
+            self.g_fill[a] = Graph(fill)
 
         self.g_chain = []
         for j in range(1, k):
@@ -260,7 +278,7 @@ class DecodeBench:
                 self.c_ctx.copy_(d.hidden)
                 return d.logits
 
-            self.g_chain.append(Graph(chain, mempool))
+            self.g_chain.append(Graph(chain))
 
     # -- planning: same lengths for the whole batch (forced acceptance keeps them in step)
     def _layout(self, cached: int, q: int):
@@ -299,6 +317,34 @@ class DecodeBench:
         if not sync_after_verify:
             self.v_ids.cpu()
         self.L = new_L
+
+    def validate(self) -> dict:
+        """Before timing: every stage once with a sync after it (so a fault names its stage),
+        token ids in range, and graph outputs equal to eager forwards on the same plan."""
+        torch = self.torch
+        V = self.target.config.vocab_size
+        report = {}
+        for a in range(self.k + 1):
+            L = self.L
+            self._plan(L - 1, self.k + 1)
+            self.g_verify.replay()
+            torch.cuda.synchronize()
+            eager = self.target(self.v_ids, self.plan_now, self.backend, self.tpool, aux_layers=self.draft.aux_layers)
+            report[f"verify_graph_vs_eager_a{a}"] = rel_err(self.g_verify.out, eager.logits)
+            self._plan(L - 1, a + 1)
+            self.g_fill[a].replay()
+            torch.cuda.synchronize()
+            for j, g in enumerate(self.g_chain, start=1):
+                self._plan_decode(L + a + j)
+                g.replay()
+                torch.cuda.synchronize()
+            ids = self.v_ids.cpu()
+            if not bool(((ids >= 0) & (ids < V)).all()):
+                raise RuntimeError(f"token ids out of range after a speculative step (a={a}): {ids}")
+        self._plan_decode(self.L - 1)
+        self.g_decode.replay()
+        torch.cuda.synchronize()
+        return report
 
     def alone_ms(self, a: int) -> dict:
         """GPU time of each graph replayed alone (after its plan)."""
@@ -374,13 +420,13 @@ def model_decode(batches: list[int], k: int, ctx: int, steps: int, log) -> dict:
     backend = FlashInferBackend("cuda", geom, graph_max_pages_per_request=pages_per_req)
     tpool = target.new_kv_pool(num_blocks, BLOCK)
     dpool = draft.new_kv_pool(num_blocks, BLOCK)
-    mempool = torch.cuda.graph_pool_handle()
     results = []
     for B in batches:
         t0 = time.perf_counter()
-        bench = DecodeBench(target, draft, backend, tpool, dpool, B, k, ctx, pages_per_req, mempool)
+        bench = DecodeBench(target, draft, backend, tpool, dpool, B, k, ctx, pages_per_req)
         log(f"B={B}: captured {3 + k + k - 1} graphs in {time.perf_counter() - t0:.1f}s")
-        row = {"batch": B, "ctx": ctx, "k": k}
+        row = {"batch": B, "ctx": ctx, "k": k, "checks": bench.validate()}
+        log(f"B={B}: checks {row['checks']}")
         plain_ms = bench.timed(bench.decode_step, steps)
         row["plain"] = {"step_ms": plain_ms, "tokens_per_s": B / plain_ms * 1e3}
         row["plain_eager_step_ms"] = eager_decode_ms(target, backend, tpool, bench.tables, B, ctx)
@@ -483,7 +529,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--ctx", type=int, default=1024, help="context length at the start of decode")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--head-dims", default="64", help="attention part: head sizes to measure")
+    ap.add_argument("--head-dims", default="128,64", help="attention part: head sizes to measure")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--plot", type=Path, help="results JSON to plot (no GPU needed)")
     ap.add_argument("--png", type=Path, default=Path("docs/worker_bench.png"))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument
@@ -148,20 +149,94 @@ class FlashInferBackend(AttentionBackend):
         ws.state["planned_event"] = None
         return ws
 
+    def _common_plan(self, layout, kind, key, generation, query_len, ws: Workspace) -> AttentionPlan:
+        """The base plan's tensors, computed with vectorized numpy and staged in four copies.
+
+        Same fields and values as ``AttentionBackend._common_plan`` (a GPU test compares them),
+        but O(1) interpreter steps per batch instead of per request: planning runs every step,
+        up to k+1 times per speculative step, on the host while the GPU waits. Also keeps the
+        host metadata FlashInfer's ``plan`` needs in ``ws.state["host"]`` and the K/V write rows
+        (see the module docstring) next to the positions. Mutates ``ws`` buffers."""
+        bs = self.geometry.block_size
+        B = layout.batch_size
+        q = np.asarray(layout.query_lens, dtype=np.int64)
+        cached = np.asarray(layout.cached_lens, dtype=np.int64)
+        kv_lens = cached + q
+        T = int(q.sum())
+        qo_indptr = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(q, out=qo_indptr[1:])
+        batch_idx = np.repeat(np.arange(B), q)
+        positions = cached[batch_idx] + np.arange(T) - qo_indptr[batch_idx]
+
+        widths = [len(t) for t in layout.block_tables]
+        max_pages = max(1, max(widths))
+        if min(widths) == max_pages:  # rectangular: one C-level conversion
+            tables = np.asarray(layout.block_tables, dtype=np.int64).reshape(B, max_pages)
+        else:
+            tables = np.full((B, max_pages), -1, dtype=np.int64)
+            for r, t in enumerate(layout.block_tables):
+                tables[r, : len(t)] = t
+        pages = tables[batch_idx, positions // bs]
+        slots = pages * bs + positions % bs
+        k_rows = slots + pages * bs  # flat K/V view: page p's K rows start at p * 2 * bs
+
+        used_pages = (kv_lens + bs - 1) // bs
+        page_indptr = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(used_pages, out=page_indptr[1:])
+        page_indices = tables[np.arange(max_pages)[None, :] < used_pages[:, None]]
+        last_page_len = (kv_lens - 1) % bs + 1
+
+        # int64: what per-layer kernels read (stable addresses per key: sizes depend on T only)
+        wide = torch.from_numpy(np.concatenate([positions, slots, k_rows, k_rows + bs]))
+        # int32, fixed size per key / growing tables / growing page list: three buffers so the
+        # fixed part keeps its address when tables grow
+        fixed = torch.from_numpy(
+            np.concatenate([batch_idx, qo_indptr, kv_lens, page_indptr, last_page_len]).astype(np.int32)
+        )
+        d_wide = ws.stage("fi_wide", wide)
+        d_fixed = ws.stage("fi_fixed", fixed)
+        d_tables = ws.stage("fi_tables", torch.from_numpy(tables.astype(np.int32)))
+        d_indices = ws.stage("fi_indices", torch.from_numpy(page_indices.astype(np.int32)))
+        ws.state["host"] = {
+            "qo_indptr": torch.from_numpy(qo_indptr.astype(np.int32)),
+            "page_indptr": torch.from_numpy(page_indptr.astype(np.int32)),
+            "last_page_len": torch.from_numpy(last_page_len.astype(np.int32)),
+            "used_pages": used_pages,
+        }
+        o = np.cumsum([0, T, B + 1, B, B + 1, B])
+        return AttentionPlan(
+            layout=layout,
+            kind=kind,
+            geometry=self.geometry,
+            key=key,
+            generation=generation,
+            num_tokens=T,
+            batch_size=B,
+            query_len=query_len,
+            max_query_len=int(q.max()),
+            max_kv_len=int(kv_lens.max()),
+            max_block_id=int(tables.max()),
+            positions=d_wide[:T],
+            slot_mapping=d_wide[T : 2 * T],
+            batch_indices=d_fixed[o[0] : o[1]],
+            qo_indptr=d_fixed[o[1] : o[2]],
+            kv_lens=d_fixed[o[2] : o[3]],
+            kv_page_indptr=d_fixed[o[3] : o[4]],
+            kv_last_page_len=d_fixed[o[4] : o[5]],
+            kv_page_indices=d_indices,
+            block_tables=d_tables.view(B, max_pages),
+            extras={"k_rows": d_wide[2 * T : 3 * T], "v_rows": d_wide[3 * T :]},
+        )
+
     def _finish_plan(self, plan: AttentionPlan, ws: Workspace) -> None:
-        """Plan the key's wrapper for this batch (mutates the wrapper and the workspace) and
-        derive the K/V write rows. Host metadata is rebuilt from the layout so FlashInfer never
-        has to copy device tensors back to the host (no sync per step)."""
+        """Plan the key's FlashInfer wrapper for this batch (mutates the wrapper). Host metadata
+        comes from ``_common_plan``, so FlashInfer never copies device tensors back to the host
+        (no sync per step)."""
         g = self.geometry
         bs = g.block_size
-        layout = plan.layout
-        kv_lens = torch.tensor(layout.kv_lens, dtype=torch.int32)
-        used_pages = (kv_lens + bs - 1) // bs
-        page_indptr = torch.zeros(plan.batch_size + 1, dtype=torch.int32)
-        torch.cumsum(used_pages, 0, out=page_indptr[1:])
-        last_page_len = (kv_lens - 1) % bs + 1
+        host = ws.state["host"]
         if plan.kind is not AttentionKind.PREFILL and self.graph_max_pages_per_request is not None:
-            worst = int(used_pages.max())
+            worst = int(host["used_pages"].max())
             if worst > self.graph_max_pages_per_request:
                 raise InvalidArgument(
                     f"a request needs {worst} pages, more than graph_max_pages_per_request="
@@ -176,19 +251,13 @@ class FlashInferBackend(AttentionBackend):
             previous.synchronize()
 
         wrapper = ws.state["wrapper"]
-        common = dict(
-            q_data_type=g.dtype,
-            kv_data_type=g.dtype,
-            sm_scale=self._default_scale,
-        )
+        common = dict(q_data_type=g.dtype, kv_data_type=g.dtype, sm_scale=self._default_scale)
         if plan.kind is AttentionKind.PREFILL:
-            qo_indptr = torch.zeros(plan.batch_size + 1, dtype=torch.int32)
-            torch.cumsum(torch.tensor(layout.query_lens, dtype=torch.int32), 0, out=qo_indptr[1:])
             wrapper.plan(
-                qo_indptr,
-                page_indptr,
+                host["qo_indptr"],
+                host["page_indptr"],
                 plan.kv_page_indices,
-                last_page_len,
+                host["last_page_len"],
                 g.num_qo_heads,
                 g.num_kv_heads,
                 g.head_dim,
@@ -198,9 +267,9 @@ class FlashInferBackend(AttentionBackend):
             )
         else:
             wrapper.plan(
-                page_indptr,
+                host["page_indptr"],
                 plan.kv_page_indices,
-                last_page_len,
+                host["last_page_len"],
                 g.num_qo_heads,
                 g.num_kv_heads,
                 g.head_dim,
@@ -212,26 +281,7 @@ class FlashInferBackend(AttentionBackend):
         event = torch.cuda.Event()
         event.record()
         ws.state["planned_event"] = event
-
         plan.extras["wrapper"] = wrapper
-        plan.extras["k_rows"], plan.extras["v_rows"] = self._write_rows(plan, ws)
-
-    def _write_rows(self, plan: AttentionPlan, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows of the flat K/V view for this forward's slots (see the module docstring), in
-        per-key buffers so captured graphs keep reading the current plan's values."""
-        bs = self.geometry.block_size
-        slots = plan.slot_mapping
-        T = plan.num_tokens
-        k_rows = ws.state.get("k_rows")
-        if k_rows is None or k_rows.numel() != T:
-            k_rows = torch.empty(T, dtype=torch.int64, device=self.device)
-            v_rows = torch.empty(T, dtype=torch.int64, device=self.device)
-            ws.state["k_rows"], ws.state["v_rows"] = k_rows, v_rows
-        v_rows = ws.state["v_rows"]
-        torch.floor_divide(slots, bs, out=k_rows)
-        k_rows.mul_(bs).add_(slots)  # s + (s // bs) * bs
-        torch.add(k_rows, bs, out=v_rows)
-        return k_rows, v_rows
 
     # -- per-layer calls ----------------------------------------------------------------------
 

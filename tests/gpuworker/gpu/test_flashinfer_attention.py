@@ -27,8 +27,9 @@ pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 BS = 16
-# head_dim 64, bf16: the geometry of the benchmark model, so one JIT build serves tests and bench
-GEOM = AttentionGeometry(num_qo_heads=8, num_kv_heads=2, head_dim=64, block_size=BS, dtype=torch.bfloat16)
+# head_dim 128, bf16: the benchmark model's, so one FlashInfer JIT build serves tests and bench
+GEOM = AttentionGeometry(num_qo_heads=8, num_kv_heads=2, head_dim=128, block_size=BS, dtype=torch.bfloat16)
+HD = GEOM.head_dim
 REL_TOL = 2e-2
 
 
@@ -100,6 +101,29 @@ def compare(fi, ref, layout, kind, *, scale=GEOM.head_dim**-0.5, seed=0, num_blo
     return err
 
 
+PLAN_FIELDS = ("positions", "slot_mapping", "batch_indices", "qo_indptr", "kv_lens", "kv_page_indptr",
+               "kv_page_indices", "kv_last_page_len", "block_tables")
+
+
+def test_plan_tensors_equal_the_base_plan(fi, ref):
+    """The vectorized planner of the FlashInfer backend computes what the base planner does."""
+    rng = random.Random(13)
+    for trial in range(40):
+        B = rng.randint(1, 7)
+        cached = [rng.randint(0, 90) for _ in range(B)]
+        kind = rng.choice([AttentionKind.PREFILL, AttentionKind.DECODE, AttentionKind.VERIFY])
+        q = {AttentionKind.DECODE: [1] * B, AttentionKind.VERIFY: [3] * B}.get(
+            kind, [rng.randint(1, 30) for _ in range(B)]
+        )
+        layout = make_layout(cached, q, 256, seed=trial)
+        a, b = ref.plan(layout, kind), fi.plan(layout, kind)
+        for name in PLAN_FIELDS:
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and torch.equal(x, y), (trial, name)
+        for name in ("num_tokens", "batch_size", "query_len", "max_query_len", "max_kv_len", "max_block_id"):
+            assert getattr(a, name) == getattr(b, name), (trial, name)
+
+
 def test_decode_matches_torch(fi, ref):
     cached = [0, 14, 15, 16, 99, 332, 1000]
     layout = make_layout(cached, [1] * len(cached), 256, seed=1)
@@ -137,23 +161,23 @@ def test_replan_same_key_reuses_wrapper_and_stales_old_plan(ref):
     compare(fi, ref, second, AttentionKind.DECODE, seed=6, num_blocks=128)
     assert fi.stats.hits == 1 and fi.stats.misses == 1
     assert fi.plan(second).extras["wrapper"] is wrapper
-    pool = torch.zeros(128, 2, BS, GEOM.num_kv_heads, GEOM.head_dim, dtype=torch.bfloat16, device=DEV)
+    pool = torch.zeros(128, 2, BS, GEOM.num_kv_heads, HD, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(FailedPrecondition):
-        fi.attend(old, torch.zeros(3, 8, 64, dtype=torch.bfloat16, device=DEV), pool, scale=0.125)
+        fi.attend(old, torch.zeros(3, 8, HD, dtype=torch.bfloat16, device=DEV), pool, scale=0.125)
 
 
 def test_rejections(fi):
     layout = make_layout([5], [1], 8, seed=7)
     plan = fi.plan(layout)
-    pool = torch.zeros(8, 2, BS, 2, 64, dtype=torch.bfloat16, device=DEV)
+    pool = torch.zeros(8, 2, BS, 2, HD, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(InvalidArgument):  # q in the wrong dtype
-        fi.attend(plan, torch.zeros(1, 8, 64, device=DEV), pool, scale=0.125)
+        fi.attend(plan, torch.zeros(1, 8, HD, device=DEV), pool, scale=0.125)
     with pytest.raises(InvalidArgument):  # float32 pool
-        fi.write_kv(plan, pool.float(), torch.zeros(1, 2, 64, device=DEV), torch.zeros(1, 2, 64, device=DEV))
+        fi.write_kv(plan, pool.float(), torch.zeros(1, 2, HD, device=DEV), torch.zeros(1, 2, HD, device=DEV))
     with pytest.raises(InvalidArgument):  # past the reserved capacity (one block)
         fi.plan(BatchLayout(block_tables=[[0]], cached_lens=[BS], query_lens=[1]))
     with pytest.raises(InvalidArgument):
-        get_backend("flashinfer", DEV, AttentionGeometry(8, 2, 64, BS, torch.float32))
+        get_backend("flashinfer", DEV, AttentionGeometry(8, 2, HD, BS, torch.float32))
     with pytest.raises(InvalidArgument):
         get_backend("flashinfer", DEV, AttentionGeometry(8, 2, 16, BS, torch.bfloat16))
     with pytest.raises(InvalidArgument):
@@ -174,7 +198,7 @@ def test_cuda_graph_replays_after_replan(ref, kind, q):
     fi = FlashInferBackend(DEV, GEOM, graph_max_pages_per_request=32)
     B, nb, layers = 3, 160, 2
     first = make_layout([17, 40, 3], [q] * B, nb, seed=8)
-    pools = [torch.zeros(nb, 2, BS, 2, 64, dtype=torch.bfloat16, device=DEV) for _ in range(layers)]
+    pools = [torch.zeros(nb, 2, BS, 2, HD, dtype=torch.bfloat16, device=DEV) for _ in range(layers)]
     q_in, k_in, v_in = (t.clone() for t in qkv(B * q, seed=9))
     plan = fi.plan(first, kind)
 
@@ -219,7 +243,7 @@ def test_flashinfer_is_not_imported_by_cpu_paths():
         "import sys, torch\n"
         "from services.gpuworker.attention.base import AttentionGeometry, get_backend\n"
         "import services.gpuworker.model\n"
-        "get_backend('torch', 'cpu', AttentionGeometry(4, 2, 64, 16))\n"
+        "get_backend('torch', 'cpu', AttentionGeometry(4, 2, 128, 16))\n"
         "assert 'flashinfer' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -25,14 +25,14 @@ pytestmark = pytest.mark.gpu
 DEV = "cuda"
 BS = 16
 REL_TOL = 2e-2
-CONFIG = LlamaConfig(  # head_dim 64 like the benchmark model: one FlashInfer JIT build for both
+CONFIG = LlamaConfig(  # head_dim 128 like the benchmark model: one FlashInfer JIT build for both
     vocab_size=1000,
     hidden_size=256,
     intermediate_size=512,
     num_layers=3,
     num_heads=4,
     num_kv_heads=2,
-    head_dim=64,
+    head_dim=128,
     max_seq_len=1024,
 )
 
