@@ -48,8 +48,9 @@ async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, meth
 
 
 def _passthrough(exc: BaseException) -> bool:
-    # context.abort() raises AbortError (already answered); cancellation must propagate.
-    return isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError))
+    # context.abort() raises AbortError (already answered); cancellation must propagate, and so
+    # must GeneratorExit: a streaming handler abandoned at a yield (client gone) is closed with it.
+    return isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit))
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
