@@ -39,7 +39,7 @@ from opentelemetry import trace
 from services.common.channels import ChannelPool, call_timeout
 from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.telemetry import get_tracer
-from services.common.tokenizer import IncrementalDecoder, Tokenizer
+from services.common.tokenizer import StreamDecoder, Tokenizer
 from services.common.wire import tokens_to_proto
 from services.router.directory import WorkerDirectory, WorkerEntry
 from services.router.jobs import GenerateJob
@@ -133,8 +133,7 @@ class _Progress:
         self.acknowledged = False  # any message received: the worker owns the reservation
         self.tokens: list[int] = []
         self.first_token_at: float | None = None
-        self.sent_text = ""
-        self.decoder = IncrementalDecoder(tokenizer)
+        self.decoder = StreamDecoder(tokenizer)
 
 
 def _entry(w: kv_pb.WorkerInfo) -> WorkerEntry:
@@ -360,6 +359,9 @@ class Dispatcher:
             async for msg in call:
                 progress.acknowledged = True
                 ids = tuple(msg.token_ids)
+                if ids and max(ids) >= self._tokenizer.vocab_size:
+                    raise _WorkerFailed("INTERNAL", f"token id {max(ids)} is outside the router's vocabulary "
+                                                    f"({self._tokenizer.vocab_size}): model/tokenizer mismatch")
                 if ids:
                     if progress.first_token_at is None:
                         progress.first_token_at = self._clock()
@@ -368,9 +370,7 @@ class Dispatcher:
                     yield self._completion(job, entry, reservation, msg, ids, arrival, progress)
                     return
                 if ids:
-                    text = progress.decoder.push(list(ids))
-                    progress.sent_text += text
-                    yield TextDelta(text, ids)
+                    yield TextDelta(progress.decoder.push(list(ids)), ids)
             raise _WorkerFailed("UNAVAILABLE", "the worker ended the stream without a final message")
         except grpc.aio.AioRpcError as err:
             span.set_attribute("rpc.grpc.status_code", err.code().value[0])
@@ -381,9 +381,8 @@ class Dispatcher:
             span.end()
 
     def _completion(self, job, entry, reservation, msg, ids, arrival, progress: _Progress) -> Completion:
-        full = self._tokenizer.decode(progress.tokens)
-        # The incremental decoder holds back an incomplete character; the end flushes it.
-        tail = full[len(progress.sent_text):] if full.startswith(progress.sent_text) else ""
+        # The stream decoder holds back an incomplete character; the end flushes it.
+        tail = progress.decoder.push(list(ids)) + progress.decoder.flush()
         first = progress.first_token_at if progress.first_token_at is not None else self._clock()
         usage = msg.usage
         acceptance = usage.mean_acceptance_length

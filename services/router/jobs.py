@@ -28,7 +28,7 @@ class RequestLimits:
     max_prompt_tokens: int
     default_draft_tokens: int
     max_draft_tokens: int
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # always stops, whatever the request says
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +137,7 @@ def build_job(
     bad = [t for t in stops if not 0 <= t < limits.vocab_size]
     if bad:
         raise InvalidArgument(f"stop token id {bad[0]} is outside the vocabulary (size {limits.vocab_size})")
-    if limits.eos_token_id is not None and limits.eos_token_id not in stops:
-        stops.append(limits.eos_token_id)  # end-of-sequence is always a stop
+    stops.extend(sorted(limits.eos_token_ids - set(stops)))  # end-of-sequence always stops
 
     return GenerateJob(
         request_id=_request_id(request_id, new_request_id),

@@ -88,7 +88,7 @@ async def start_router(
         max_prompt_tokens=settings.max_prompt_tokens,
         default_draft_tokens=settings.num_draft_tokens,
         max_draft_tokens=settings.max_draft_tokens,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_ids=frozenset(tokenizer.eos_token_ids),
     )
     kv_channel = open_channel(
         settings.kvstore, credentials=upstream, max_message_bytes=settings.max_receive_bytes,

@@ -21,7 +21,7 @@ from services.router.retry import AttemptState, UpstreamInternal, WaitQueue, bac
 
 TOK = ByteTokenizer()
 LIMITS = RequestLimits(vocab_size=TOK.vocab_size, max_new_tokens=64, max_prompt_tokens=100,
-                       default_draft_tokens=4, max_draft_tokens=8, eos_token_id=TOK.eos_token_id)
+                       default_draft_tokens=4, max_draft_tokens=8, eos_token_ids=TOK.eos_token_ids)
 
 
 def job(**kw):
@@ -63,14 +63,14 @@ def test_fresh_request_ids_are_uuid4_hex():
         (dict(text=None), "exactly one"),
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(max_new_tokens=65), "max_new_tokens"),
-        (dict(text=None, token_ids=np.array([1, 259], np.uint32)), "vocabulary"),
+        (dict(text=None, token_ids=np.array([1, TOK.vocab_size], np.uint32)), "vocabulary"),
         (dict(text="x" * 100), "limit"),
         (dict(temperature=-0.1), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-1), "top_k"),
         (dict(num_draft_tokens=9), "num_draft_tokens"),
-        (dict(stop_token_ids=[300]), "stop token"),
+        (dict(stop_token_ids=[TOK.vocab_size]), "stop token"),
         (dict(request_id="has space"), "request_id"),
         (dict(request_id="x" * 129), "request_id"),
     ],
@@ -140,7 +140,7 @@ def test_backoff_doubles_up_to_the_cap():
 
 # ------------------------------------------------------------------------------------- directory
 def entry(worker_id, incarnation=1):
-    return WorkerEntry(worker_id, incarnation, "127.0.0.1:1", "m", 1, 0, 16, 64, 0, 259, 1024)
+    return WorkerEntry(worker_id, incarnation, "127.0.0.1:1", "m", 1, 0, 16, 64, 0, TOK.vocab_size, 1024)
 
 
 def test_directory_freshness_follows_ttl_and_incarnations():

@@ -1,0 +1,211 @@
+"""Router.Generate when things go wrong: worker failures, deadlines, cancellation, capacity."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from router_rig import TIMEOUT, Script, collect
+from services.common.tokenizer import ByteTokenizer
+from tandem.router.v1 import router_pb2
+
+VOCAB = ByteTokenizer().vocab_size
+
+
+def _wait(predicate, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.01)
+
+
+# ----------------------------------------------------------------------------- worker failures
+def test_failure_before_the_first_token_retries_on_the_next_worker(rig):
+    bad = rig.worker("a", Script(fail_before_first=True))
+    good = rig.worker("b")
+    load = rig.occupy("b", 1)  # b is busier, so the policy tries a first
+    router = rig.router()
+    msgs, err = collect(router, text="retry me", max_new_tokens=5, request_id="r1")
+    assert err is None, err
+    assert msgs[-1].usage.worker_id == "b"
+    assert [r.request_id for r in bad.requests] == ["r1"]
+    assert [r.request_id for r in good.requests] == ["r1~1"]  # a fresh kvstore request id per attempt
+    assert bad.ended == {"r1": "aborted"} and good.ended == {"r1~1": "released"}
+    _wait(lambda: bad.abort_probes == ["r1"])  # the router checked who ends a's reservation
+    rig.free(load)
+    rig.wait_no_live_reservations()
+
+
+def test_unreachable_worker_reservation_is_aborted_by_the_router(rig):
+    rig.dead_worker("a")
+    good = rig.worker("b")
+    load = rig.occupy("b", 1)
+    router = rig.router()
+    before = rig.stats().reservations_created
+    msgs, err = collect(router, text="the first worker is gone", max_new_tokens=3)
+    assert err is None, err
+    assert msgs[-1].usage.worker_id == "b"
+    assert rig.stats().reservations_created == before + 2  # one on a (aborted), one on b
+    assert len(good.requests) == 1
+    rig.free(load)
+    rig.wait_no_live_reservations()
+    # a is avoided for a while after failing: the next request goes straight to b
+    msgs, err = collect(router, text="again", max_new_tokens=2)
+    assert err is None and msgs[-1].usage.worker_id == "b"
+    assert rig.stats().reservations_created == before + 3
+
+
+def test_attempts_are_bounded(rig):
+    workers = [rig.worker(w, Script(fail_before_first=True)) for w in ("a", "b", "c")]
+    router = rig.router(max_attempts=2)
+    _, err = collect(router, text="nobody can serve this", max_new_tokens=3)
+    assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "2 attempt(s) failed before the first token" in err.details()
+    assert sum(len(w.requests) for w in workers) == 2
+    rig.wait_no_live_reservations()
+
+
+def test_failure_after_tokens_is_unavailable_and_not_retried(rig):
+    flaky = rig.worker("a", Script(fail_after=3))
+    spare = rig.worker("b")
+    load = rig.occupy("b", 1)
+    router = rig.router()
+    msgs, err = collect(router, text="stream then die", max_new_tokens=10)
+    assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "after 3 tokens were streamed" in err.details()
+    assert [t for m in msgs for t in m.token_ids] == [flaky.script.token(i) for i in range(3)]
+    assert spare.requests == []
+    rig.free(load)
+    rig.wait_no_live_reservations()
+
+
+# ---------------------------------------------------------------------- deadlines, cancellation
+def test_deadline_cancels_the_worker_which_aborts(rig):
+    slow = rig.worker("a", Script(delay_s=0.05))
+    router = rig.router()
+    t0 = time.monotonic()
+    msgs, err = collect(router, text="take your time", max_new_tokens=200, timeout=0.6)
+    assert err is not None and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - t0 < 3
+    assert 0 < len(msgs) < 200
+    (req,) = slow.requests
+    _wait(lambda: slow.ended.get(req.request_id) == "aborted")
+    rig.wait_no_live_reservations()
+
+
+def test_client_cancel_cancels_the_worker(rig):
+    slow = rig.worker("a", Script(delay_s=0.05))
+    router = rig.router()
+    call = router.stub.Generate(router_pb2.GenerateRequest(text="cancel me", max_new_tokens=200), timeout=TIMEOUT)
+    first = next(call)
+    assert first.token_ids
+    call.cancel()
+    (req,) = slow.requests
+    _wait(lambda: slow.ended.get(req.request_id) == "aborted")
+    rig.wait_no_live_reservations()
+
+
+# ------------------------------------------------------------------------------------ capacity
+def test_resource_exhausted_falls_through_to_the_next_worker(rig):
+    small = rig.worker("a", num_blocks=8)
+    big = rig.worker("b", num_blocks=64)
+    holds = [rig.occupy("a", 7), rig.occupy("b", 1, tag="x"), rig.occupy("b", 1, tag="y")]
+    # costs: a = missing + 0.07 + 2·1, b = missing + 0.02 + 2·2: a is first but has 1 free block
+    router = rig.router()
+    msgs, err = collect(router, text="needs two blocks", max_new_tokens=2)
+    assert err is None, err
+    assert msgs[-1].usage.worker_id == "b"
+    assert small.requests == [] and len(big.requests) == 1
+    for h in holds:
+        rig.free(h)
+    rig.wait_no_live_reservations()
+
+
+def test_queued_request_runs_once_capacity_frees_up(rig):
+    rig.worker("a", num_blocks=4)
+    hold = rig.occupy("a", 3)
+    router = rig.router()
+    timer = threading.Timer(0.3, rig.free, args=(hold,))
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        msgs, err = collect(router, text="wait for me please", max_new_tokens=2)  # 2 blocks
+    finally:
+        timer.join()
+    assert err is None, err
+    assert time.monotonic() - t0 >= 0.25
+    assert msgs[-1].usage.worker_id == "a"
+    rig.wait_no_live_reservations()
+
+
+def test_full_queue_and_queue_timeout_are_resource_exhausted(rig):
+    rig.worker("a", num_blocks=4)
+    hold = rig.occupy("a", 3)
+    no_queue = rig.router(max_queued=0)
+    _, err = collect(no_queue, text="no room at all", max_new_tokens=2)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.details()
+
+    short_wait = rig.router(max_queue_wait_s=0.2)
+    t0 = time.monotonic()
+    _, err = collect(short_wait, text="no room at all", max_new_tokens=2)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "before the deadline" in err.details()
+    assert 0.15 <= time.monotonic() - t0 < 3
+
+    # the client's own deadline bounds the wait too, and it still gets RESOURCE_EXHAUSTED (the
+    # router gives up just before the deadline rather than letting it expire)
+    patient = rig.router(max_queue_wait_s=30.0)
+    t0 = time.monotonic()
+    _, err = collect(patient, text="no room at all", max_new_tokens=2, timeout=0.8)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "before the deadline" in err.details()
+    assert 0.5 <= time.monotonic() - t0 < 0.8
+    rig.free(hold)
+    rig.wait_no_live_reservations()
+
+
+def test_a_prompt_that_can_never_fit_fails_at_once(rig):
+    rig.worker("a", num_blocks=2)
+    router = rig.router()
+    t0 = time.monotonic()
+    _, err = collect(router, text="x" * 100, max_new_tokens=2)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "never fit" in err.details()
+    assert time.monotonic() - t0 < 2
+    assert rig.stats().reservations_created == 0
+
+
+# ------------------------------------------------------------------------------ bad requests
+def test_bad_requests_change_nothing_in_the_kvstore(rig):
+    rig.worker("a")
+    router = rig.router(tenants="good-token=alice", max_new_tokens=50)
+    ok = [("authorization", "Bearer good-token")]
+    before = rig.stats()
+    cases = [
+        (dict(text="hi", max_new_tokens=5), None, grpc.StatusCode.UNAUTHENTICATED),
+        (dict(text="hi", max_new_tokens=5), [("authorization", "Bearer wrong")], grpc.StatusCode.UNAUTHENTICATED),
+        (dict(text="", max_new_tokens=5), ok, grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(max_new_tokens=5), ok, grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text="hi", max_new_tokens=0), ok, grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text="hi", max_new_tokens=51), ok, grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(token_ids={"list": {"values": [1, VOCAB]}}, max_new_tokens=5), ok, grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(token_ids={"packed": b"\x01\x00\x00"}, max_new_tokens=5), ok, grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text="hi", max_new_tokens=5, num_draft_tokens=99), ok, grpc.StatusCode.INVALID_ARGUMENT),
+    ]
+    for request, metadata, code in cases:
+        _, err = collect(router, metadata=metadata, **request)
+        assert err is not None and err.code() == code, (request, err)
+    after = rig.stats()
+    assert (after.matches, after.reservations_created, after.live_reservations) == (
+        before.matches, before.reservations_created, before.live_reservations)
+    # ... and the good token works
+    _, err = collect(router, text="hi", max_new_tokens=2, metadata=ok)
+    assert err is None
+
+
+def test_no_worker_and_too_long_prompts(rig):
+    router = rig.router()
+    _, err = collect(router, text="anyone?", max_new_tokens=2)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "no worker" in err.details()
+    rig.worker("a", max_seq_len=32)
+    _, err = collect(router, text="y" * 40, max_new_tokens=2)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "longest sequence" in err.details()

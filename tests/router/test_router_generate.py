@@ -1,0 +1,128 @@
+"""Router.Generate through a real kvstore and scripted workers: the happy path and reuse."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from router_rig import Script, collect
+from services.common.tokenizer import ByteTokenizer
+from services.common.wire import tokens_from_proto
+from services.router.tenants import tenant_salt
+from tandem.common.v1 import common_pb2
+
+TOK = ByteTokenizer()
+
+
+def test_streams_text_ids_and_usage(rig):
+    worker = rig.worker("w0")
+    router = rig.router()
+    msgs, err = collect(router, text="Hello, router!", max_new_tokens=40)
+    assert err is None
+    final = msgs[-1]
+    assert final.HasField("usage") and not any(m.HasField("usage") for m in msgs[:-1])
+    ids = [t for m in msgs for t in m.token_ids]
+    assert ids == [worker.script.token(i) for i in range(40)]
+    # text deltas never split a multi-byte character and add up to the decoded ids
+    assert "".join(m.text for m in msgs) == worker.script.expected_text(40)
+    assert all("\ufffd" not in m.text for m in msgs)
+    u = final.usage
+    prompt = TOK.encode("Hello, router!")
+    assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (len(prompt), 40, 0)
+    assert u.worker_id == "w0" and u.finish_reason == "length"
+    assert u.mean_acceptance_length == 1.0
+    assert 0 < u.time_to_first_token_s < 5
+
+    (req,) = worker.requests
+    assert tokens_from_proto(req.prompt).tolist() == prompt
+    assert len(req.request_id) == 32  # generated uuid4 hex
+    assert req.sampling.max_new_tokens == 40 and req.sampling.top_p == 1.0
+    assert TOK.eos_token_id in req.sampling.stop_token_ids
+    assert req.spec.num_draft_tokens == 4  # the router's default
+    # the reservation covers the prompt plus the first step's draft + bonus tokens
+    assert len(req.reservation.block_table) * 16 >= len(prompt) + 5
+    assert worker.ended == {req.request_id: "released"}
+    rig.wait_no_live_reservations()
+
+
+def test_request_fields_reach_the_worker(rig):
+    worker = rig.worker("w0")
+    router = rig.router()
+    ids = common_pb2.TokenIds(list=common_pb2.Uint32List(values=[256, 1, 2, 3]))
+    msgs, err = collect(router, token_ids=ids, max_new_tokens=3, temperature=0.5, top_p=0.9, top_k=7, seed=11,
+                        num_draft_tokens=0, stop_token_ids=[9], request_id="my-request")
+    assert err is None, err
+    (req,) = worker.requests
+    assert req.request_id == "my-request"
+    assert tokens_from_proto(req.prompt).tolist() == [256, 1, 2, 3]
+    s = req.sampling
+    assert (round(s.temperature, 3), round(s.top_p, 3), s.top_k, s.seed) == (0.5, 0.9, 7, 11)
+    assert list(s.stop_token_ids) == [9, TOK.eos_token_id]
+    assert req.spec.num_draft_tokens == 0
+    assert msgs[-1].usage.prompt_tokens == 4
+
+
+def test_second_request_reuses_the_prefix_within_a_tenant_only(rig):
+    rig.worker("w0")
+    router = rig.router(tenants="tokA=alice,tokB=bob")
+    prompt = "A long shared system prompt that spans several blocks of sixteen tokens each. " * 2
+    alice = [("authorization", "Bearer tokA")]
+    bob = [("authorization", "Bearer tokB")]
+
+    first, err = collect(router, text=prompt, max_new_tokens=4, metadata=alice)
+    assert err is None and first[-1].usage.cached_tokens == 0
+    again, err = collect(router, text=prompt, max_new_tokens=4, metadata=alice)
+    assert err is None
+    n = len(TOK.encode(prompt))
+    cached = again[-1].usage.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached <= n - 1
+    # another tenant's namespace holds nothing of alice's
+    other, err = collect(router, text=prompt, max_new_tokens=4, metadata=bob)
+    assert err is None and other[-1].usage.cached_tokens == 0
+    rig.wait_no_live_reservations()
+
+
+def test_the_salt_comes_from_the_tenant(rig):
+    """Match with alice's salt finds what the router published for alice; a request body cannot
+    pick a namespace (there is no such field), and bob's salt finds nothing."""
+    from services.common.wire import tokens_to_proto
+    from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
+
+    rig.worker("w0")
+    router = rig.router(tenants="tokA=alice,tokB=bob")
+    prompt = "x" * 80
+    _, err = collect(router, text=prompt, max_new_tokens=2, metadata=[("authorization", "Bearer tokA")])
+    assert err is None
+    tokens = tokens_to_proto(TOK.encode(prompt))
+
+    def reusable(salt):
+        resp = rig.kv.stub.Match(kv_pb.MatchRequest(tokens=tokens, cache_salt=salt), timeout=5)
+        return resp.workers[0].reusable_positions
+
+    assert reusable(tenant_salt("alice")) == 80  # 81 tokens: 5 full blocks
+    assert reusable(tenant_salt("bob")) == 0
+    assert reusable(b"") == 0
+
+
+def test_duplicate_live_request_id_is_rejected(rig):
+    rig.worker("w0", Script(delay_s=0.02))
+    router = rig.router()
+    results = {}
+
+    def run_first():
+        results["first"] = collect(router, text="hello", max_new_tokens=20, request_id="dup")
+
+    t = threading.Thread(target=run_first)
+    t.start()
+    try:
+        end = time.monotonic() + 5
+        while rig.live() == 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        _, err = collect(router, text="hello", max_new_tokens=2, request_id="dup")
+        assert err is not None and err.code() == grpc.StatusCode.ALREADY_EXISTS
+    finally:
+        t.join(10)
+    assert results["first"][1] is None
+    rig.wait_no_live_reservations()
