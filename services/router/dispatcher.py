@@ -17,6 +17,9 @@ Who ends a reservation (DESIGN §4 "nothing leaks"):
   idempotent, so a reservation the worker already ended is a no-op). Settling runs in the
   background so a retry elsewhere or the client's error is not delayed.
 * A cancelled or expired client cancels the worker stream (the worker then aborts).
+* A Reserve whose answer was lost (cancelled, timed out, connection dropped) may still have
+  happened: the router re-sends the identical Reserve — idempotent per request id, so it returns
+  that reservation if it exists — and aborts what it gets back.
 
 Decisions live in pure modules (``policy``, ``retry``, ``directory``, ``jobs``); this one only
 sequences calls, and every call carries a deadline derived from the client's remaining time.
@@ -58,6 +61,9 @@ _FINISH_REASONS = {
     worker_pb.FINISH_REASON_STOP: "stop",
     worker_pb.FINISH_REASON_MAX_SEQ_LEN: "max_seq_len",
 }
+# Codes after which a Reserve may or may not have happened in the kvstore.
+_NO_ANSWER = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+                        grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})
 # Stop waiting for capacity this long before the client's deadline, so it gets
 # RESOURCE_EXHAUSTED ("no capacity before the deadline") rather than a bare DEADLINE_EXCEEDED.
 _QUEUE_DEADLINE_MARGIN_S = 0.05
@@ -298,7 +304,12 @@ class Dispatcher:
                             request, timeout=self._timeout(deadline, self.config.kvstore_timeout_s)
                         )
                         return entry, resp.reservation
+                    except asyncio.CancelledError:
+                        self._reclaim_later(request)  # the kvstore may have reserved all the same
+                        raise
                     except grpc.aio.AioRpcError as err:
+                        if err.code() in _NO_ANSWER:
+                            self._reclaim_later(request)
                         if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                             last = err.details() or ""
                             continue  # fall through to the next choice
@@ -401,11 +412,35 @@ class Dispatcher:
         )
 
     # ----------------------------------------------------------------------------------- settle
-    def _settle_later(self, entry: WorkerEntry, reservation: kv_pb.Reservation, worker_request_id: str) -> None:
-        """Settle a reservation the worker never acknowledged, in the background (see module doc)."""
-        task = asyncio.get_running_loop().create_task(self._settle(entry, reservation, worker_request_id))
+    def _background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
+
+    def _reclaim_later(self, request: kv_pb.ReserveRequest) -> None:
+        """A Reserve whose answer never came may have reserved: find out and abort (background)."""
+        self._background(self._reclaim(request))
+
+    async def _reclaim(self, request: kv_pb.ReserveRequest) -> bool:
+        """Re-send the identical Reserve (idempotent per request id: it returns the live
+        reservation if the lost one happened, or makes one) and abort what it returns. Returns
+        whether a reservation was aborted. A generous deadline: the kvstore was slow a moment ago."""
+        timeout = 4 * self.config.kvstore_timeout_s
+        try:
+            resp = await self._kv.Reserve(request, timeout=timeout)
+            r = resp.reservation
+            await self._kv.Abort(kv_pb.AbortRequest(reservation_id=r.reservation_id, incarnation=r.incarnation),
+                                 timeout=timeout)
+            return True
+        except grpc.aio.AioRpcError as err:
+            # RESOURCE_EXHAUSTED / FAILED_PRECONDITION / NOT_FOUND: nothing is live under this id
+            # (a live reservation would have been returned first); otherwise the kvstore is gone.
+            log.debug("reclaim of %s: %s %s", request.request_id, err.code().name, err.details())
+            return False
+
+    def _settle_later(self, entry: WorkerEntry, reservation: kv_pb.Reservation, worker_request_id: str) -> None:
+        """Settle a reservation the worker never acknowledged, in the background (see module doc)."""
+        self._background(self._settle(entry, reservation, worker_request_id))
 
     async def _settle(self, entry: WorkerEntry, reservation: kv_pb.Reservation, worker_request_id: str) -> str:
         """Returns who ends the reservation: "worker", "router" or "gone" (already ended)."""

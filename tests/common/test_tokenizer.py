@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from services.common.errors import InvalidArgument, NotFound
 from services.gpuworker.model.config import TINY_BOS_ID, TINY_EOS_ID, TINY_VOCAB_SIZE
-from services.gpuworker.tokenizer import (
+from services.common.tokenizer import (
     BYTE_TOKENIZER_MARKER,
     ByteTokenizer,
     HFTokenizer,

@@ -224,7 +224,7 @@ def test_cpu_path_never_imports_flashinfer():
         "import sys, torch\n"
         "from services.gpuworker.attention import get_backend, AttentionGeometry\n"
         "from services.gpuworker.model import load_model\n"
-        "import services.gpuworker.tokenizer\n"
+        "import services.common.tokenizer\n"
         "get_backend('torch', 'cpu', AttentionGeometry(4, 2, 8, 4))\n"
         "load_model('tiny')\n"
         "loaded = [m for m in sys.modules if 'flashinfer' in m]\n"

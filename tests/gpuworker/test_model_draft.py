@@ -15,7 +15,7 @@ from services.gpuworker.attention.base import AttentionKind, BatchLayout
 from services.gpuworker.model.config import DraftConfig, tiny_config
 from services.gpuworker.model.draft import Eagle3Draft, MTPDraft
 from services.gpuworker.model.loader import load_model, save_draft, save_model
-from services.gpuworker.tokenizer import ByteTokenizer
+from services.common.tokenizer import ByteTokenizer
 
 BS, NB = 4, 48
 

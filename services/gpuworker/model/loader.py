@@ -32,7 +32,7 @@ from services.gpuworker.model.config import DraftConfig, LlamaConfig, tiny_confi
 from services.gpuworker.model.draft import DraftModel, build_draft
 from services.gpuworker.model.layers import init_weights
 from services.gpuworker.model.llama import TargetModel
-from services.gpuworker.tokenizer import BYTE_TOKENIZER_MARKER, ByteTokenizer, Tokenizer, load_tokenizer
+from services.common.tokenizer import BYTE_TOKENIZER_MARKER, ByteTokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
