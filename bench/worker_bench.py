@@ -181,6 +181,9 @@ class Graph:
     def __init__(self, fn):
         import torch
 
+        # keep fn (and through it every tensor its closure captured, e.g. index tensors made
+        # outside the capture): a freed input would be reused by the allocator under the graph
+        self.fn = fn
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -380,6 +383,25 @@ class DecodeBench:
         return ms
 
 
+def plan_profile(backend, tables, ctx: int, B: int, n: int = 300) -> str:
+    """Where the host time of plan() goes (cProfile, top entries by cumulative time)."""
+    import cProfile
+    import io
+    import pstats
+
+    from services.gpuworker.attention.base import AttentionKind, BatchLayout
+
+    layout = BatchLayout(block_tables=tables[:B], cached_lens=[ctx - 1] * B, query_lens=[1] * B)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        backend.plan(layout, AttentionKind.DECODE)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(18)
+    return out.getvalue()
+
+
 def eager_decode_ms(target, backend, tpool, tables, B: int, ctx: int, steps: int = 10) -> float:
     """Plain decode without CUDA graphs (what the engine gets without graphs)."""
     import torch
@@ -454,6 +476,8 @@ def model_decode(batches: list[int], k: int, ctx: int, steps: int, log) -> dict:
             f"eager {row['plain_eager_step_ms']:.3f} ms), {row['plain']['tokens_per_s']:.0f} tok/s"
         )
         results.append(row)
+        if B in (1, max(batches)):
+            log(f"plan() profile, B={B}:\n" + plan_profile(backend, bench.tables, ctx, B))
         del bench
         torch.cuda.synchronize()
     return {"target_params": n_target, "draft_params": n_draft, "config": bench_config().to_hf(), "rows": results}
