@@ -209,3 +209,44 @@ def test_no_worker_and_too_long_prompts(rig):
     rig.worker("a", max_seq_len=32)
     _, err = collect(router, text="y" * 40, max_new_tokens=2)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "longest sequence" in err.details()
+
+
+def test_a_reserve_whose_answer_was_lost_is_reclaimed(start_service, service_loop):
+    """The kvstore reserves but answers too late: the router gives up on the request and then
+    finds the orphan by re-sending the idempotent Reserve, and aborts it."""
+    import asyncio
+
+    from router_rig import Rig
+    from services.common.server import GrpcServer, ServiceBinding
+    from services.kvstore.servicer import KVStoreServicer
+    from services.kvstore.store import KVStore
+    from tandem.kvstore.v1 import kvstore_pb2_grpc
+
+    class SlowFirstReserve(KVStoreServicer):
+        slow = True
+
+        async def Reserve(self, request, context):
+            resp = await super().Reserve(request, context)  # the reservation exists from here on
+            if SlowFirstReserve.slow:
+                SlowFirstReserve.slow = False
+                await asyncio.sleep(0.6)
+            return resp
+
+    async def start():
+        store = KVStore(lease_ttl_s=120.0)
+        server = GrpcServer([ServiceBinding(kvstore_pb2_grpc.add_KVStoreServicer_to_server, SlowFirstReserve(store),
+                                            "tandem.kvstore.v1.KVStore")], port=0, grace_s=0)
+        await server.start()
+        await server.set_serving()
+        return server, store
+
+    kv = start_service(start)
+    kv.stub = kvstore_pb2_grpc.KVStoreStub(kv.channel)
+    rig = Rig(kv=kv, start_service=start_service, service_loop=service_loop)
+    worker = rig.worker("a")
+    router = rig.router(kvstore_timeout_s=0.3)
+    _, err = collect(router, text="the answer gets lost", max_new_tokens=2)
+    assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE and "Reserve" in err.details()
+    assert worker.requests == []
+    assert rig.stats().reservations_created == 1
+    rig.wait_no_live_reservations()
