@@ -23,8 +23,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(settings: WorkerSettings) -> None:
+    from services.common.telemetry import setup_tracing
     from services.gpuworker.server import start_worker
 
+    setup_tracing("tandem-gpuworker")
     server, _runner, identity = await start_worker(settings)
     server.install_signal_handlers()
     await server.wait_for_termination()

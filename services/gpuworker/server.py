@@ -9,10 +9,12 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from opentelemetry import trace
 
 from services.common.errors import FailedPrecondition, NotFound, TandemError
 from services.common.server import GrpcServer, ServiceBinding
 from services.common.spec import SpecMode
+from services.common.telemetry import ServerTracingInterceptor
 from services.gpuworker.attention.base import AttentionGeometry, get_backend
 from services.gpuworker.engine.engine import Engine, EngineConfig
 from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource
@@ -76,7 +78,9 @@ def pool_blocks(settings: WorkerSettings, target, draft, dtype: torch.dtype) -> 
     return blocks
 
 
-async def start_worker(settings: WorkerSettings, *, interceptors=()) -> tuple[GrpcServer, EngineRunner, WorkerIdentity]:
+async def start_worker(
+    settings: WorkerSettings, *, tracer_provider: trace.TracerProvider | None = None
+) -> tuple[GrpcServer, EngineRunner, WorkerIdentity]:
     """Load the model, build pools and engine, serve, register; health SERVING once registered."""
     spec_mode = _SPEC_MODES[settings.spec_mode]
     dtype = _DTYPES[settings.dtype]
@@ -114,7 +118,7 @@ async def start_worker(settings: WorkerSettings, *, interceptors=()) -> tuple[Gr
         port=settings.port,
         max_receive_bytes=settings.max_receive_bytes,
         grace_s=settings.grace_s,
-        interceptors=interceptors,
+        interceptors=[ServerTracingInterceptor(tracer_provider)],
     )
     identity = WorkerIdentity(
         worker_id=settings.worker_id,
@@ -133,7 +137,7 @@ async def start_worker(settings: WorkerSettings, *, interceptors=()) -> tuple[Gr
         draft=draft,
         link=link,
     )
-    server.add_binding(ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(runner, identity), SERVICE_NAME))
+    server.add_binding(ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(runner, identity, tracer_provider=tracer_provider), SERVICE_NAME))
     port = await server.start()
     identity.address = settings.advertise or f"{settings.host}:{port}"
     runner.start()

@@ -13,6 +13,7 @@ import time
 
 from opentelemetry import trace
 
+from services.common.telemetry import get_tracer
 from services.common.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound, TandemError
 from services.common.spec import lookahead_span
 from services.common.wire import spec_mode_to_proto, tokens_from_proto
@@ -21,8 +22,6 @@ from services.gpuworker.engine.sampling import SamplingParams
 from services.gpuworker.runner import EngineRunner, Job
 from tandem.worker.v1 import worker_pb2 as pb
 from tandem.worker.v1 import worker_pb2_grpc
-
-tracer = trace.get_tracer("tandem.gpuworker")
 
 _FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -34,9 +33,10 @@ _FINISH = {
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Thin adapter; ``identity`` carries what Info reports (see ``server.WorkerIdentity``)."""
 
-    def __init__(self, runner: EngineRunner, identity):
+    def __init__(self, runner: EngineRunner, identity, *, tracer_provider: trace.TracerProvider | None = None):
         self.runner = runner
         self.identity = identity
+        self._tracer = get_tracer(__name__, tracer_provider)
 
     def _spec_from(self, request) -> RequestSpec:
         ident = self.identity
@@ -86,7 +86,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         job = Job(spec, request.reservation.reservation_id, request.reservation.incarnation, loop, asyncio.Queue())
         started = time.time_ns()
-        prefill_span = tracer.start_span("prefill", start_time=started, attributes={
+        prefill_span = self._tracer.start_span("prefill", start_time=started, attributes={
             "tandem.request_id": spec.request_id,
             "tandem.prompt_tokens": len(spec.prompt_ids),
             "tandem.cached_tokens": spec.reused_positions,
@@ -102,7 +102,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     if decode_span is None:
                         now = time.time_ns()
                         prefill_span.end(end_time=now)
-                        decode_span = tracer.start_span("decode", start_time=now, attributes={"tandem.request_id": spec.request_id})
+                        decode_span = self._tracer.start_span("decode", start_time=now, attributes={"tandem.request_id": spec.request_id})
                     yield pb.GenerateResponse(token_ids=event[1])
                 elif kind == "done":
                     _, reason, usage = event

@@ -23,8 +23,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(settings: KVStoreSettings) -> None:
+    from services.common.telemetry import setup_tracing
     from services.kvstore.server import start_kvstore
 
+    setup_tracing("tandem-kvstore")
     server, _store = await start_kvstore(settings)
     server.install_signal_handlers()
     log.info("kvstore serving on %s", server.address)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+from opentelemetry import trace
+
 from services.common.server import GrpcServer, ServiceBinding
+from services.common.telemetry import ServerTracingInterceptor
 from services.kvstore.servicer import KVStoreServicer
 from services.kvstore.settings import KVStoreSettings
 from services.kvstore.store import KVStore
@@ -13,7 +16,12 @@ from tandem.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 
-async def start_kvstore(settings: KVStoreSettings, *, store: KVStore | None = None) -> tuple[GrpcServer, KVStore]:
+async def start_kvstore(
+    settings: KVStoreSettings,
+    *,
+    store: KVStore | None = None,
+    tracer_provider: trace.TracerProvider | None = None,
+) -> tuple[GrpcServer, KVStore]:
     """Start serving (health SERVING once bound) and a lease reaper; return (server, store)."""
     store = store or KVStore(lease_ttl_s=settings.lease_ttl_s, max_tokens=settings.max_tokens)
     servicer = KVStoreServicer(store, event_queue=settings.event_queue)
@@ -24,6 +32,7 @@ async def start_kvstore(settings: KVStoreSettings, *, store: KVStore | None = No
         max_receive_bytes=settings.max_receive_bytes,
         max_concurrent_rpcs=settings.max_concurrent_rpcs,
         grace_s=settings.grace_s,
+        interceptors=[ServerTracingInterceptor(tracer_provider)],
     )
     await server.start()
     server.run_in_background(_reap_leases(store, settings.lease_ttl_s / 4))
