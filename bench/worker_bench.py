@@ -383,6 +383,18 @@ class DecodeBench:
         return ms
 
 
+def host_costs(bench, ctx: int, n: int = 200) -> dict:
+    """Host microseconds per DECODE plan of this batch: building the BatchLayout, and plan()."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        layout = bench._layout(ctx - 1, 1)
+    t1 = time.perf_counter()
+    for _ in range(n):
+        bench.backend.plan(layout, bench.AK.DECODE)
+    t2 = time.perf_counter()
+    return {"layout": (t1 - t0) / n * 1e6, "plan": (t2 - t1) / n * 1e6}
+
+
 def plan_profile(backend, tables, ctx: int, B: int, n: int = 300) -> str:
     """Where the host time of plan() goes (cProfile, top entries by cumulative time)."""
     import cProfile
@@ -476,7 +488,9 @@ def model_decode(batches: list[int], k: int, ctx: int, steps: int, log) -> dict:
             f"eager {row['plain_eager_step_ms']:.3f} ms), {row['plain']['tokens_per_s']:.0f} tok/s"
         )
         results.append(row)
-        if B in (1, max(batches)):
+        row["host_us"] = host_costs(bench, ctx)
+        log(f"B={B}: host cost per plan (us): {row['host_us']}")
+        if B == max(batches):
             log(f"plan() profile, B={B}:\n" + plan_profile(backend, bench.tables, ctx, B))
         del bench
         torch.cuda.synchronize()
@@ -531,7 +545,8 @@ def plot(res: dict, png: Path) -> None:
     ax1.set_xlabel("batch size")
     ax1.set_ylabel("decode tokens/s (log)")
     ax1.set_yscale("log")
-    ax1.set_title(f"~1.1B Llama bf16, CUDA graphs, ctx {rows[0]['ctx']}; forced acceptance a")
+    params = res["model"]["target_params"] / 1e9
+    ax1.set_title(f"{params:.2f}B Llama bf16 + EAGLE-3 layer, CUDA graphs, ctx {rows[0]['ctx']}; forced acceptance a")
     ax1.legend(fontsize=8)
     att = res["attention"]
     names = [f"attn h{a['head_dim']}" for a in att] + ["copy"]

@@ -145,6 +145,17 @@ def test_prefill_ragged_matches_torch(fi, ref):
     compare(fi, ref, layout, AttentionKind.PREFILL, seed=3)
 
 
+@pytest.mark.parametrize("kind,q", [(AttentionKind.DECODE, 1), (AttentionKind.VERIFY, 3)])
+def test_large_balanced_batch_without_split_kv(fi, ref, kind, q):
+    """Enough requests to fill the GPU: the backend plans without split-kv; same results."""
+    B = (2 * fi._num_sms) // GEOM.num_kv_heads + 4
+    rng = random.Random(21)
+    layout = make_layout([rng.randint(90, 150) for _ in range(B)], [q] * B, 16 * B, seed=21)
+    compare(fi, ref, layout, kind, seed=21, num_blocks=16 * B)
+    plan = fi.plan(layout, kind)
+    assert fi._batch_fills_gpu(plan, fi._workspaces[plan.key].state["host"])
+
+
 @pytest.mark.parametrize("kind,q", [(AttentionKind.DECODE, 1), (AttentionKind.VERIFY, 3), (AttentionKind.PREFILL, 5)])
 def test_non_default_scale(fi, ref, kind, q):
     """A softmax scale other than 1/sqrt(head_dim) reaches the kernel (through q_scale)."""
