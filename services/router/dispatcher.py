@@ -218,9 +218,9 @@ class Dispatcher:
 
     # ---------------------------------------------------------------------------------- planning
     async def _plan(self, job: GenerateJob, tenant: Tenant, prompt_pb, state: AttemptState,
-                    deadline: float | None) -> list[tuple[WorkerEntry, int]]:
-        """Match + rank: (worker, reusable positions) in preference order (read-only for the
-        kvstore). Raises when no worker could ever take the request."""
+                    deadline: float | None) -> list[WorkerEntry]:
+        """Match + rank: the workers in preference order (read-only for the kvstore). Raises
+        when no worker could ever take the request."""
         try:
             resp = await self._kv.Match(
                 kv_pb.MatchRequest(tokens=prompt_pb, cache_salt=tenant.cache_salt, model_id=self.config.model_id),
@@ -235,7 +235,7 @@ class Dispatcher:
             raise self._why_no_match(job)
 
         n, headroom = job.prompt_tokens, job.headroom_positions
-        candidates, reusable, too_small = [], {}, []
+        candidates, entries, too_small = [], {}, []
         for m in matches:
             entry = self.directory.get(m.worker_id)
             if entry is None or entry.incarnation != m.incarnation:
@@ -244,7 +244,7 @@ class Dispatcher:
             if need > entry.num_blocks:
                 too_small.append(f"{entry.worker_id} has {entry.num_blocks} blocks, needs {need}")
                 continue
-            reusable[m.worker_id] = (entry, m.reusable_positions)
+            entries[m.worker_id] = entry
             candidates.append(
                 WorkerCandidate(
                     worker_id=m.worker_id,
@@ -266,7 +266,7 @@ class Dispatcher:
             if candidates:
                 raise state.no_worker_left()
             raise Unavailable("the workers changed while routing; try again")
-        return [reusable[r.worker_id] for r in ranked]
+        return [entries[r.worker_id] for r in ranked]
 
     def _why_no_match(self, job: GenerateJob) -> Exception:
         """Why Match found no compatible worker (registry read-only)."""
@@ -290,7 +290,7 @@ class Dispatcher:
         try:
             while True:
                 last = ""
-                for entry, _reusable in await self._plan(job, tenant, prompt_pb, state, deadline):
+                for entry in await self._plan(job, tenant, prompt_pb, state, deadline):
                     request = kv_pb.ReserveRequest(
                         worker_id=entry.worker_id,
                         incarnation=entry.incarnation,

@@ -21,7 +21,7 @@ from services.common.server import GrpcServer, ServiceBinding
 from services.common.telemetry import ServerTracingInterceptor, setup_tracing
 from tandem.common.v1 import common_pb2
 from tandem.kvstore.v1 import kvstore_pb2_grpc
-from tandem.router.v1 import router_pb2
+from tandem.router.v1 import router_pb2, router_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,15 +71,9 @@ def test_not_serving_until_the_kvstore_answers(start_service):
     health = health_pb2_grpc.HealthStub(router.channel)
     time.sleep(0.3)
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status == health_pb2.HealthCheckResponse.NOT_SERVING
-    stub = router_pb2.DESCRIPTOR  # noqa: F841 - the stub below is what matters
-    from tandem.router.v1 import router_pb2_grpc
-
-    try:
-        list(router_pb2_grpc.RouterStub(router.channel).Generate(
-            router_pb2.GenerateRequest(text="hi", max_new_tokens=2), timeout=TIMEOUT))
-        raise AssertionError("expected UNAVAILABLE")
-    except grpc.RpcError as err:
-        assert err.code() == grpc.StatusCode.UNAVAILABLE and "kvstore" in err.details()
+    router.stub = router_pb2_grpc.RouterStub(router.channel)
+    _, err = collect(router, text="hi", max_new_tokens=2)
+    assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE and "kvstore" in err.details()
 
 
 def test_one_trace_crosses_router_kvstore_and_worker(start_service, service_loop):
@@ -150,8 +144,6 @@ def test_cli_serves_until_sigterm(rig, tmp_path):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             grpc.channel_ready_future(channel).result(timeout=30)
             wait_serving(channel)
-            from tandem.router.v1 import router_pb2_grpc
-
             stub = router_pb2_grpc.RouterStub(channel)
             msgs = list(stub.Generate(router_pb2.GenerateRequest(text="cli", max_new_tokens=3), timeout=TIMEOUT))
             assert msgs[-1].usage.completion_tokens == 3
