@@ -13,7 +13,7 @@ publishing in order and evicting leaves only. A node with no residency has no ch
 and is pruned at once, so every non-root node is resident somewhere. Roots without children are
 dropped too.
 
-Lookups (``walk``) are read-only; ``add_child``, ``set_resident`` and ``remove_resident`` mutate.
+Lookups (``root``, ``walk``) are read-only; ``attach_chain`` and ``remove_resident`` mutate.
 """
 
 from __future__ import annotations

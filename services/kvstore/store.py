@@ -19,20 +19,16 @@ calls get FAILED_PRECONDITION rather than NOT_FOUND.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import time
 from collections import OrderedDict
 from typing import Callable
 
-import numpy as np
-
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, TandemError
-from services.common.spec import SpecMode
 
-from . import audit
+from . import audit, validation
 from .block_pool import Block
 from .events import EventLog
-from .keys import KeyStream, token_array
+from .keys import KeyStream
 from .radix_trie import Node, RadixTrie
 from .records import ReservationRecord, WorkerRecord
 from .types import (
@@ -50,28 +46,6 @@ from .types import (
     WorkerSpec,
     WorkerStats,
 )
-
-MAX_BLOCKS_PER_WORKER = 1 << 24  # bounds memory of one registration (16 M blocks)
-
-
-def _count(name: str, value: object, *, minimum: int = 0) -> int:
-    """An integer >= minimum (bools and floats rejected) or InvalidArgument."""
-    if isinstance(value, bool):
-        raise InvalidArgument(f"{name} must be an integer, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise InvalidArgument(f"{name} must be an integer, got {value!r}") from None
-    if value < minimum:
-        raise InvalidArgument(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _salt(cache_salt: object) -> bytes:
-    if not isinstance(cache_salt, (bytes, bytearray, memoryview)):
-        raise InvalidArgument("cache_salt must be bytes")
-    return bytes(cache_salt)
-
 
 class KVStore:
     """The kvstore core. See the module docstring; each verb's docstring says if it mutates."""
@@ -92,13 +66,13 @@ class KVStore:
         if not lease_ttl_s > 0:
             raise InvalidArgument("lease_ttl_s must be > 0")
         self.lease_ttl_s = float(lease_ttl_s)
-        self.max_tokens = _count("max_tokens", max_tokens, minimum=1)
+        self.max_tokens = validation.count("max_tokens", max_tokens, minimum=1)
         self._clock = clock
-        self._max_tombstones = _count("tombstones", tombstones)
-        self.epoch = time.time_ns() // 1000 if epoch is None else _count("epoch", epoch)
+        self._max_tombstones = validation.count("tombstones", tombstones)
+        self.epoch = time.time_ns() // 1000 if epoch is None else validation.count("epoch", epoch)
         self._workers: dict[str, WorkerRecord] = {}
         self._trie = RadixTrie()
-        self._events = EventLog(_count("events_per_worker", events_per_worker, minimum=1))
+        self._events = EventLog(validation.count("events_per_worker", events_per_worker, minimum=1))
         self._reservations: dict[str, ReservationRecord] = {}
         self._by_request: dict[str, ReservationRecord] = {}
         self._tombstones: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (worker, incarnation)
@@ -113,7 +87,7 @@ class KVStore:
         """Create or replace a worker's pool (mutates). A previous incarnation's blocks,
         reservations and trie residency are dropped (CLEARED event). Returns the new incarnation."""
         self.expire_leases()
-        spec = self._validated_spec(spec)
+        spec = validation.worker_spec(spec)
         self.tick += 1
         old = self._workers.get(spec.worker_id)
         if old is not None:
@@ -156,8 +130,8 @@ class KVStore:
         ``max_seq_len`` and vocabulary), how many prompt positions are reusable there now.
         Read-only: pins nothing, touches no LRU clock."""
         self.expire_leases()
-        buf, arr = self._token_input(tokens)
-        salt = _salt(cache_salt)
+        buf, arr = validation.prompt(tokens, self.max_tokens)
+        salt = validation.salt(cache_salt)
         n = len(arr)
         self._matches += 1
         max_id = -1
@@ -246,10 +220,10 @@ class KVStore:
         worker = self._worker(worker_id, incarnation)
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument("request_id must be a non-empty string")
-        buf, arr = self._token_input(tokens)
-        salt = _salt(cache_salt)
-        headroom = _count("headroom_positions", headroom_positions)
-        self._check_tokens(worker, arr, len(arr))
+        buf, arr = validation.prompt(tokens, self.max_tokens)
+        salt = validation.salt(cache_salt)
+        headroom = validation.count("headroom_positions", headroom_positions)
+        validation.fits_worker(worker.spec, arr, len(arr))
         live = self._by_request.get(request_id)
         if live is not None:
             if (
@@ -357,7 +331,7 @@ class KVStore:
     def _apply_item(self, item, apply) -> ItemResult:
         rid = getattr(item, "reservation_id", None)
         try:
-            capacity = _count("capacity_positions", item.capacity_positions)
+            capacity = validation.count("capacity_positions", item.capacity_positions)
             record = self._live(rid, item.incarnation)
             return apply(record, capacity)
         except TandemError as err:
@@ -384,8 +358,8 @@ class KVStore:
         reservation's own copy (which is freed), so the returned block table may change."""
         self.expire_leases()
         record = self._live(reservation_id, incarnation)
-        stream = self._appended_stream(record, new_tokens)
-        final = self._final_positions(record, stream, final_positions)
+        stream = validation.appended(record.stream, new_tokens, record.worker.spec, self.max_tokens)
+        final = validation.final_positions(final_positions, stream, record.capacity_positions)
         self.tick += 1
         record.stream = stream
         newly, dedup = self._publish_blocks(record, final)
@@ -408,8 +382,11 @@ class KVStore:
     def _finish(self, reservation_id, incarnation, new_tokens, final_positions) -> ReleaseResult:
         self.expire_leases()
         record = self._live(reservation_id, incarnation)
-        stream = self._appended_stream(record, new_tokens)
-        final = 0 if final_positions is None else self._final_positions(record, stream, final_positions)
+        stream = validation.appended(record.stream, new_tokens, record.worker.spec, self.max_tokens)
+        if final_positions is None:
+            final = 0
+        else:
+            final = validation.final_positions(final_positions, stream, record.capacity_positions)
         self.tick += 1
         record.stream = stream
         newly, dedup = self._publish_blocks(record, final)
@@ -423,7 +400,7 @@ class KVStore:
         False if it had already ended (idempotent, for ids still remembered). NotFound for an
         unknown id; FailedPrecondition for an incarnation other than the reservation's."""
         self.expire_leases()
-        incarnation = _count("incarnation", incarnation)
+        incarnation = validation.count("incarnation", incarnation)
         record = self._reservations.get(reservation_id)
         if record is None:
             ended = self._tombstones.get(reservation_id)
@@ -483,7 +460,7 @@ class KVStore:
         """Buffered events of ``worker_id`` with ``seq > after_seq`` (read-only). NotFound if the
         store never saw that worker."""
         self.expire_leases()
-        after_seq = _count("after_seq", after_seq)
+        after_seq = validation.count("after_seq", after_seq)
         if not self._events.knows(worker_id) and worker_id not in self._workers:
             raise NotFound(f"unknown worker {worker_id!r}")
         return self._events.since(worker_id, after_seq)
@@ -494,31 +471,6 @@ class KVStore:
         return self._events.subscribe(callback)
 
     # ---------------------------------------------------------------------------------- helpers
-    def _validated_spec(self, spec: WorkerSpec) -> WorkerSpec:
-        if not isinstance(spec, WorkerSpec):
-            raise InvalidArgument("spec must be a WorkerSpec")
-        if not isinstance(spec.worker_id, str) or not spec.worker_id:
-            raise InvalidArgument("worker_id must be a non-empty string")
-        if not isinstance(spec.address, str) or not isinstance(spec.model_id, str):
-            raise InvalidArgument("address and model_id must be strings")
-        try:
-            mode = spec.spec_mode if isinstance(spec.spec_mode, SpecMode) else SpecMode(spec.spec_mode)
-        except ValueError:
-            raise InvalidArgument(f"unknown spec mode {spec.spec_mode!r}") from None
-        depth = _count("mtp_depth", spec.mtp_depth)
-        depth = max(depth, 1) if mode is SpecMode.MTP else 1
-        block_size = _count("block_size", spec.block_size, minimum=1)
-        if block_size > 1024 or block_size & (block_size - 1):
-            raise InvalidArgument(f"block_size must be a power of two in [1, 1024], got {block_size}")
-        num_blocks = _count("num_blocks", spec.num_blocks, minimum=1)
-        if num_blocks > MAX_BLOCKS_PER_WORKER:
-            raise InvalidArgument(f"num_blocks must be <= {MAX_BLOCKS_PER_WORKER}, got {num_blocks}")
-        vocab = _count("vocab_size", spec.vocab_size, minimum=1)
-        if vocab > 1 << 32:
-            raise InvalidArgument("vocab_size must be <= 2**32")
-        _count("max_seq_len", spec.max_seq_len, minimum=1)
-        return dataclasses.replace(spec, spec_mode=mode, mtp_depth=depth)
-
     def _info(self, worker: WorkerRecord) -> WorkerInfo:
         return WorkerInfo(
             spec=worker.spec,
@@ -530,7 +482,7 @@ class KVStore:
         )
 
     def _worker(self, worker_id: str, incarnation: int) -> WorkerRecord:
-        incarnation = _count("incarnation", incarnation)
+        incarnation = validation.count("incarnation", incarnation)
         worker = self._workers.get(worker_id)
         if worker is None:
             raise NotFound(f"unknown worker {worker_id!r}")
@@ -541,7 +493,7 @@ class KVStore:
         return worker
 
     def _live(self, reservation_id: str, incarnation: int) -> ReservationRecord:
-        incarnation = _count("incarnation", incarnation)
+        incarnation = validation.count("incarnation", incarnation)
         record = self._reservations.get(reservation_id) if isinstance(reservation_id, str) else None
         if record is None:
             self._raise_not_live(reservation_id)
@@ -555,55 +507,6 @@ class KVStore:
         if isinstance(reservation_id, str) and reservation_id in self._tombstones:
             raise FailedPrecondition(f"reservation {reservation_id!r} has ended")
         raise NotFound(f"unknown reservation {reservation_id!r}")
-
-    def _token_input(self, tokens) -> tuple[bytes, np.ndarray]:
-        """Tokens as (packed little-endian buffer, uint32 view); empty or too long is invalid."""
-        if isinstance(tokens, bytes):
-            if len(tokens) % 4:
-                raise InvalidArgument(f"packed tokens must be a multiple of 4 bytes, got {len(tokens)}")
-            buf = tokens
-            arr = np.frombuffer(buf, dtype="<u4")
-        else:
-            arr = token_array(tokens)
-            buf = arr.tobytes()
-        if not len(arr):
-            raise InvalidArgument("tokens must not be empty")
-        if len(arr) > self.max_tokens:
-            raise InvalidArgument(f"{len(arr)} tokens exceed the limit of {self.max_tokens}")
-        return buf, arr
-
-    @staticmethod
-    def _check_tokens(worker: WorkerRecord, arr: np.ndarray, total: int) -> None:
-        spec = worker.spec
-        if total > spec.max_seq_len:
-            raise InvalidArgument(f"{total} tokens exceed max_seq_len {spec.max_seq_len} of {spec.worker_id!r}")
-        if len(arr) and int(arr.max()) >= spec.vocab_size:
-            raise InvalidArgument(f"token id {int(arr.max())} is not below vocab_size {spec.vocab_size}")
-
-    def _appended_stream(self, record: ReservationRecord, new_tokens) -> KeyStream:
-        """The reservation's stream with ``new_tokens`` appended (validated; nothing mutated).
-        The sequence may run one token past ``max_seq_len``: the last sampled token, which
-        never gets a KV position."""
-        arr = token_array(new_tokens)
-        if not len(arr):
-            return record.stream
-        total = record.stream.n + len(arr)
-        if total > self.max_tokens:
-            raise InvalidArgument(f"{total} tokens exceed the limit of {self.max_tokens}")
-        spec = record.worker.spec
-        if total > spec.max_seq_len + 1:
-            raise InvalidArgument(f"{total} tokens exceed max_seq_len {spec.max_seq_len} (+1) of {spec.worker_id!r}")
-        self._check_tokens(record.worker, arr, 0)
-        return record.stream.appended(arr.tobytes())
-
-    @staticmethod
-    def _final_positions(record: ReservationRecord, stream: KeyStream, final_positions) -> int:
-        final = _count("final_positions", final_positions)
-        if final > stream.n:
-            raise InvalidArgument(f"final_positions {final} exceeds the {stream.n} known tokens")
-        if final > record.capacity_positions:
-            raise InvalidArgument(f"final_positions {final} exceeds the capacity {record.capacity_positions}")
-        return final
 
     def _allocate(self, worker: WorkerRecord, count: int) -> list[Block]:
         """Take ``count`` blocks from the free queue, evicting LRU cached leaves when it runs dry
