@@ -64,6 +64,7 @@ HEADROOM = 8  # k = 7 draft tokens + 1 bonus
 IN_FLIGHT = 8
 RESERVE_WAVE = 48  # live reservations per Reserve wave: 48 × 65 fresh blocks fit beside the cache
 ECHO_PAYLOAD = 8192
+RPCS_PER_CYCLE = 4  # Match, Reserve, Publish, Release
 WARMUP_RANDOM = 256
 
 
@@ -132,9 +133,38 @@ def pick(matches, i: int):
 # Results
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Meter:
+    """Wall time, this process's CPU time and optionally a server process's CPU time spent inside
+    ``with meter:`` blocks (accumulates over several blocks). CPU time per operation barely moves
+    when other programs load the machine; throughput does."""
+
+    def __init__(self, server_pid: int | None = None):
+        self.server_pid = server_pid
+        self.wall = self.cpu = 0.0
+        self.server_cpu: float | None = 0.0 if server_pid else None
+
+    def __enter__(self) -> Meter:
+        self._start = (time.perf_counter(), time.process_time(),
+                       process_cpu_s(self.server_pid) if self.server_pid else 0.0)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall, cpu, server = self._start
+        self.wall += time.perf_counter() - wall
+        self.cpu += time.process_time() - cpu
+        if self.server_pid:
+            self.server_cpu += process_cpu_s(self.server_pid) - server
+
+
 @dataclass
 class PhaseResult:
-    """One phase of one run: throughput, latency percentiles (ms) and hit rate."""
+    """One phase of one run: throughput, latency percentiles (ms), hit rate, CPU per operation."""
 
     name: str
     ops: int
@@ -143,6 +173,8 @@ class PhaseResult:
     p99_ms: float
     hit_rate: float | None = None
     rpc_latency_ms: dict = field(default_factory=dict)  # gRPC cycle: per RPC kind (p50, p99)
+    cpu_us: float = 0.0  # this (client or in-process) process's CPU µs per operation
+    server_cpu_us: float | None = None  # the server process's CPU µs per operation (gRPC)
 
     @property
     def ops_per_s(self) -> float:
@@ -154,10 +186,11 @@ def _percentiles(lat_ns: list[int]) -> tuple[float, float]:
     return float(np.percentile(a, 50)), float(np.percentile(a, 99))
 
 
-def _phase(name, ops, seconds, lat_ns, hit_rate=None, rpc_lat=None) -> PhaseResult:
+def _phase(name, ops, meter: Meter, lat_ns, hit_rate=None, rpc_lat=None) -> PhaseResult:
     p50, p99 = _percentiles(lat_ns)
     per_rpc = {k: _percentiles(v) for k, v in (rpc_lat or {}).items()}
-    return PhaseResult(name, ops, seconds, p50, p99, hit_rate, per_rpc)
+    server = None if meter.server_cpu is None else meter.server_cpu / ops * 1e6
+    return PhaseResult(name, ops, meter.wall, p50, p99, hit_rate, per_rpc, meter.cpu / ops * 1e6, server)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -183,23 +216,23 @@ def run_inprocess(work: Workload, num_workers: int, n_match: int, n_cycle: int) 
     store = warmed_store(work, num_workers)
     reqs = [t for _, t in work.requests("match", n_match)]  # packed bytes: the store's fast path
     lat, hits = [], 0
-    t0 = perf()
-    for toks in reqs:
-        s = perf()
-        m = store.match(toks)
-        lat.append(perf() - s)
-        hits += max(x.reusable_positions for x in m)
-    match = _phase("match", len(reqs), (perf() - t0) / 1e9, lat, hits / (len(reqs) * total))
+    with Meter() as meter:
+        for toks in reqs:
+            s = perf()
+            m = store.match(toks)
+            lat.append(perf() - s)
+            hits += max(x.reusable_positions for x in m)
+    match = _phase("match", len(reqs), meter, lat, hits / (len(reqs) * total))
 
     store = warmed_store(work, num_workers)
     reqs = [t for _, t in work.requests("cycle", n_cycle)]
     lat, hits = [], 0
-    t0 = perf()
-    for i, toks in enumerate(reqs):
-        s = perf()
-        hits += _cycle_inprocess(store, toks, f"c-{i}", i)
-        lat.append(perf() - s)
-    cycle = _phase("cycle", len(reqs), (perf() - t0) / 1e9, lat, hits / (len(reqs) * total))
+    with Meter() as meter:
+        for i, toks in enumerate(reqs):
+            s = perf()
+            hits += _cycle_inprocess(store, toks, f"c-{i}", i)
+            lat.append(perf() - s)
+    cycle = _phase("cycle", len(reqs), meter, lat, hits / (len(reqs) * total))
 
     problems = store.check_invariants()
     if problems:
@@ -272,8 +305,8 @@ def start_echo_process() -> ServerProcess:
 # gRPC client
 
 
-async def _closed_loop(jobs, fn, in_flight: int) -> tuple[float, list[int]]:
-    """Run ``await fn(job)`` for every job with ``in_flight`` workers; return (seconds, latencies)."""
+async def _closed_loop(jobs, fn, in_flight: int) -> list[int]:
+    """Run ``await fn(job)`` for every job with ``in_flight`` workers; return the latencies (ns)."""
     it = iter(jobs)
     lat: list[int] = []
     perf = time.perf_counter_ns
@@ -284,12 +317,11 @@ async def _closed_loop(jobs, fn, in_flight: int) -> tuple[float, list[int]]:
             await fn(job)
             lat.append(perf() - s)
 
-    t0 = perf()
     await asyncio.gather(*(worker() for _ in range(in_flight)))
-    return (perf() - t0) / 1e9, lat
+    return lat
 
 
-async def bench_echo(address: str, n: int) -> PhaseResult:
+async def bench_echo(address: str, n: int, server_pid: int) -> PhaseResult:
     import grpc
 
     payload = os.urandom(ECHO_PAYLOAD)
@@ -300,8 +332,9 @@ async def bench_echo(address: str, n: int) -> PhaseResult:
             await echo(payload, timeout=10)
 
         await _closed_loop(range(200), one, IN_FLIGHT)  # warm-up
-        seconds, lat = await _closed_loop(range(n), one, IN_FLIGHT)
-    return _phase("echo", n, seconds, lat)
+        with Meter(server_pid) as meter:
+            lat = await _closed_loop(range(n), one, IN_FLIGHT)
+    return _phase("echo", n, meter, lat)
 
 
 class GrpcKV:
@@ -367,8 +400,8 @@ class GrpcKV:
             raise RuntimeError(f"{stats.live_reservations} reservations leaked")
 
 
-async def bench_kvstore_grpc(work: Workload, address: str, num_workers: int, n_match: int, n_reserve: int,
-                             n_cycle: int) -> list[PhaseResult]:
+async def bench_kvstore_grpc(work: Workload, address: str, server_pid: int, num_workers: int, n_match: int,
+                             n_reserve: int, n_cycle: int) -> list[PhaseResult]:
     """Match alone, Reserve alone and full cycles against a kvstore at ``address``."""
     import grpc
 
@@ -387,13 +420,14 @@ async def bench_kvstore_grpc(work: Workload, address: str, num_workers: int, n_m
             resp = await stub.Match(req, timeout=10)
             hits += max(w.reusable_positions for w in resp.workers)
 
-        seconds, lat = await _closed_loop(match_reqs, match, IN_FLIGHT)
-        results = [_phase("match", n_match, seconds, lat, hits / (n_match * total))]
+        with Meter(server_pid) as meter:
+            lat = await _closed_loop(match_reqs, match, IN_FLIGHT)
+        results = [_phase("match", n_match, meter, lat, hits / (n_match * total))]
 
         # Reserve alone: timed waves of RESERVE_WAVE reservations, each wave aborted untimed.
         await kv.warm(work)
         reqs = work.requests("reserve", n_reserve)
-        hits, seconds, lat = 0, 0.0, []
+        hits, lat, meter = 0, [], Meter(server_pid)
         for start in range(0, n_reserve, RESERVE_WAVE):
             wave = []
             for j in range(start, min(start + RESERVE_WAVE, n_reserve)):
@@ -410,13 +444,12 @@ async def bench_kvstore_grpc(work: Workload, address: str, num_workers: int, n_m
                 hits += r.reused_positions
                 live.append(r)
 
-            s, wl = await _closed_loop(wave, reserve, IN_FLIGHT)
-            seconds += s
-            lat += wl
+            with meter:
+                lat += await _closed_loop(wave, reserve, IN_FLIGHT)
             await asyncio.gather(*(stub.Abort(pb.AbortRequest(reservation_id=r.reservation_id,
                                                               incarnation=r.incarnation), timeout=10)
                                    for r in live))
-        results.append(_phase("reserve", n_reserve, seconds, lat, hits / (n_reserve * total)))
+        results.append(_phase("reserve", n_reserve, meter, lat, hits / (n_reserve * total)))
 
         # Full cycles, IN_FLIGHT at a time.
         await kv.warm(work)
@@ -428,8 +461,9 @@ async def bench_kvstore_grpc(work: Workload, address: str, num_workers: int, n_m
             reused = await kv.cycle(job)  # not `hits += await ...`: that reads hits before awaiting
             hits += reused
 
-        seconds, lat = await _closed_loop(jobs, counted_cycle, IN_FLIGHT)
-        results.append(_phase("cycle", n_cycle, seconds, lat, hits / (n_cycle * total), kv.rpc_lat))
+        with Meter(server_pid) as meter:
+            lat = await _closed_loop(jobs, counted_cycle, IN_FLIGHT)
+        results.append(_phase("cycle", n_cycle, meter, lat, hits / (n_cycle * total), kv.rpc_lat))
         await kv.check()
     return results
 
@@ -460,7 +494,10 @@ def _median_phase(runs: list[PhaseResult]) -> dict:
         "p50_ms": med([r.p50_ms for r in runs]),
         "p99_ms": med([r.p99_ms for r in runs]),
         "ops": runs[0].ops,
+        "cpu_us": med([r.cpu_us for r in runs]),
     }
+    if runs[0].server_cpu_us is not None:
+        out["server_cpu_us"] = med([r.server_cpu_us for r in runs])
     if runs[0].hit_rate is not None:
         out["hit_rate"] = med([r.hit_rate for r in runs])
     if runs[0].rpc_latency_ms:
@@ -480,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", default="1,4", help="comma-separated worker counts")
     parser.add_argument("--json", type=Path, help="write all results here")
     parser.add_argument("--plot", type=Path, help="write a PNG chart here")
+    parser.add_argument("--quiet-load", type=float, default=0.0,
+                        help="before each run wait (up to --quiet-wait-s) until the 1-min load average is below this")
+    parser.add_argument("--quiet-wait-s", type=float, default=300.0)
     args = parser.parse_args(argv)
 
     scale = 0.05 if args.quick else 1.0
@@ -495,11 +535,15 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             raw.setdefault(f"{prefix}/{r.name}", []).append(r)
             extra = f" hit {r.hit_rate:.1%}" if r.hit_rate is not None else ""
+            extra += f" server CPU {r.server_cpu_us:.0f} us/op" if r.server_cpu_us is not None else ""
             print(f"  {prefix}/{r.name:8s} {r.ops_per_s:10.0f} ops/s  p50 {r.p50_ms:.3f} ms"
-                  f"  p99 {r.p99_ms:.3f} ms{extra}", flush=True)
+                  f"  p99 {r.p99_ms:.3f} ms  CPU {r.cpu_us:.0f} us/op{extra}", flush=True)
 
     loads = []
     for run in range(runs):
+        waited = time.monotonic()
+        while args.quiet_load and os.getloadavg()[0] > args.quiet_load and time.monotonic() - waited < args.quiet_wait_s:
+            time.sleep(5)
         loads.append(os.getloadavg()[0])
         print(f"== run {run + 1}/{runs} (1-min load average {loads[-1]:.2f})", flush=True)
         if not args.skip_inprocess:
@@ -510,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
             print("-- gRPC echo baseline (separate process)", flush=True)
             echo = start_echo_process()
             try:
-                record("grpc", [asyncio.run(bench_echo(echo.address, n_echo))])
+                record("grpc", [asyncio.run(bench_echo(echo.address, n_echo, echo.proc.pid))])
             finally:
                 echo.stop()
             for nw in worker_counts:
@@ -518,20 +562,27 @@ def main(argv: list[str] | None = None) -> int:
                 server = start_kvstore_process()
                 try:
                     record(f"grpc/{nw}w", asyncio.run(bench_kvstore_grpc(
-                        work, server.address, nw, n_rpc_match, n_rpc_reserve, n_rpc_cycle)))
+                        work, server.address, server.proc.pid, nw, n_rpc_match, n_rpc_reserve, n_rpc_cycle)))
                 finally:
                     server.stop()
 
     summary = {k: _median_phase(v) for k, v in raw.items()}
-    echo_rate = summary.get("grpc/echo", {}).get("ops_per_s")
-    print(f"\n== median of {runs} run(s)")
-    print(f"{'config':22s} {'ops/s':>10s} {'x echo':>7s} {'p50 ms':>8s} {'p99 ms':>8s} {'hit':>6s}")
+    echo = summary.get("grpc/echo", {})
+    print(f"\n== median of {runs} run(s); a gRPC cycle is {RPCS_PER_CYCLE} RPCs: its 'x echo' compares RPC/s")
+    print(f"{'config':18s} {'ops/s':>8s} {'x echo':>7s} {'p50 ms':>7s} {'p99 ms':>7s} {'hit':>6s}"
+          f" {'CPU us/op':>9s} {'srv us/op':>9s} {'srv x echo':>10s}")
     for k, s in summary.items():
-        ratio = f"{s['ops_per_s'] / echo_rate:.2f}" if echo_rate and k.startswith("grpc/") else "-"
+        rpcs = RPCS_PER_CYCLE if k.startswith("grpc/") and k.endswith("/cycle") else 1
+        if echo and k.startswith("grpc/"):
+            # throughput ratio, and the same ratio from server CPU per RPC (robust to machine load)
+            s["x_echo"] = s["ops_per_s"] * rpcs / echo["ops_per_s"]
+            s["x_echo_server_cpu"] = echo["server_cpu_us"] / (s["server_cpu_us"] / rpcs)
+        ratio = f"{s['x_echo']:.2f}" if "x_echo" in s else "-"
+        cpu_ratio = f"{s['x_echo_server_cpu']:.2f}" if "x_echo_server_cpu" in s else "-"
         hit = f"{s['hit_rate']:.1%}" if "hit_rate" in s else "-"
-        print(f"{k:22s} {s['ops_per_s']:10.0f} {ratio:>7s} {s['p50_ms']:8.3f} {s['p99_ms']:8.3f} {hit:>6s}")
-        if echo_rate and k.startswith("grpc/"):
-            s["x_echo"] = s["ops_per_s"] / echo_rate
+        srv = f"{s['server_cpu_us']:.0f}" if "server_cpu_us" in s else "-"
+        print(f"{k:18s} {s['ops_per_s']:8.0f} {ratio:>7s} {s['p50_ms']:7.3f} {s['p99_ms']:7.3f} {hit:>6s}"
+              f" {s['cpu_us']:9.0f} {srv:>9s} {cpu_ratio:>10s}")
     for k, s in summary.items():
         for rpc, (p50, p99) in s.get("rpc_latency_ms", {}).items():
             print(f"  {k} {rpc:8s} p50 {p50:.3f} ms  p99 {p99:.3f} ms")
