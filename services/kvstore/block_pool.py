@@ -141,7 +141,9 @@ class BlockPool:
                 if parent is not None:
                     parent.resident_children -= 1
                     if parent.resident_children == 0 and parent.state is _CACHED:
-                        pending = parent.heap_key = self._key(parent)
+                        pending = parent.heap_key = (
+                            (parent.last_used << 56) | ((_DEPTH_MAX - parent.node.depth) << _ID_BITS) | parent.block_id
+                        )  # == self._key(parent), inlined: this is the eviction hot loop
             block.state = _IN_USE
             block.ref_count = 1
             out.append(block)

@@ -96,7 +96,7 @@ class RadixTrie:
             child = parent.children.get(content)
             if child is None:
                 material = content if parent.parent is not None else first_material
-                key = BlockKey(blake2b(parent.key + material, digest_size=DIGEST_SIZE).digest())
+                key = blake2b(parent.key + material, digest_size=DIGEST_SIZE).digest()  # a BlockKey
                 child = Node(content, parent, key, parent.namespace)
                 parent.children[content] = child
                 self.num_nodes += 1

@@ -243,7 +243,7 @@ class KVStore:
         pinned = [node.residency[worker.worker_id] for node in path[:reused]]
         capacity = min(n + headroom, spec.max_seq_len)
         fresh = -(-capacity // spec.block_size) - reused
-        cached_pins = sum(1 for b in pinned if b.ref_count == 0)
+        cached_pins = [b.ref_count for b in pinned].count(0)
         available = pool.available_for(cached_pins)
         if available < fresh:
             raise ResourceExhausted(
