@@ -9,9 +9,11 @@ DESIGN §1 (``keys``), where each node records on which worker it is resident an
 least-recently-used-leaf eviction order; ``store.KVStore`` is the facade with the transaction
 verbs (register, heartbeat, match, reserve, extend, trim, publish, release, suspend, abort, stats,
 invariant audit, events), each atomic: it happens completely or raises a typed error having
-changed nothing. ``events`` buffers the per-worker stored/removed/cleared event stream; ``types``
-holds the immutable values that cross the API. The core is plain synchronous Python with no
-network imports; ``servicer``/``server`` put it behind gRPC.
+changed nothing. ``validation`` checks inputs before anything mutates, ``records`` holds the
+mutable worker/reservation records, ``audit`` is the full invariant check, ``events`` buffers the
+per-worker stored/removed/cleared event stream and ``types`` holds the immutable values that cross
+the API. The core is plain synchronous Python with no network imports; ``servicer``/``server``
+put it behind gRPC.
 """
 
 from .keys import BlockKey, KeyStream, Namespace

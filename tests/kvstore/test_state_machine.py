@@ -434,7 +434,10 @@ class KVStoreMachine(RuleBasedStateMachine):
             pool = infos[wid].pool
             assert pool.in_use == self.in_use(wid), wid
             assert pool.free + pool.cached == w.spec.num_blocks - pool.in_use
-            assert infos[wid].live_reservations == sum(1 for r in self.live.values() if r.worker_id == wid)
+            live = sum(1 for r in self.live.values() if r.worker_id == wid)
+            assert infos[wid].live_reservations == live
+            if not live:
+                assert pool.in_use == 0, "blocks leaked after every reservation ended"
         assert self.store.stats().live_reservations == len(self.live)
 
     @invariant()
