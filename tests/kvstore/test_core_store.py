@@ -405,3 +405,25 @@ def test_stats_count_requests_hits_and_evictions(store, make_spec):
     assert (ws.requested_positions, ws.reused_positions, ws.evictions, ws.published_blocks) == (38, 8, 3, 3)
     with pytest.raises(NotFound):
         store.stats("nobody")
+
+
+@pytest.mark.parametrize(
+    "corrupt, expected",
+    [
+        (lambda s, p: setattr(p.blocks[0], "ref_count", 2), "live pins"),
+        (lambda s, p: p._free.append(p.blocks[5]), "free queue holds a block twice"),
+        (lambda s, p: setattr(p, "num_cached", p.num_cached + 1), "counters"),
+        (lambda s, p: p.blocks[1].node.residency.clear(), "does not name it"),
+        (lambda s, p: setattr(p.blocks[0], "resident_children", 0), "resident children"),
+        (lambda s, p: setattr(p.blocks[1].node, "key", b"\0" * 32), "does not chain"),
+        (lambda s, p: s._reservations.popitem(), "index sizes"),
+    ],
+)
+def test_audit_reports_corruption(store, make_spec, corrupt, expected):
+    w = store.register_worker(make_spec())
+    r = reserve(store, w, "a", list(range(1, 10)))
+    store.publish(reservation_id=r.reservation_id, incarnation=r.incarnation, final_positions=9)
+    assert store.check_invariants() == []
+    corrupt(store, pool_of(store))
+    violations = store.check_invariants()
+    assert any(expected in v for v in violations), violations
