@@ -108,7 +108,9 @@ class DraftRunner:
             if hi > F:
                 run.append((job, F, hi, rows[: hi - F]))
                 written[s.request_id] = (F, hi)
-            s.pending_hidden = rows[new_f - F :] if rows is not None and rows.shape[0] > new_f - F else None
+            # clone: a view would keep the whole step's hidden tensor alive until the next fill
+            keep = rows is not None and rows.shape[0] > new_f - F
+            s.pending_hidden = rows[new_f - F :].clone() if keep else None
             s.draft_len = new_f
             s.drafts, s.draft_probs, s.chain_hidden = None, None, None
         if run:

@@ -247,22 +247,8 @@ class Engine:
         extend_wants = self._reserve(work, errors)
         work = [w for w in work if not w.state.finished]
         prefilled = {w.state.request_id: w.num_target_tokens for w in work if w.is_prefill}
-        # A. chain drafting (proposals beyond the fill's), inside the capacity reserved above
         if self.drafter is not None:
-            decoding = [w for w in work if not w.is_prefill and w.num_drafts > 0]
-            for w in decoding:  # never verify more than we may: truncate to this step's k
-                if w.state.drafts is None:
-                    w.num_drafts = 0
-                elif len(w.state.drafts) > w.num_drafts:
-                    w.state.drafts = w.state.drafts[: w.num_drafts]
-                    if w.state.draft_probs is not None:
-                        w.state.draft_probs = w.state.draft_probs[: w.num_drafts]
-            chained = self.drafter.chain({w.state.request_id: w.num_drafts for w in decoding},
-                                         [w.state for w in decoding])
-            for rid, rng in chained.items():
-                written[rid].append(rng)
-            for w in decoding:  # a chain that could not run leaves fewer proposals than planned
-                w.num_drafts = min(w.num_drafts, 0 if w.state.drafts is None else len(w.state.drafts))
+            self._chain(work, written)
         target_tokens = sum(w.num_target_tokens for w in work)
         fill_jobs: list[FillJob] = []
         if work:
@@ -340,6 +326,26 @@ class Engine:
                 s.finish_reason = FinishReason.CAPACITY
                 errors.setdefault(s.request_id, FailedPrecondition("no capacity for the next step"))
         return wants
+
+    # -- A. chain drafting ---------------------------------------------------------------------------
+
+    def _chain(self, work: list[ScheduledWork], written) -> None:
+        """Make each decoding request's proposals exactly this step's ``num_drafts`` (truncate, or
+        chain more inside the capacity reserved for the step)."""
+        decoding = [w for w in work if not w.is_prefill and w.num_drafts > 0]
+        for w in decoding:  # never verify more than this step may: truncate to its k
+            s = w.state
+            if s.drafts is None:
+                w.num_drafts = 0
+            elif len(s.drafts) > w.num_drafts:
+                s.drafts = s.drafts[: w.num_drafts]
+                if s.draft_probs is not None:
+                    s.draft_probs = s.draft_probs[: w.num_drafts]
+        chained = self.drafter.chain({w.state.request_id: w.num_drafts for w in decoding}, [w.state for w in decoding])
+        for rid, rng in chained.items():
+            written[rid].append(rng)
+        for w in decoding:  # a chain that could not run leaves fewer proposals than planned
+            w.num_drafts = min(w.num_drafts, 0 if w.state.drafts is None else len(w.state.drafts))
 
     # -- B + C. target forward and acceptance ----------------------------------------------------
 
