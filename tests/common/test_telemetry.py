@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -60,8 +62,18 @@ def traced(start_service):
     provider.shutdown()
 
 
-def _spans_by_name(exporter):
-    return {s.name: s for s in exporter.get_finished_spans()}
+def _finished_spans(exporter, count: int, timeout: float = 5.0):
+    """The exporter's spans once at least ``count`` have ended (a server span ends just after
+    the status reached the client, so the client can be a moment ahead)."""
+    end = time.monotonic() + timeout
+    while len(exporter.get_finished_spans()) < count:
+        assert time.monotonic() < end, [s.name for s in exporter.get_finished_spans()]
+        time.sleep(0.01)
+    return exporter.get_finished_spans()
+
+
+def _spans_by_name(exporter, count: int):
+    return {s.name: s for s in _finished_spans(exporter, count)}
 
 
 def test_server_span_is_a_child_of_the_client_span(traced):
@@ -82,7 +94,7 @@ def test_server_span_is_a_child_of_the_client_span(traced):
             await channel.close()
 
     parent = svc.loop.run(call())
-    spans = _spans_by_name(exporter)
+    spans = _spans_by_name(exporter, 4)  # client-op, Unary, inner-work, Stream
     server_unary = spans[f"/{SERVICE}/Unary"]
     server_stream = spans[f"/{SERVICE}/Stream"]
     for span in (server_unary, server_stream):
@@ -118,7 +130,8 @@ def test_status_codes_and_root_spans(traced):
             await channel.close()
 
     assert svc.loop.run(call()) == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL]
-    server_spans = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER]
+    server_spans = [s for s in _finished_spans(exporter, 4) if s.kind == SpanKind.SERVER]  # + 2 inner-work
+    server_spans.sort(key=lambda s: s.start_time)
     assert [s.attributes["rpc.grpc.status_code"] for s in server_spans] == [3, 13]
     assert all(s.parent is None for s in server_spans)
     assert server_spans[0].context.trace_id != server_spans[1].context.trace_id
@@ -133,6 +146,7 @@ def test_health_checks_are_not_traced(traced):
     svc, _provider, exporter = traced
     stub = health_pb2_grpc.HealthStub(svc.channel)
     assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    time.sleep(0.1)  # a span, had one been started, would have ended by now
     assert exporter.get_finished_spans() == ()
 
 

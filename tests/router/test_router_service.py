@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,23 +32,18 @@ def _free_port() -> int:
 
 
 def test_list_workers_reports_health_and_in_flight(rig):
-    rig.worker("a", Script(delay_s=0.02))
+    rig.worker("a", Script(delay_s=0.05))
     rig.worker("b", serving=False)
     dead = rig.dead_worker("c")
     router = rig.router()
 
-    results = {}
-    t = threading.Thread(target=lambda: results.update(r=collect(router, text="busy", max_new_tokens=30)))
-    t.start()
+    # a request that is surely running while we look: read its first token, look, then cancel it
+    call = router.stub.Generate(router_pb2.GenerateRequest(text="busy", max_new_tokens=1000), timeout=TIMEOUT)
     try:
-        end = time.monotonic() + 5
-        while rig.live() == 0:
-            assert time.monotonic() < end
-            time.sleep(0.01)
+        assert next(call).token_ids
         resp = router.stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=TIMEOUT)
     finally:
-        t.join(TIMEOUT)
-    assert results["r"][1] is None
+        call.cancel()
     by_id = {w.worker_id: w for w in resp.workers}
     assert sorted(by_id) == ["a", "b", "c"]
     assert [by_id[w].health for w in "abc"] == ["SERVING", "NOT_SERVING", "UNREACHABLE"]
@@ -57,8 +51,15 @@ def test_list_workers_reports_health_and_in_flight(rig):
     a = by_id["a"]
     assert a.in_flight == 1 and a.used_blocks >= 1
     assert (a.model_id, a.spec_mode, a.span, a.block_size, a.num_blocks) == ("tiny", common_pb2.SPEC_MODE_NONE, 0, 16, 64)
-    after = router.stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=TIMEOUT)
-    assert {w.worker_id: w.in_flight for w in after.workers} == {"a": 0, "b": 0, "c": 0}
+
+    def in_flight():
+        return {w.worker_id: w.in_flight for w in router.stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=TIMEOUT).workers}
+
+    end = time.monotonic() + 5
+    while in_flight() != {"a": 0, "b": 0, "c": 0}:
+        assert time.monotonic() < end, in_flight()
+        time.sleep(0.02)
+    rig.wait_no_live_reservations()
 
 
 def test_not_serving_until_the_kvstore_answers(start_service):
@@ -102,6 +103,13 @@ def test_one_trace_crosses_router_kvstore_and_worker(start_service, service_loop
     msgs, err = collect(router, text="trace me", max_new_tokens=3)
     assert err is None, err
     rig.wait_no_live_reservations()
+    wanted = {"/tandem.router.v1.Router/Generate", "/tandem.kvstore.v1.KVStore/Match",
+              "/tandem.kvstore.v1.KVStore/Reserve", "reserve", "worker.generate",
+              "/tandem.worker.v1.Worker/Generate", "/tandem.kvstore.v1.KVStore/Release"}
+    end = time.monotonic() + 5  # a server span ends just after its status reached the client
+    while not wanted <= {s.name for s in exporter.get_finished_spans()}:
+        assert time.monotonic() < end, [s.name for s in exporter.get_finished_spans()]
+        time.sleep(0.01)
     spans = exporter.get_finished_spans()
     by_name: dict[str, list] = {}
     for s in spans:
