@@ -79,8 +79,9 @@ def test_published_blocks_equal_unchunked_prefill(mode, chunk):
     for rid, p in later.items():
         r = int(rid[5:])
         assert done["first"].publishable_positions >= r
-        submit(setup, rid, p, max_new_tokens=9, k=2, prefix_blocks=done["first"].block_table[: r // BS],
-               reused_positions=r)
+        # k = 0 too: a request that does not speculate must still leave final draft KV behind
+        submit(setup, rid, p, max_new_tokens=9, k=0 if r == 0 else 2,
+               prefix_blocks=done["first"].block_table[: r // BS], reused_positions=r)
     done.update(run_until_done(setup, keep=list(later), on_step=watch))
     assert sum(c.accepted_drafts for c in done.values()) > 0
     for rid, c in done.items():
