@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument
@@ -145,9 +146,17 @@ class AttentionPlan:
       int32 [B]: the pages that hold positions ``0..kv_len-1`` (CSR, FlashInfer's layout); reserved
       headroom pages past them are left out.
     * ``block_tables`` int32 [B, max_pages]: full tables padded with -1 (capacity included).
+    * ``k_rows``, ``v_rows`` int64 [T]: where each token's K and V go in the flat pool view
+      ``kv_layer.view(-1, kv_heads, head_dim)`` (one index_copy per layer, no 3-D indexing):
+
+          page p:  [ K: rows p*2bs .. p*2bs+bs-1 ][ V: rows p*2bs+bs .. p*2bs+2bs-1 ]
+          slot s = p*bs + o   ->   K row  s + p*bs,   V row  s + p*bs + bs
 
     Host ints: ``num_tokens``, ``batch_size``, ``query_len`` (uniform length or None),
-    ``max_query_len``, ``max_kv_len``, ``max_block_id``. ``extras`` holds backend-private state.
+    ``max_query_len``, ``max_kv_len``, ``max_block_id``. ``host`` holds numpy copies of the
+    metadata that host-side planners (FlashInfer's ``plan``) read: ``qo_indptr``, ``kv_lens``,
+    ``kv_page_indptr``, ``kv_last_page_len`` (int32) and ``used_pages`` (int64, pages per request
+    that hold logical KV). ``extras`` holds backend-private state.
     """
 
     layout: BatchLayout
@@ -170,6 +179,9 @@ class AttentionPlan:
     kv_page_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
     block_tables: torch.Tensor
+    k_rows: torch.Tensor
+    v_rows: torch.Tensor
+    host: dict[str, np.ndarray] = field(default_factory=dict)
     extras: dict[str, Any] = field(default_factory=dict)
     owner: int = 0  # id() of the backend that planned it: plans do not travel between backends
 
@@ -274,33 +286,60 @@ class AttentionBackend(abc.ABC):
         return plan
 
     def _common_plan(self, layout, kind, key, generation, query_len, ws: Workspace) -> AttentionPlan:
+        """The plan's tensors for every backend, computed with vectorized numpy and staged in the
+        workspace. O(1) interpreter steps per batch, not per request or per token: planning runs
+        for every forward, up to k+1 times per speculative step, on the host while the GPU waits.
+        Mutates ``ws`` buffers.
+
+        Staging keeps the per-layer tensors of DECODE/VERIFY keys (positions, slots, K/V rows:
+        their sizes depend on the key only) in a buffer of their own, so their device addresses
+        survive re-plans even when the block tables grow (what CUDA graphs need)."""
         bs = self.geometry.block_size
         B = layout.batch_size
-        q = torch.tensor(layout.query_lens, dtype=torch.int64)
-        cached = torch.tensor(layout.cached_lens, dtype=torch.int64)
+        q = np.asarray(layout.query_lens, dtype=np.int64)
+        cached = np.asarray(layout.cached_lens, dtype=np.int64)
         kv_lens = cached + q
         T = int(q.sum())
-        qo_indptr = torch.zeros(B + 1, dtype=torch.int64)
-        torch.cumsum(q, 0, out=qo_indptr[1:])
-        batch_idx = torch.repeat_interleave(torch.arange(B), q)
-        positions = cached[batch_idx] + torch.arange(T) - qo_indptr[batch_idx]
+        qo_indptr = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(q, out=qo_indptr[1:])
+        batch_idx = np.repeat(np.arange(B), q)
+        positions = cached[batch_idx] + np.arange(T) - qo_indptr[batch_idx]
 
-        max_pages = max(1, max(len(t) for t in layout.block_tables))
-        tables = torch.full((B, max_pages), -1, dtype=torch.int64)
-        for r, t in enumerate(layout.block_tables):
-            if t:
-                tables[r, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        widths = [len(t) for t in layout.block_tables]
+        max_pages = max(1, max(widths))
+        if min(widths) == max_pages:  # rectangular: one C-level conversion
+            tables = np.asarray(layout.block_tables, dtype=np.int64).reshape(B, max_pages)
+        else:
+            tables = np.full((B, max_pages), -1, dtype=np.int64)
+            for r, t in enumerate(layout.block_tables):
+                tables[r, : len(t)] = t
         pages = tables[batch_idx, positions // bs]
-        slot_mapping = pages * bs + positions % bs
+        slots = pages * bs + positions % bs
+        k_rows = slots + pages * bs  # flat pool view: page p's K rows start at p * 2 * bs
 
         used_pages = (kv_lens + bs - 1) // bs
-        page_indptr = torch.zeros(B + 1, dtype=torch.int64)
-        torch.cumsum(used_pages, 0, out=page_indptr[1:])
-        page_indices = torch.cat([tables[r, : int(used_pages[r])] for r in range(B)])
+        page_indptr = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(used_pages, out=page_indptr[1:])
+        page_indices = tables[np.arange(max_pages)[None, :] < used_pages[:, None]]
         last_page_len = (kv_lens - 1) % bs + 1
-        max_block_id = max((max(t) for t in layout.block_tables if t), default=-1)
 
-        i32 = torch.int32
+        # int64: what per-layer kernels read (sizes depend on T only)
+        wide = torch.from_numpy(np.concatenate([positions, slots, k_rows, k_rows + bs]))
+        # int32: fixed size per key / growing tables / growing page list: three buffers so the
+        # fixed part keeps its address when tables grow
+        fixed = np.concatenate([batch_idx, qo_indptr, kv_lens, page_indptr, last_page_len]).astype(np.int32)
+        d_wide = ws.stage("wide", wide)
+        d_fixed = ws.stage("fixed", torch.from_numpy(fixed))
+        d_tables = ws.stage("tables", torch.from_numpy(tables.astype(np.int32)))
+        d_indices = ws.stage("page_indices", torch.from_numpy(page_indices.astype(np.int32)))
+        o = np.cumsum([0, T, B + 1, B, B + 1, B])
+        host = {
+            "qo_indptr": fixed[o[1] : o[2]],
+            "kv_lens": fixed[o[2] : o[3]],
+            "kv_page_indptr": fixed[o[3] : o[4]],
+            "kv_last_page_len": fixed[o[4] : o[5]],
+            "used_pages": used_pages,
+        }
         return AttentionPlan(
             layout=layout,
             kind=kind,
@@ -312,16 +351,19 @@ class AttentionBackend(abc.ABC):
             query_len=query_len,
             max_query_len=int(q.max()),
             max_kv_len=int(kv_lens.max()),
-            max_block_id=max_block_id,
-            positions=ws.stage("positions", positions),
-            slot_mapping=ws.stage("slot_mapping", slot_mapping),
-            batch_indices=ws.stage("batch_indices", batch_idx.to(i32)),
-            qo_indptr=ws.stage("qo_indptr", qo_indptr.to(i32)),
-            kv_lens=ws.stage("kv_lens", kv_lens.to(i32)),
-            kv_page_indptr=ws.stage("kv_page_indptr", page_indptr.to(i32)),
-            kv_page_indices=ws.stage("kv_page_indices", page_indices.to(i32)),
-            kv_last_page_len=ws.stage("kv_last_page_len", last_page_len.to(i32)),
-            block_tables=ws.stage("block_tables", tables.to(i32)),
+            max_block_id=int(tables.max()),
+            positions=d_wide[:T],
+            slot_mapping=d_wide[T : 2 * T],
+            k_rows=d_wide[2 * T : 3 * T],
+            v_rows=d_wide[3 * T :],
+            batch_indices=d_fixed[o[0] : o[1]],
+            qo_indptr=d_fixed[o[1] : o[2]],
+            kv_lens=d_fixed[o[2] : o[3]],
+            kv_page_indptr=d_fixed[o[3] : o[4]],
+            kv_last_page_len=d_fixed[o[4] : o[5]],
+            kv_page_indices=d_indices,
+            block_tables=d_tables.view(B, max_pages),
+            host=host,
         )
 
     def _new_workspace(self, key: tuple) -> Workspace:

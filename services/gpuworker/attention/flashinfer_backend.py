@@ -12,7 +12,8 @@ All three run the same JIT module by default (fa2 batch-prefill for the geometry
 machine compiles one kernel family, not two.
 
 Our KV layer ``[num_blocks, 2, block_size, kv_heads, head_dim]`` is FlashInfer's "NHD" paged
-layout. Writes go through the flat view ``[num_blocks * 2 * block_size, kv_heads, head_dim]``:
+layout. Writes go through the flat view ``[num_blocks * 2 * block_size, kv_heads, head_dim]``
+at the plan's ``k_rows`` / ``v_rows`` (computed by the shared planner in ``base``):
 
     page p:   [ K: rows p*2bs .. p*2bs+bs-1 ][ V: rows p*2bs+bs .. p*2bs+2bs-1 ]
     slot s = p*bs + o   ->   K row  s + p*bs,   V row  s + p*bs + bs
@@ -31,7 +32,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument
@@ -150,92 +150,20 @@ class FlashInferBackend(AttentionBackend):
         ws.state["planned_event"] = None
         return ws
 
-    def _common_plan(self, layout, kind, key, generation, query_len, ws: Workspace) -> AttentionPlan:
-        """The base plan's tensors, computed with vectorized numpy and staged in four copies.
-
-        Same fields and values as ``AttentionBackend._common_plan`` (a GPU test compares them),
-        but O(1) interpreter steps per batch instead of per request: planning runs every step,
-        up to k+1 times per speculative step, on the host while the GPU waits. Also keeps the
-        host metadata FlashInfer's ``plan`` needs in ``ws.state["host"]`` and the K/V write rows
-        (see the module docstring) next to the positions. Mutates ``ws`` buffers."""
-        bs = self.geometry.block_size
-        B = layout.batch_size
-        q = np.asarray(layout.query_lens, dtype=np.int64)
-        cached = np.asarray(layout.cached_lens, dtype=np.int64)
-        kv_lens = cached + q
-        T = int(q.sum())
-        qo_indptr = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(q, out=qo_indptr[1:])
-        batch_idx = np.repeat(np.arange(B), q)
-        positions = cached[batch_idx] + np.arange(T) - qo_indptr[batch_idx]
-
-        widths = [len(t) for t in layout.block_tables]
-        max_pages = max(1, max(widths))
-        if min(widths) == max_pages:  # rectangular: one C-level conversion
-            tables = np.asarray(layout.block_tables, dtype=np.int64).reshape(B, max_pages)
-        else:
-            tables = np.full((B, max_pages), -1, dtype=np.int64)
-            for r, t in enumerate(layout.block_tables):
-                tables[r, : len(t)] = t
-        pages = tables[batch_idx, positions // bs]
-        slots = pages * bs + positions % bs
-        k_rows = slots + pages * bs  # flat K/V view: page p's K rows start at p * 2 * bs
-
-        used_pages = (kv_lens + bs - 1) // bs
-        page_indptr = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(used_pages, out=page_indptr[1:])
-        page_indices = tables[np.arange(max_pages)[None, :] < used_pages[:, None]]
-        last_page_len = (kv_lens - 1) % bs + 1
-
-        # int64: what per-layer kernels read (stable addresses per key: sizes depend on T only)
-        wide = torch.from_numpy(np.concatenate([positions, slots, k_rows, k_rows + bs]))
-        # int32, fixed size per key / growing tables / growing page list: three buffers so the
-        # fixed part keeps its address when tables grow
-        fixed = torch.from_numpy(
-            np.concatenate([batch_idx, qo_indptr, kv_lens, page_indptr, last_page_len]).astype(np.int32)
-        )
-        d_wide = ws.stage("fi_wide", wide)
-        d_fixed = ws.stage("fi_fixed", fixed)
-        d_tables = ws.stage("fi_tables", torch.from_numpy(tables.astype(np.int32)))
-        d_indices = ws.stage("fi_indices", torch.from_numpy(page_indices.astype(np.int32)))
-        ws.state["host"] = {
-            "qo_indptr": torch.from_numpy(qo_indptr.astype(np.int32)),
-            "page_indptr": torch.from_numpy(page_indptr.astype(np.int32)),
-            "last_page_len": torch.from_numpy(last_page_len.astype(np.int32)),
-            "used_pages": used_pages,
-        }
-        o = np.cumsum([0, T, B + 1, B, B + 1, B])
-        return AttentionPlan(
-            layout=layout,
-            kind=kind,
-            geometry=self.geometry,
-            key=key,
-            generation=generation,
-            num_tokens=T,
-            batch_size=B,
-            query_len=query_len,
-            max_query_len=int(q.max()),
-            max_kv_len=int(kv_lens.max()),
-            max_block_id=int(tables.max()),
-            positions=d_wide[:T],
-            slot_mapping=d_wide[T : 2 * T],
-            batch_indices=d_fixed[o[0] : o[1]],
-            qo_indptr=d_fixed[o[1] : o[2]],
-            kv_lens=d_fixed[o[2] : o[3]],
-            kv_page_indptr=d_fixed[o[3] : o[4]],
-            kv_last_page_len=d_fixed[o[4] : o[5]],
-            kv_page_indices=d_indices,
-            block_tables=d_tables.view(B, max_pages),
-            extras={"k_rows": d_wide[2 * T : 3 * T], "v_rows": d_wide[3 * T :]},
-        )
-
     def _finish_plan(self, plan: AttentionPlan, ws: Workspace) -> None:
-        """Plan the key's FlashInfer wrapper for this batch (mutates the wrapper). Host metadata
-        comes from ``_common_plan``, so FlashInfer never copies device tensors back to the host
-        (no sync per step)."""
+        """Plan the key's FlashInfer wrapper for this batch (mutates the wrapper and
+        ``ws.state["host"]``). Host metadata comes from the shared planner (``plan.host``), so
+        FlashInfer never copies device tensors back to the host (no sync per step)."""
         g = self.geometry
         bs = g.block_size
-        host = ws.state["host"]
+        ph = plan.host
+        host = {
+            "qo_indptr": torch.from_numpy(ph["qo_indptr"]),
+            "page_indptr": torch.from_numpy(ph["kv_page_indptr"]),
+            "last_page_len": torch.from_numpy(ph["kv_last_page_len"]),
+            "used_pages": ph["used_pages"],
+        }
+        ws.state["host"] = host
         if plan.kind is not AttentionKind.PREFILL and self.graph_max_pages_per_request is not None:
             worst = int(host["used_pages"].max())
             if worst > self.graph_max_pages_per_request:
@@ -315,8 +243,8 @@ class FlashInferBackend(AttentionBackend):
         self._check_layer(kv_layer)
         g = self.geometry
         flat = kv_layer.view(-1, g.num_kv_heads, g.head_dim)
-        flat.index_copy_(0, plan.extras["k_rows"], k.to(flat.dtype))
-        flat.index_copy_(0, plan.extras["v_rows"], v.to(flat.dtype))
+        flat.index_copy_(0, plan.k_rows, k.to(flat.dtype))
+        flat.index_copy_(0, plan.v_rows, v.to(flat.dtype))
 
     def _attend(self, plan: AttentionPlan, q, kv_layer, scale: float) -> torch.Tensor:
         self._check_layer(kv_layer)

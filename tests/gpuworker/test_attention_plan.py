@@ -1,0 +1,122 @@
+"""The shared planner (``AttentionBackend._common_plan``) against a per-token reference written
+from the documented semantics, over random layouts of every kind; the flat K/V rows it hands to
+index-copy writers; and the address stability that CUDA-graph replays rely on."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.gpuworker.attention.base import AttentionGeometry, AttentionKind, BatchLayout, get_backend
+
+BS = 4
+GEOM = AttentionGeometry(num_qo_heads=4, num_kv_heads=2, head_dim=8, block_size=BS)
+
+
+def reference_plan(layout: BatchLayout, bs: int) -> dict:
+    """Every plan field, token by token and request by request in plain Python."""
+    positions, slots, k_rows, v_rows, batch = [], [], [], [], []
+    qo, page_indptr, page_indices, last = [0], [0], [], []
+    kv_lens = []
+    for r, (table, c, n) in enumerate(zip(layout.block_tables, layout.cached_lens, layout.query_lens)):
+        for p in range(c, c + n):
+            page, off = table[p // bs], p % bs
+            positions.append(p)
+            slots.append(page * bs + off)
+            k_rows.append(page * 2 * bs + off)
+            v_rows.append(page * 2 * bs + bs + off)
+            batch.append(r)
+        kv = c + n
+        kv_lens.append(kv)
+        qo.append(qo[-1] + n)
+        used = -(-kv // bs)
+        page_indices.extend(table[:used])
+        page_indptr.append(page_indptr[-1] + used)
+        last.append(kv - (used - 1) * bs)
+    width = max(1, max(len(t) for t in layout.block_tables))
+    tables = [list(t) + [-1] * (width - len(t)) for t in layout.block_tables]
+    return {
+        "positions": positions,
+        "slot_mapping": slots,
+        "k_rows": k_rows,
+        "v_rows": v_rows,
+        "batch_indices": batch,
+        "qo_indptr": qo,
+        "kv_lens": kv_lens,
+        "kv_page_indptr": page_indptr,
+        "kv_page_indices": page_indices,
+        "kv_last_page_len": last,
+        "block_tables": tables,
+        "num_tokens": len(positions),
+        "batch_size": len(kv_lens),
+        "max_query_len": max(layout.query_lens),
+        "max_kv_len": max(kv_lens),
+        "max_block_id": max(b for t in layout.block_tables for b in t),
+    }
+
+
+DTYPES = {"positions": torch.int64, "slot_mapping": torch.int64, "k_rows": torch.int64, "v_rows": torch.int64}
+
+
+def random_layout(rng: random.Random, kind: AttentionKind, num_blocks: int = 400) -> BatchLayout:
+    B = rng.randint(1, 9)
+    q = {AttentionKind.DECODE: [1] * B, AttentionKind.VERIFY: [rng.randint(2, 5)] * B}.get(
+        kind, [rng.randint(1, 13) for _ in range(B)]
+    )
+    cached = [rng.randint(0, 40) for _ in range(B)]
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables = [[ids.pop() for _ in range(-(-(c + n) // BS) + rng.randint(0, 3))] for c, n in zip(cached, q)]
+    return BatchLayout(tables, cached, q)
+
+
+@pytest.mark.parametrize("kind", list(AttentionKind))
+def test_planner_matches_the_per_token_reference(kind):
+    rng = random.Random(kind.value)  # str seeds are deterministic (unlike hash())
+    backend = get_backend("torch", "cpu", GEOM)
+    for _ in range(30):
+        layout = random_layout(rng, kind)
+        plan = backend.plan(layout, kind)
+        want = reference_plan(layout, BS)
+        for name, value in want.items():
+            got = getattr(plan, name)
+            if isinstance(got, torch.Tensor):
+                assert got.dtype == DTYPES.get(name, torch.int32), name
+                got = got.tolist()
+            assert got == value, (name, layout)
+        assert plan.query_len == (None if kind is AttentionKind.PREFILL else layout.query_lens[0])
+        # the host copies agree with the device tensors FlashInfer's planner would otherwise read
+        for name in ("qo_indptr", "kv_lens", "kv_page_indptr", "kv_last_page_len"):
+            assert plan.host[name].tolist() == want[name], name
+        assert plan.host["used_pages"].tolist() == [b - a for a, b in zip(want["kv_page_indptr"], want["kv_page_indptr"][1:])]
+
+
+def test_flat_rows_address_the_same_cells_as_the_slot_mapping():
+    backend = get_backend("torch", "cpu", GEOM)
+    layout = BatchLayout([[5, 1, 7], [2, 0]], [6, 1], [3, 4])
+    plan = backend.plan(layout)
+    pool = torch.zeros(8, 2, BS, 2, 8)
+    flat = pool.view(-1, 2, 8)
+    k = torch.arange(1, 8, dtype=torch.float32).view(7, 1, 1).expand(7, 2, 8)
+    flat.index_copy_(0, plan.k_rows, k)
+    flat.index_copy_(0, plan.v_rows, -k)
+    pages, offs = plan.slot_mapping // BS, plan.slot_mapping % BS
+    assert torch.equal(pool[pages, 0, offs], k) and torch.equal(pool[pages, 1, offs], -k)
+    assert int((pool != 0).sum()) == 2 * k.numel()  # nothing else was touched
+
+
+def test_replans_keep_per_layer_tensors_at_stable_addresses():
+    """Re-planning a DECODE/VERIFY key with longer tables and more pages moves no tensor a
+    captured forward reads (positions, slots, K/V rows, request metadata)."""
+    backend = get_backend("torch", "cpu", GEOM)
+    stable = ("positions", "slot_mapping", "k_rows", "v_rows", "batch_indices", "qo_indptr", "kv_lens",
+              "kv_page_indptr", "kv_last_page_len")
+    first = backend.plan(BatchLayout([[1], [2]], [0, 1], [2, 2]), AttentionKind.VERIFY)
+    addresses = {n: getattr(first, n).data_ptr() for n in stable}
+    tables = [list(range(10, 60)), list(range(60, 110))]
+    second = backend.plan(BatchLayout(tables, [150, 190], [2, 2]), AttentionKind.VERIFY)
+    assert {n: getattr(second, n).data_ptr() for n in stable} == addresses
+    assert second.positions.tolist() == [150, 151, 190, 191]
+    assert second.kv_page_indices.numel() == 38 + 48
