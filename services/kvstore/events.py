@@ -4,19 +4,29 @@ Each worker id has a sequence counter starting at 1 that keeps counting across i
 a bounded ring buffer of its latest events so a watcher can resume with ``after_seq``; a watcher
 whose ``after_seq`` fell out of the buffer sees a gap in ``seq`` and should resync from ``Match``
 or ``ListWorkers``. Subscribers are called synchronously after the verb that caused the event has
-fully happened (the servicer forwards them to streams).
+fully happened (the servicer forwards them to streams). Events refer to the trie nodes involved
+and derive their 256-bit keys on first read, so nobody pays for hashing an unread event.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from .keys import BlockKey
 from .types import Event, EventKind
 
+if TYPE_CHECKING:
+    from .radix_trie import Chain, Node
+
 log = logging.getLogger(__name__)
+
+
+def _keys_of(chains: list[Chain], indices: list[int], parent: Node | None) -> tuple[tuple[BlockKey, ...], BlockKey | None]:
+    return tuple([c.key_at(i) for c, i in zip(chains, indices)]), (None if parent is None else parent.key)
+
 
 Subscriber = Callable[[str, Event], None]
 
@@ -42,14 +52,19 @@ class EventLog:
         worker_id: str,
         incarnation: int,
         kind: EventKind,
-        block_keys: tuple[BlockKey, ...] = (),
+        nodes: Sequence[Node] = (),
         block_ids: tuple[int, ...] = (),
-        parent_key: BlockKey | None = None,
+        parent: Node | None = None,
     ) -> Event:
-        """Append an event (mutates); subscribers hear of it at the next ``flush``."""
+        """Append an event (mutates); subscribers hear of it at the next ``flush``. The keys of
+        ``nodes`` (non-root trie nodes) and ``parent`` are derived when someone reads the event,
+        from the nodes' ``Chain`` records: the event keeps those, not the nodes."""
         seq = self._next_seq.get(worker_id, 1)
         self._next_seq[worker_id] = seq + 1
-        event = Event(seq, kind, worker_id, incarnation, block_keys, block_ids, parent_key)
+        source = None
+        if nodes or parent is not None:
+            source = partial(_keys_of, [n.chain for n in nodes], [n.index for n in nodes], parent)
+        event = Event(seq, kind, worker_id, incarnation, block_ids=block_ids, source=source)
         buf = self._buffers.get(worker_id)
         if buf is None:
             buf = self._buffers[worker_id] = deque(maxlen=self.capacity)

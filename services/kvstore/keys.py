@@ -17,8 +17,8 @@ Two equivalent views of the same stream:
   serve another prompt's KV).
 * **digest view**: ``position_keys()`` spells out ``[k0, t[1+D], ...]``; the 256-bit ``BlockKey``
   of a block is ``blake2b-256(parent key || k0-or-nothing || the block's uint32 keys)``, chained
-  from the namespace root ``blake2b-256(encoded namespace)``. It is computed only when a trie node
-  is created; events carry it.
+  from the namespace root ``blake2b-256(encoded namespace)``. Trie nodes derive it lazily, on the
+  first read (events, audits); the content view alone serves Match/Reserve/Publish.
 
 Nothing here mutates shared state; ``KeyStream`` is immutable (``appended`` returns a new one).
 """
@@ -78,6 +78,13 @@ class Namespace:
 def chain_key(parent: BlockKey, material: bytes) -> BlockKey:
     """``blake2b-256(parent || material)``; ``material`` comes from ``KeyStream.block_key_material``."""
     return BlockKey(_digest(parent + material))
+
+
+def first_block_material(content: bytes, span: int) -> bytes:
+    """Key material of block 0 from its content bytes (``tokens[0 : bs+D]``): the leading digest
+    of its first D+1 tokens, then the other positions' uint32 keys."""
+    head = (span + 1) << 2
+    return _digest(content[:head]) + content[head:]
 
 
 def token_array(tokens: object) -> np.ndarray:
@@ -184,9 +191,7 @@ class KeyStream:
         """Bytes hashed after the parent key for block ``j``: the block's position keys, with k0
         written as its 32-byte digest (block 0) and the others as little-endian uint32."""
         content = self.block_content(j)
-        if j:
-            return content
-        return self.leading_digest() + content[(self.span + 1) << 2 :]
+        return first_block_material(content, self.span) if j == 0 else content
 
     def appended(self, tokens: object) -> KeyStream:
         """A new stream with ``tokens`` appended (used as generation proceeds)."""

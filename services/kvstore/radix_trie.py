@@ -11,39 +11,87 @@ A node records on which workers it is resident and under which ``Block``. Reside
 prefix-closed per worker (resident on w ⇒ parent resident on w), which the store keeps by
 publishing in order and evicting leaves only. A node with no residency has no children either
 and is pruned at once, so every non-root node is resident somewhere. Roots without children are
-dropped too.
+dropped too. Keys are derived lazily from ``Chain`` records, which events keep alive instead of
+the (short-lived) nodes.
 
 Lookups (``root``, ``walk``) are read-only; ``attach_chain`` and ``remove_resident`` mutate.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING
 
-from .keys import DIGEST_SIZE, BlockKey, Namespace
+from .keys import BlockKey, Namespace, chain_key, first_block_material
 
 if TYPE_CHECKING:
     from .block_pool import Block
 
 
+class Chain:
+    """The nodes one ``attach_chain`` call created, as key material: the node they hang below
+    and their contents in order. Keys are derived from it on first read and memoized, so
+    publishing hashes nothing; events keep the chain (not its nodes) to name evicted blocks."""
+
+    __slots__ = ("parent", "contents", "keys")
+
+    def __init__(self, parent: Node, contents: list[bytes]):
+        self.parent = parent
+        self.contents = contents  # never mutated
+        self.keys: list[BlockKey] = []  # memo: keys of contents[: len(keys)]
+
+    def key_at(self, index: int) -> BlockKey:
+        """``blake2b-256(previous key || material)`` chained from ``parent.key`` (read-only apart
+        from the memo); material is the content, or ``first_block_material`` below a root."""
+        keys = self.keys
+        if index < len(keys):
+            return keys[index]
+        parent, contents = self.parent, self.contents
+        key = keys[-1] if keys else parent.key
+        for k in range(len(keys), index + 1):
+            content = contents[k]
+            if k == 0 and parent.depth == 0:
+                content = first_block_material(content, parent.namespace.span)
+            key = chain_key(key, content)
+            keys.append(key)
+        return key
+
+
 class Node:
-    """A published block key: the chain of block contents from its namespace root."""
+    """A published block key: the chain of block contents from its namespace root.
 
-    __slots__ = ("content", "parent", "children", "depth", "key", "residency", "namespace")
+    ``key`` (the 256-bit ``BlockKey``) is derived on first read from the node's ``Chain``; roots
+    get theirs at creation.
+    """
 
-    def __init__(self, content: bytes, parent: Node | None, key: BlockKey, namespace: Namespace):
+    __slots__ = ("content", "parent", "children", "depth", "residency", "namespace", "chain", "index", "_key")
+
+    def __init__(self, content: bytes, parent: Node | None, namespace: Namespace, chain: Chain | None = None,
+                 index: int = 0, key: BlockKey | None = None):
         self.content = content
         self.parent = parent
         self.children: dict[bytes, Node] = {}
         self.depth = 0 if parent is None else parent.depth + 1  # root 0, block j at depth j+1
-        self.key = key
         self.residency: dict[str, Block] = {}  # worker id -> block holding this node there
         self.namespace = namespace
+        self.chain = chain  # where its key comes from (None for a root)
+        self.index = index
+        self._key = key
 
     @property
     def is_root(self) -> bool:
         return self.parent is None
+
+    @property
+    def key(self) -> BlockKey:
+        """The node's ``BlockKey`` (read-only apart from the memo)."""
+        key = self._key
+        if key is None:
+            key = self._key = self.chain.key_at(self.index)
+        return key
+
+    @key.setter
+    def key(self, value: BlockKey) -> None:  # tests corrupt keys to exercise the audit
+        self._key = value
 
 
 class RadixTrie:
@@ -60,7 +108,7 @@ class RadixTrie:
     def root_or_create(self, namespace: Namespace) -> Node:
         root = self.roots.get(namespace)
         if root is None:
-            root = self.roots[namespace] = Node(b"", None, namespace.root_key(), namespace)
+            root = self.roots[namespace] = Node(b"", None, namespace, key=namespace.root_key())
         return root
 
     @staticmethod
@@ -77,28 +125,21 @@ class RadixTrie:
             path.append(node)
         return path
 
-    def attach_chain(
-        self,
-        parent: Node,
-        contents: list[bytes],
-        worker_id: str,
-        blocks: list[Block],
-        first_material: bytes | None,
-    ) -> list[Node]:
+    def attach_chain(self, parent: Node, contents: list[bytes], worker_id: str, blocks: list[Block]) -> list[Node]:
         """Make ``blocks[k]`` the copy of the node spelled by ``contents[:k+1]`` below ``parent``
         on ``worker_id``, creating missing nodes (mutates; sets ``block.node``). The worker must
-        hold none of these nodes yet. A node's key chains ``blake2b-256(parent key || material)``
-        where material is the content, except below a root: ``first_material`` (the leading
-        digest form, see ``KeyStream.block_key_material``). Returns the nodes in chain order."""
+        hold none of these nodes yet. New nodes share one ``Chain`` (no hashing here). Returns
+        the nodes in chain order; ``contents`` must not change afterwards."""
         out: list[Node] = []
-        blake2b = hashlib.blake2b
-        for content, block in zip(contents, blocks):
+        namespace = parent.namespace
+        chain = None
+        for index, (content, block) in enumerate(zip(contents, blocks)):
             child = parent.children.get(content)
             if child is None:
-                material = content if parent.parent is not None else first_material
-                key = blake2b(parent.key + material, digest_size=DIGEST_SIZE).digest()  # a BlockKey
-                child = Node(content, parent, key, parent.namespace)
-                parent.children[content] = child
+                if chain is None:
+                    chain = Chain(parent, contents[index:]) if index else Chain(parent, contents)
+                    base = index
+                child = parent.children[content] = Node(content, parent, namespace, chain, index - base)
                 self.num_nodes += 1
             child.residency[worker_id] = block
             block.node = child

@@ -513,13 +513,13 @@ class KVStore:
         (mutates; the caller checked ``available_for``). Evictions make one REMOVED event."""
         wid = worker.worker_id
         remove_resident = self._trie.remove_resident
-        removed_keys: list = []
+        removed_nodes: list[Node] = []
         removed_ids: list[int] = []
 
         def detach(victim: Block) -> Block | None:
             node = victim.node
             parent = node.parent
-            removed_keys.append(node.key)
+            removed_nodes.append(node)
             removed_ids.append(victim.block_id)
             remove_resident(node, wid)
             return parent.residency[wid] if parent.parent is not None else None
@@ -527,7 +527,7 @@ class KVStore:
         out = worker.pool.allocate(count, detach)
         if removed_ids:
             worker.evictions += len(removed_ids)
-            self._events.record(wid, worker.incarnation, EventKind.REMOVED, tuple(removed_keys), tuple(removed_ids))
+            self._events.record(wid, worker.incarnation, EventKind.REMOVED, removed_nodes, tuple(removed_ids))
         return out
 
     def _publish_blocks(self, record: ReservationRecord, final: int) -> tuple[int, int]:
@@ -559,16 +559,10 @@ class KVStore:
             j += 1
         dedup = j - start
         if j < target:
-            first = stream.block_key_material(0) if j == 0 else None
-            nodes = self._trie.attach_chain(parent, contents[dedup:], wid, blocks[j:target], first)
+            nodes = self._trie.attach_chain(parent, contents[dedup:], wid, blocks[j:target])
             pool.children_added(blocks[max(j, 1) - 1 : target - 1])
             self._events.record(
-                wid,
-                worker.incarnation,
-                EventKind.STORED,
-                tuple([n.key for n in nodes]),
-                tuple([b.block_id for b in blocks[j:target]]),
-                parent.key,
+                wid, worker.incarnation, EventKind.STORED, nodes, tuple([b.block_id for b in blocks[j:target]]), parent
             )
         record.published = target
         worker.published_blocks += target - j

@@ -15,7 +15,7 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.common.spec import SpecMode
-from services.kvstore import EventKind, KeyStream, Namespace
+from services.kvstore import EventKind, KeyStream, KVStore, Namespace
 
 SPANS = [(SpecMode.NONE, 0, 0), (SpecMode.EAGLE3, 0, 1), (SpecMode.MTP, 3, 3)]
 
@@ -185,6 +185,47 @@ def test_block_keys_chain_from_the_namespace_root(store, make_spec):
     k1 = blake(k0 + packed(keys[4:8]))
     k2 = blake(k1 + packed(keys[8:12]))
     assert event.block_keys == (k0, k1, k2)
+
+
+@pytest.mark.parametrize("read_early", [True, False])
+def test_event_keys_are_the_design_keys_even_when_read_after_eviction_and_drop(make_spec, clock, read_early):
+    """Nodes derive their keys on first read: reading every event right away, or only after its
+    nodes were evicted, pruned and the worker re-registered, gives the same design keys."""
+    store = KVStore(clock=clock, lease_ttl_s=10.0, epoch=0)
+    w = store.register_worker(make_spec(spec_mode=SpecMode.EAGLE3, model_id="llama-x"))
+    seen = []
+
+    def step() -> None:
+        if read_early:
+            seen[:] = store.events_since("w0", 0)
+            for e in seen:
+                assert len(e.block_keys) == len(e.block_ids)
+
+    prompt = list(range(40, 53))  # D = 1, n = 13: 3 keyed blocks
+    longer = prompt + [60, 61, 62, 63]  # 16 keyed positions: one more block
+    for rid, tokens in (("a", prompt), ("b", longer)):
+        r = store.reserve(worker_id="w0", incarnation=w.incarnation, request_id=rid, tokens=tokens)
+        store.publish(reservation_id=r.reservation_id, incarnation=w.incarnation, final_positions=len(tokens))
+        store.release(reservation_id=r.reservation_id, incarnation=w.incarnation)
+        step()
+    r = store.reserve(worker_id="w0", incarnation=w.incarnation, request_id="c", tokens=list(range(1, 33)))
+    step()  # all 4 published blocks evicted, their nodes pruned
+    store.register_worker(make_spec(spec_mode=SpecMode.EAGLE3, model_id="llama-x"))
+    assert store.stats().trie_nodes == 0
+    events = store.events_since("w0", 0)
+    assert [e.kind for e in events] == [EventKind.STORED, EventKind.STORED, EventKind.REMOVED, EventKind.CLEARED]
+    if read_early:
+        assert events[:3] == seen[:3]
+    root = Namespace("llama-x", 4, SpecMode.EAGLE3, 1, b"").root_key()
+    keys = design_keys(longer, 1)
+    chain = [blake(root + keys[0] + packed(keys[1:4]))]
+    for j in (1, 2, 3):
+        chain.append(blake(chain[-1] + packed(keys[4 * j : 4 * j + 4])))
+    stored_a, stored_b, removed, cleared = events
+    assert (stored_a.parent_key, stored_a.block_keys) == (root, tuple(chain[:3]))
+    assert (stored_b.parent_key, stored_b.block_keys) == (chain[2], (chain[3],))
+    assert removed.block_keys == tuple(reversed(chain)) and removed.parent_key is None
+    assert cleared.block_keys == () and cleared.parent_key is None
 
 
 def test_namespace_encoding_is_unambiguous():
