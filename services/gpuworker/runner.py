@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.common.errors import Cancelled, InvalidArgument, ResourceExhausted, TandemError
+from services.common.errors import AlreadyExists, Cancelled, ResourceExhausted, TandemError
 from services.gpuworker.engine.engine import Engine
 from services.gpuworker.engine.request import FinishReason, RequestSpec
 from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource
@@ -70,7 +70,11 @@ class EngineRunner:
         self.source = source
         self.max_running = max_running
         self._commands: queue.Queue = queue.Queue()
-        self._jobs: dict[str, Job] = {}
+        self._jobs: dict[str, Job] = {}  # engine thread only: admitted, running requests
+        # Any thread: every request from submit() until its reservation has been ended, so that
+        # Worker.Abort finds a request that the engine thread has not picked up yet.
+        self._owned: set[str] = set()
+        self._owned_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stop = threading.Event()
         self.steps = 0
@@ -87,6 +91,12 @@ class EngineRunner:
         self._thread.join(timeout_s)
 
     def submit(self, job: Job) -> None:
+        """Queue a request for the engine thread; ``AlreadyExists`` if its id is still owned."""
+        rid = job.spec.request_id
+        with self._owned_lock:
+            if rid in self._owned:
+                raise AlreadyExists(f"request {rid!r} is already running on this worker")
+            self._owned.add(rid)
         self._commands.put(("add", job))
 
     def cancel(self, request_id: str, reason: TandemError) -> None:
@@ -97,12 +107,13 @@ class EngineRunner:
         return len(self._jobs)
 
     def running_ids(self) -> frozenset[str]:
-        """Snapshot of the request ids the engine thread is running."""
-        while True:
-            try:
-                return frozenset(self._jobs)
-            except RuntimeError:  # resized by the engine thread mid-copy: copy again
-                continue
+        """Request ids submitted whose reservation has not been ended yet."""
+        with self._owned_lock:
+            return frozenset(self._owned)
+
+    def _disown(self, rid: str) -> None:
+        with self._owned_lock:
+            self._owned.discard(rid)
 
     # -- engine thread ------------------------------------------------------------------------------
 
@@ -142,7 +153,7 @@ class EngineRunner:
             elif kind == "abort":
                 _, rid, reason = command
                 if rid in self._jobs:
-                    self._fail(rid, reason)
+                    self._fail(rid, reason)  # a request not admitted yet: its add ran first
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -151,15 +162,16 @@ class EngineRunner:
     def _admit(self, job: Job) -> None:
         rid = job.spec.request_id
         try:
-            if rid in self._jobs:
-                raise InvalidArgument(f"request {rid!r} is already running on this worker")
             if len(self._jobs) >= self.max_running:
                 raise ResourceExhausted(f"worker runs {self.max_running} requests already")
             self.source.bind(rid, job.reservation_id, job.incarnation)
             self.engine.add_request(job.spec)
         except Exception as exc:
             self.source.unbind(rid)
-            self.link.abort(job.reservation_id, job.incarnation)
+            try:
+                self.link.abort(job.reservation_id, job.incarnation)
+            finally:
+                self._disown(rid)
             job.post("error", exc)
             return
         job.tokens = list(job.spec.prompt_ids)
@@ -214,6 +226,7 @@ class EngineRunner:
             # Every token was already streamed; the reservation dies with the lease if the
             # kvstore never hears of it (it cannot be reused by another request meanwhile).
             log.warning("release of %s failed: %s", job.reservation_id, exc.message)
+        self._disown(rid)
         job.post("done", result.finish_reason, self._usage(job))
 
     def _fail(self, rid: str, exc: Exception) -> None:
@@ -226,6 +239,7 @@ class EngineRunner:
             self.link.abort(job.reservation_id, job.incarnation)
         except TandemError as err:
             log.warning("abort of %s failed: %s", job.reservation_id, err.message)
+        self._disown(rid)
         job.post("error", exc)
 
     def engine_has(self, rid: str) -> bool:

@@ -14,7 +14,7 @@ import time
 from opentelemetry import trace
 
 from services.common.telemetry import get_tracer
-from services.common.errors import Cancelled, FailedPrecondition, InvalidArgument, NotFound, TandemError
+from services.common.errors import AlreadyExists, Cancelled, FailedPrecondition, InvalidArgument, NotFound
 from services.common.spec import lookahead_span
 from services.common.wire import spec_mode_to_proto, tokens_from_proto
 from services.gpuworker.engine.request import FinishReason, RequestSpec
@@ -61,15 +61,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument(f"num_draft_tokens {k} exceeds this worker's maximum {ident.max_draft_tokens}")
         if ident.draft is None:
             k = 0  # no draft: plain decoding, whatever the caller hoped for
-        try:
-            sampling = SamplingParams(
-                temperature=float(s.temperature),
-                top_p=float(s.top_p) if s.top_p else 1.0,
-                top_k=int(s.top_k),
-                seed=int(s.seed) if s.seed else None,
-            )
-        except (ValueError, TypeError) as exc:
-            raise InvalidArgument(f"bad sampling parameters: {exc}") from None
+        sampling = SamplingParams(  # validates (InvalidArgument)
+            temperature=float(s.temperature),
+            top_p=float(s.top_p) if s.top_p else 1.0,
+            top_k=int(s.top_k),
+            seed=int(s.seed) if s.seed else None,
+        )
         return RequestSpec(
             request_id=request.request_id,
             prompt_ids=[int(t) for t in prompt],
@@ -85,6 +82,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         spec = self._spec_from(request)
         loop = asyncio.get_running_loop()
         job = Job(spec, request.reservation.reservation_id, request.reservation.incarnation, loop, asyncio.Queue())
+        try:
+            self.runner.submit(job)
+        except AlreadyExists:
+            # Another live request owns this id; the reservation sent with this one is ours to end.
+            await asyncio.to_thread(self.identity.link.abort, job.reservation_id, job.incarnation)
+            raise
         started = time.time_ns()
         prefill_span = self._tracer.start_span("prefill", start_time=started, attributes={
             "tandem.request_id": spec.request_id,
@@ -92,7 +95,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             "tandem.cached_tokens": spec.reused_positions,
         })
         decode_span = None
-        self.runner.submit(job)
         finished = False
         try:
             while True:
