@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.gpuworker.engine.capacity import LocalBlockSource, blocks_for
 from services.gpuworker.engine.engine import EngineConfig
 from services.gpuworker.engine.local import run_until_done, submit
@@ -216,3 +216,32 @@ def test_local_block_source_is_atomic_per_item():
     src.trim({"a": 1})
     src.release("a")
     assert src.refcount(src.table("b")[0]) == 1 and src.free_blocks == 3
+
+
+def test_remap_published_blocks_after_dedup():
+    """Two requests with the same prompt compute the same blocks; once the second one's first
+    blocks are publishable they are swapped for the first request's copies (kvstore dedup). It
+    then reads those, never writes them, and its output does not change."""
+    prompt = prompts((14,), seed=12)[0]
+    setup = make_setup("eagle3", chunk_size=4)
+    submit(setup, "a", prompt, max_new_tokens=6, k=2)
+    a = run_until_done(setup, keep=["a"])["a"]
+    submit(setup, "b", prompt, max_new_tokens=12, k=2)
+    eng = setup.engine
+    early = []
+    while eng.state("b").draft_len < 2 * BS:
+        early += eng.step().results["b"].new_token_ids
+    mine = eng.state("b").block_table
+    theirs = a.block_table[:2] + mine[2:]
+    with pytest.raises(FailedPrecondition):
+        eng.remap_blocks("b", a.block_table[:3] + mine[3:])  # block 2 is not publishable yet
+    with pytest.raises(FailedPrecondition):
+        eng.remap_blocks("b", theirs[:-1])
+    with pytest.raises(NotFound):
+        eng.remap_blocks("zz", theirs)
+    setup.source.remap("b", theirs)
+    eng.remap_blocks("b", theirs)
+    writes = []
+    done = run_until_done(setup, on_step=lambda rep: writes.extend(rep.results["b"].blocks_written if "b" in rep.results else []))
+    assert early + done["b"].tokens == plain_greedy(prompt, 12)
+    assert done["b"].block_table[:2] == a.block_table[:2] and not set(a.block_table[:2]) & set(writes)

@@ -93,6 +93,21 @@ class LocalBlockSource:
         for b in table:
             self._unref(b)
 
+    def remap(self, request_id: str, table: list[int]) -> list[int]:
+        """Swap blocks of a reservation for other live blocks (what kvstore ``Publish`` dedup
+        does): references move from the old ids to the new ones. Mutates."""
+        old = self._tables.get(request_id)
+        if old is None:
+            raise NotFound(f"unknown request {request_id!r}")
+        if len(table) != len(old) or any(not 0 <= b < self.num_blocks or self._refs[b] == 0 for b in table):
+            raise InvalidArgument("remap needs a table of the same length over live blocks")
+        for b in table:
+            self._refs[b] += 1
+        for b in old:
+            self._unref(b)
+        self._tables[request_id] = list(table)
+        return list(table)
+
     # -- the BlockSource protocol ---------------------------------------------------------------
 
     def extend(self, wants: dict[str, int]) -> dict[str, list[int] | Exception]:

@@ -180,7 +180,6 @@ class Engine:
             )
         s.block_table = new
 
-
     def request_ids(self) -> list[str]:
         return list(self._states)
 
