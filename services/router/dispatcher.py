@@ -46,7 +46,7 @@ from services.common.tokenizer import StreamDecoder, Tokenizer
 from services.common.wire import tokens_to_proto
 from services.router.directory import WorkerDirectory, WorkerEntry
 from services.router.jobs import GenerateJob
-from services.router.policy import PolicyWeights, WorkerCandidate, rank_workers
+from services.router.policy import PolicyWeights, RoutingPolicy, WorkerCandidate, rank_workers, rotate_workers
 from services.router.retry import AttemptState, WaitQueue, backoff_delays, error_for
 from services.router.tenants import Tenant
 from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
@@ -74,6 +74,7 @@ class DispatchConfig:
     """The dispatcher's knobs (from ``RouterSettings``)."""
 
     model_id: str = ""
+    policy: RoutingPolicy = "kv_aware"
     weights: PolicyWeights = PolicyWeights()
     max_attempts: int = 3
     queue_retry_s: float = 0.05
@@ -191,6 +192,7 @@ class Dispatcher:
         self.queue = queue
         self.config = config
         self._rng = rng or random.Random()
+        self._turn = 0  # round_robin: advanced by every plan
         self._tracer = get_tracer(__name__, tracer_provider)
         self._clock = clock
         self._live: set[str] = set()
@@ -258,10 +260,15 @@ class Dispatcher:
             )
         if not candidates and too_small:
             raise ResourceExhausted(f"the prompt can never fit: {'; '.join(too_small)}")
-        ranked = rank_workers(
-            candidates, prompt_tokens=n, weights=self.config.weights, rng=self._rng,
-            model_id=self.config.model_id, exclude=state.excluded,
-        )
+        if self.config.policy == "round_robin":
+            ranked = rotate_workers(candidates, prompt_tokens=n, turn=self._turn,
+                                    model_id=self.config.model_id, exclude=state.excluded)
+            self._turn += 1
+        else:
+            ranked = rank_workers(
+                candidates, prompt_tokens=n, weights=self.config.weights, rng=self._rng,
+                model_id=self.config.model_id, exclude=state.excluded,
+            )
         if not ranked:
             if candidates:
                 raise state.no_worker_left()

@@ -30,6 +30,10 @@ Worked example, prompt of 160 tokens, block size 16 (10 blocks), default weights
 
 Reuse wins over an idle but cold worker (gpu2 before gpu1), and gpu0's longer queue and fuller
 pool outweigh the same reuse as gpu2's.
+
+``round_robin`` (setting ``policy``) is the baseline that ignores reuse and load: request number
+``turn`` starts at eligible worker ``turn mod n`` (workers sorted by id) and wraps around, so
+consecutive requests land on consecutive workers and a full pool still falls through to the next.
 """
 
 from __future__ import annotations
@@ -38,8 +42,13 @@ import math
 import random
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from services.common.errors import InvalidArgument
+
+
+RoutingPolicy = Literal["kv_aware", "round_robin"]
+ROUTING_POLICIES: tuple[str, ...] = ("kv_aware", "round_robin")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +102,23 @@ def worker_cost(candidate: WorkerCandidate, prompt_tokens: int, weights: PolicyW
     )
 
 
+def _check_prompt_tokens(prompt_tokens: int) -> None:
+    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 1:
+        raise InvalidArgument(f"prompt_tokens must be a positive integer, got {prompt_tokens!r}")
+
+
+def _eligible(candidates: Iterable[WorkerCandidate], model_id: str, exclude: Collection[str]) -> list[WorkerCandidate]:
+    """Healthy, compatible, not excluded candidates (input order); raises on impossible figures."""
+    out = []
+    for c in candidates:
+        if not c.healthy or c.worker_id in exclude or (model_id and c.model_id != model_id):
+            continue
+        if c.block_size < 1 or c.reusable_blocks < 0 or c.active_blocks < 0 or c.queued < 0:
+            raise InvalidArgument(f"inconsistent load figures for worker {c.worker_id!r}: {c}")
+        out.append(c)
+    return out
+
+
 def rank_workers(
     candidates: Iterable[WorkerCandidate],
     *,
@@ -108,16 +134,39 @@ def rank_workers(
     ``model_id``, and ids in ``exclude``. Consumes one draw of ``rng`` per eligible worker
     (the only state it touches), so a fixed seed reproduces the order.
     """
-    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 1:
-        raise InvalidArgument(f"prompt_tokens must be a positive integer, got {prompt_tokens!r}")
+    _check_prompt_tokens(prompt_tokens)
     ranked: list[tuple[float, float, RankedWorker]] = []
-    for c in candidates:
-        if not c.healthy or c.worker_id in exclude or (model_id and c.model_id != model_id):
-            continue
-        if c.block_size < 1 or c.reusable_blocks < 0 or c.active_blocks < 0 or c.queued < 0:
-            raise InvalidArgument(f"inconsistent load figures for worker {c.worker_id!r}: {c}")
+    for c in _eligible(candidates, model_id, exclude):
         cost = worker_cost(c, prompt_tokens, weights)
         entry = RankedWorker(c.worker_id, cost, missing_blocks(prompt_tokens, c.block_size, c.reusable_blocks))
         ranked.append((cost, rng.random(), entry))
     ranked.sort(key=lambda t: (t[0], t[1]))
     return [entry for _, _, entry in ranked]
+
+
+def rotate_workers(
+    candidates: Iterable[WorkerCandidate],
+    *,
+    prompt_tokens: int,
+    turn: int,
+    model_id: str = "",
+    exclude: Collection[str] = (),
+) -> list[RankedWorker]:
+    """Round-robin preference order: eligible workers sorted by id, rotated to start at
+    ``turn mod n``. Ignores reuse and load (``cost`` is the position in the order); leaves out the
+    same workers as ``rank_workers``. Pure: the caller owns and advances ``turn``.
+
+        sorted ids   [a, b, c]      turn 0 → a b c    turn 1 → b c a    turn 5 → c a b
+    """
+    _check_prompt_tokens(prompt_tokens)
+    if isinstance(turn, bool) or not isinstance(turn, int) or turn < 0:
+        raise InvalidArgument(f"turn must be an integer >= 0, got {turn!r}")
+    eligible = sorted(_eligible(candidates, model_id, exclude), key=lambda c: c.worker_id)
+    if not eligible:
+        return []
+    start = turn % len(eligible)
+    rotated = eligible[start:] + eligible[:start]
+    return [
+        RankedWorker(c.worker_id, float(i), missing_blocks(prompt_tokens, c.block_size, c.reusable_blocks))
+        for i, c in enumerate(rotated)
+    ]

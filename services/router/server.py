@@ -50,6 +50,7 @@ def dispatch_config(settings: RouterSettings) -> DispatchConfig:
     """The dispatcher's knobs from the settings (pure)."""
     return DispatchConfig(
         model_id=settings.model_id,
+        policy=settings.policy,
         weights=PolicyWeights(settings.policy_alpha, settings.policy_beta, settings.policy_gamma),
         max_attempts=settings.max_attempts,
         queue_retry_s=settings.queue_retry_s,

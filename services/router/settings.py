@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -30,6 +32,7 @@ class RouterSettings(BaseSettings):
     shared_tenants: str = Field("", description="comma-separated tenants that share one cache namespace (opt-in cross-tenant reuse)")
 
     # --- routing policy
+    policy: Literal["kv_aware", "round_robin"] = Field("kv_aware", description="kv_aware = reuse vs load cost (policy_alpha/beta/gamma); round_robin = rotate over workers, ignoring reuse and load (a baseline)")
     policy_alpha: float = Field(1.0, ge=0, description="cost per prompt block not reusable on a worker")
     policy_beta: float = Field(0.01, ge=0, description="cost per block in use on a worker")
     policy_gamma: float = Field(2.0, ge=0, description="cost per request running or queued on a worker")

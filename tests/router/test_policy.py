@@ -115,3 +115,79 @@ def test_bad_inputs_are_invalid_argument():
 
 def test_no_candidates_gives_an_empty_order():
     assert order([]) == []
+
+
+# --- round robin (the baseline policy) ------------------------------------------------------------
+
+def rotation(cands, turn, prompt_tokens=160, **kw):
+    from services.router.policy import rotate_workers
+
+    return [r.worker_id for r in rotate_workers(cands, prompt_tokens=prompt_tokens, turn=turn, **kw)]
+
+
+def test_round_robin_rotates_and_ignores_reuse_and_load():
+    # c is by far the cheapest for kv_aware; round robin does not care.
+    cands = [cand("c", reusable=10), cand("a", active=900, queued=9), cand("b")]
+    assert order(cands)[0] == "c"
+    assert rotation(cands, 0) == ["a", "b", "c"]
+    assert rotation(cands, 1) == ["b", "c", "a"]
+    assert rotation(cands, 2) == ["c", "a", "b"]
+    assert rotation(cands, 3) == rotation(cands, 0)  # wraps around
+    # consecutive turns put the first choice on every worker equally often
+    firsts = [rotation(cands, t)[0] for t in range(30)]
+    assert {w: firsts.count(w) for w in "abc"} == {"a": 10, "b": 10, "c": 10}
+
+
+def test_round_robin_leaves_out_the_same_workers_and_still_offers_fall_through():
+    cands = [cand("x", model="other"), cand("sick", healthy=False), cand("gone"), cand("p"), cand("q")]
+    for turn in range(4):
+        got = rotation(cands, turn, model_id="m", exclude={"gone"})
+        assert sorted(got) == ["p", "q"]  # every eligible worker is offered (RESOURCE_EXHAUSTED falls through)
+    assert rotation([], 5) == []
+
+
+def test_round_robin_bad_inputs_are_invalid_argument():
+    with pytest.raises(InvalidArgument):
+        rotation([cand("a")], -1)
+    with pytest.raises(InvalidArgument):
+        rotation([cand("a")], 0, prompt_tokens=0)
+    with pytest.raises(InvalidArgument):
+        rotation([cand("a", queued=-1)], 0)
+
+
+def test_policy_setting_reaches_the_dispatcher():
+    from pydantic import ValidationError
+
+    from services.router.server import dispatch_config
+    from services.router.settings import RouterSettings
+
+    assert dispatch_config(RouterSettings()).policy == "kv_aware"
+    assert dispatch_config(RouterSettings(policy="round_robin")).policy == "round_robin"
+    with pytest.raises(ValidationError):
+        RouterSettings(policy="random")
+
+
+def test_round_robin_router_alternates_where_kv_aware_sticks_to_the_warm_worker(rig):
+    from router_rig import collect
+
+    rig.worker("a")
+    rig.worker("b")
+    prompt = "shared system prompt, long enough for several blocks of sixteen bytes each. " * 2
+
+    def workers(router, n, tag):
+        got = []
+        for i in range(n):
+            msgs, err = collect(router, text=prompt, max_new_tokens=2, request_id=f"{tag}{i}")
+            assert err is None, err
+            got.append((msgs[-1].usage.worker_id, msgs[-1].usage.cached_tokens))
+        return got
+
+    rr = workers(rig.router(policy="round_robin"), 4, "rr")
+    assert [w for w, _ in rr] == ["a", "b", "a", "b"]
+    kv = workers(rig.router(), 4, "kv")  # both workers hold the prefix now: any is fine, but it stays
+    assert all(cached > 0 for _, cached in kv)
+    # a full worker is skipped on its turn (fall-through on RESOURCE_EXHAUSTED)
+    full = rig.occupy("a", 64)
+    assert [w for w, _ in workers(rig.router(policy="round_robin"), 2, "full")] == ["b", "b"]
+    rig.free(full)
+    rig.wait_no_live_reservations()
