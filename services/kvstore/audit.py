@@ -7,7 +7,8 @@ What it proves, per worker and for the shared trie:
 * refcounts = live pins: each block's reference count equals the number of live reservations
   whose table holds it (so nothing is leaked or double-freed), and no table holds a block twice;
 * residency: a published block's node names it as the worker's copy and vice versa; a node
-  resident on w has its parent resident on w; ``resident_children`` counts are exact;
+  resident on w has its parent resident on w, held by the block's ``parent`` link;
+  ``resident_children`` counts are exact;
 * trie: every non-root node is resident somewhere and reachable from its namespace's root; keys
   chain correctly; the node counter is right;
 * reservations: published blocks spell the reservation's own key stream from the root; the
@@ -78,6 +79,8 @@ def _check_residency(wid: str, worker: WorkerRecord) -> list[str]:
             continue
         if node.parent.parent is not None and wid not in node.parent.residency:
             out.append(f"worker {wid}: block {block.block_id} resident but its parent node is not")
+        elif block.parent is not (node.parent.residency[wid] if node.parent.parent is not None else None):
+            out.append(f"worker {wid}: block {block.block_id} does not link the block of its parent node")
         children = sum(1 for c in node.children.values() if wid in c.residency)
         if children != block.resident_children:
             out.append(f"worker {wid}: block {block.block_id} counts {block.resident_children} resident children, has {children}")

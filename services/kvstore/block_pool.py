@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 import heapq
 from collections import deque
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .radix_trie import Node
@@ -51,13 +51,14 @@ _FREE, _CACHED, _IN_USE = BlockState.FREE, BlockState.CACHED, BlockState.IN_USE
 class Block:
     """One paired block (target page + draft page with the same id)."""
 
-    __slots__ = ("block_id", "state", "ref_count", "node", "last_used", "resident_children", "heap_key")
+    __slots__ = ("block_id", "state", "ref_count", "node", "parent", "last_used", "resident_children", "heap_key")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.state = _FREE
         self.ref_count = 0
         self.node: Node | None = None  # trie node it holds (published blocks only)
+        self.parent: Block | None = None  # block holding node.parent here (meaningful while node is set)
         self.last_used = 0  # logical tick of the last pin/unpin
         self.resident_children = 0  # children of ``node`` resident on this worker (pin the block)
         self.heap_key = -1  # key of its live eviction-heap entry, -1 if none
@@ -108,47 +109,55 @@ class BlockPool:
         return block.heap_key == key and block.state is _CACHED and block.resident_children == 0
 
     # -- transitions -------------------------------------------------------------------------
-    def allocate(self, count: int, detach: Callable[[Block], Block | None]) -> list[Block]:
+    def allocate(self, count: int, evicted: list[Node] | None = None) -> list[Block]:
         """Hand out ``count`` blocks (-> IN_USE, one reference each): the free queue's head
-        first; once it is empty, LRU leaves are evicted. ``detach(victim)`` must drop the
-        victim's trie residency and return the block holding the parent node on this worker
-        (None for a first block), which may become a leaf in turn. The caller has checked
-        ``available_for``; running out anyway is a bug (LookupError)."""
+        first; once it is empty, LRU leaves are evicted, so the victims are the last
+        ``len(evicted)`` blocks returned, in eviction order. Each victim's trie node is appended
+        to ``evicted`` and its ``node`` cleared: the caller must then drop those nodes' residency
+        on this worker (in that order, deepest first). The caller has checked ``available_for``;
+        running out anyway is a bug (LookupError)."""
         free, heap, blocks = self._free, self._heap, self.blocks
-        out: list[Block] = []
-        # A parent exposed by an eviction is usually the next victim: keep its key aside and let
-        # heappushpop return it without a round trip through the heap.
-        pending = -1
-        for _ in range(count):
-            if free:
-                block = free.popleft()
-            else:
+        take = min(count, len(free))
+        out = [free.popleft() for _ in range(take)]
+        for block in out:
+            block.state = _IN_USE
+            block.ref_count = 1
+        if take < count:
+            if evicted is None:
+                evicted = []
+            append_node, append = evicted.append, out.append
+            heappop, heappushpop = heapq.heappop, heapq.heappushpop
+            # A parent exposed by an eviction is usually the next victim: keep its key aside and
+            # let heappushpop return it without a round trip through the heap.
+            pending = -1
+            for _ in range(count - take):
                 while True:
                     if pending >= 0:
-                        key = heapq.heappushpop(heap, pending)
+                        key = heappushpop(heap, pending)
                         pending = -1
                     elif heap:
-                        key = heapq.heappop(heap)
+                        key = heappop(heap)
                     else:
                         raise LookupError("no evictable block left")
                     block = blocks[key & _ID_MASK]
                     if block.heap_key == key and block.state is _CACHED and block.resident_children == 0:
                         break
-                parent = detach(block)
+                append_node(block.node)
                 block.node = None
                 block.heap_key = -1
-                self.num_cached -= 1
+                block.state = _IN_USE
+                block.ref_count = 1
+                append(block)
+                parent = block.parent
                 if parent is not None:
-                    parent.resident_children -= 1
-                    if parent.resident_children == 0 and parent.state is _CACHED:
+                    left = parent.resident_children = parent.resident_children - 1
+                    if left == 0 and parent.state is _CACHED:
                         pending = parent.heap_key = (
                             (parent.last_used << 56) | ((_DEPTH_MAX - parent.node.depth) << _ID_BITS) | parent.block_id
                         )  # == self._key(parent), inlined: this is the eviction hot loop
-            block.state = _IN_USE
-            block.ref_count = 1
-            out.append(block)
-        if pending >= 0:
-            self._push_key(pending)
+            if pending >= 0:
+                self._push_key(pending)
+            self.num_cached -= count - take
         self.num_in_use += count
         return out
 
@@ -192,11 +201,15 @@ class BlockPool:
         self.num_cached += released - freed
         return freed
 
-    def children_added(self, blocks) -> None:
-        """For each block, one more child of its node became resident here: not a leaf now
-        (any heap entry dies by the live-check)."""
+    def chain_published(self, parent: Block | None, blocks) -> None:
+        """``blocks`` now hold a chain of trie nodes below ``parent``'s node (None: below the
+        root): link each to its parent block and count it as a resident child there (a parent
+        is no longer a leaf; any heap entry of it dies by the live-check)."""
         for block in blocks:
-            block.resident_children += 1
+            block.parent = parent
+            if parent is not None:
+                parent.resident_children += 1
+            parent = block
 
     @staticmethod
     def _key(block: Block) -> int:

@@ -147,10 +147,32 @@ class RadixTrie:
             parent = child
         return out
 
+    def remove_residents(self, nodes: list[Node], worker_id: str) -> None:
+        """``remove_resident`` for each node in order (mutates): the batch form for evictions,
+        whose victims come deepest first."""
+        pruned = 0
+        for node in nodes:
+            residency = node.residency
+            del residency[worker_id]
+            if residency or node.children:
+                continue
+            parent = node.parent
+            del parent.children[node.content]
+            node.parent = None  # detached: a stale reference can no longer reach the trie
+            pruned += 1
+            if not parent.children and not parent.residency:  # else the usual case: still resident
+                self._prune(parent)
+        self.num_nodes -= pruned
+
     def remove_resident(self, node: Node, worker_id: str) -> None:
         """Forget that ``worker_id`` holds ``node``; prune it (and childless roots) once nothing
         holds it (mutates). Callers remove deeper nodes first, keeping residency prefix-closed."""
         del node.residency[worker_id]
+        self._prune(node)
+
+    def _prune(self, node: Node) -> None:
+        """Drop ``node`` and its ancestors while they are resident nowhere and childless, then
+        the root if it is left childless (mutates)."""
         while not node.residency and not node.children and node.parent is not None:
             parent = node.parent
             del parent.children[node.content]

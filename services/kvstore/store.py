@@ -511,23 +511,14 @@ class KVStore:
     def _allocate(self, worker: WorkerRecord, count: int) -> list[Block]:
         """Take ``count`` blocks from the free queue, evicting LRU cached leaves when it runs dry
         (mutates; the caller checked ``available_for``). Evictions make one REMOVED event."""
-        wid = worker.worker_id
-        remove_resident = self._trie.remove_resident
-        removed_nodes: list[Node] = []
-        removed_ids: list[int] = []
-
-        def detach(victim: Block) -> Block | None:
-            node = victim.node
-            parent = node.parent
-            removed_nodes.append(node)
-            removed_ids.append(victim.block_id)
-            remove_resident(node, wid)
-            return parent.residency[wid] if parent.parent is not None else None
-
-        out = worker.pool.allocate(count, detach)
-        if removed_ids:
-            worker.evictions += len(removed_ids)
-            self._events.record(wid, worker.incarnation, EventKind.REMOVED, removed_nodes, tuple(removed_ids))
+        evicted: list[Node] = []
+        out = worker.pool.allocate(count, evicted)
+        if evicted:
+            wid, n = worker.worker_id, len(evicted)
+            self._trie.remove_residents(evicted, wid)
+            worker.evictions += n
+            ids = tuple([b.block_id for b in out[count - n :]])  # the victims come last
+            self._events.record(wid, worker.incarnation, EventKind.REMOVED, evicted, ids)
         return out
 
     def _publish_blocks(self, record: ReservationRecord, final: int) -> tuple[int, int]:
@@ -560,7 +551,7 @@ class KVStore:
         dedup = j - start
         if j < target:
             nodes = self._trie.attach_chain(parent, contents[dedup:], wid, blocks[j:target])
-            pool.children_added(blocks[max(j, 1) - 1 : target - 1])
+            pool.chain_published(blocks[j - 1] if j else None, blocks[j:target])
             self._events.record(
                 wid, worker.incarnation, EventKind.STORED, nodes, tuple([b.block_id for b in blocks[j:target]]), parent
             )

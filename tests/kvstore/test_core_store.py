@@ -78,7 +78,7 @@ def test_eviction_takes_lru_leaves_first_and_match_does_not_touch_the_clock(stor
 
 def test_pool_orders_evictable_leaves_by_tick_then_depth_then_id():
     pool = BlockPool(5)
-    blocks = pool.allocate(5, detach=lambda b: None)
+    blocks = pool.allocate(5)
     for block, depth in zip(blocks, [2, 5, 2, 1, 9]):
         block.node = types.SimpleNamespace(depth=depth)
     pool.unpin_many([blocks[3]], tick=6)
@@ -86,8 +86,10 @@ def test_pool_orders_evictable_leaves_by_tick_then_depth_then_id():
     pool.unpin_many([blocks[4]], tick=8)
     assert pool.eviction_order() == [3, 1, 0, 2, 4]
     assert pool.available_for(0) == 5 and pool.num_free == 0
-    victims = pool.allocate(5, detach=lambda b: None)
+    evicted = []
+    victims = pool.allocate(5, evicted)
     assert [b.block_id for b in victims] == [3, 1, 0, 2, 4]
+    assert [node.depth for node in evicted] == [1, 5, 2, 2, 9]  # each victim's node, in order
     assert pool.audit("pool") == []
 
 
@@ -415,6 +417,7 @@ def test_stats_count_requests_hits_and_evictions(store, make_spec):
         (lambda s, p: setattr(p, "num_cached", p.num_cached + 1), "counters"),
         (lambda s, p: p.blocks[1].node.residency.clear(), "does not name it"),
         (lambda s, p: setattr(p.blocks[0], "resident_children", 0), "resident children"),
+        (lambda s, p: setattr(p.blocks[1], "parent", None), "does not link the block of its parent"),
         (lambda s, p: setattr(p.blocks[1].node, "key", b"\0" * 32), "does not chain"),
         (lambda s, p: s._reservations.popitem(), "index sizes"),
     ],
