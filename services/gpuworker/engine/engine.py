@@ -349,6 +349,14 @@ class Engine:
     # -- B + C. target forward and acceptance ----------------------------------------------------
 
     def _target_and_accept(self, work, written, emitted, verified) -> list[FillJob]:
+        """B + C for the whole batch; returns the fill jobs for D. Mutates the states."""
+        out, cond, picks = self._run_target(work, written)
+        return self._accept(work, out, cond, picks, emitted, verified)
+
+    def _run_target(self, work: list[ScheduledWork], written):
+        """B: one target forward over every scheduled request (request-major). Returns the output,
+        the draft conditioning rows (aux / final hidden, all T rows) and, per request that gets
+        logits, ``(first logits row, count)``."""
         dev = self.device
         ids: list[torch.Tensor] = []
         logit_rows: list[int] = []
@@ -381,8 +389,6 @@ class Engine:
         cond = None
         if self.drafter is not None:
             cond = out.aux_hidden if aux else out.hidden
-
-        # Which logits row belongs to whom, then one host sync for every greedy decision.
         picks: dict[str, tuple[int, int]] = {}  # rid -> (first logits row, count)
         cursor = 0
         for w in work:
@@ -393,6 +399,11 @@ class Engine:
             elif not w.is_prefill:
                 picks[s.request_id] = (cursor, 1 + w.num_drafts)
                 cursor += 1 + w.num_drafts
+        return out, cond, picks
+
+    def _accept(self, work: list[ScheduledWork], out, cond, picks, emitted, verified) -> list[FillJob]:
+        """C: first tokens after prompts and verification of drafts (one host sync for every
+        greedy decision), stop rules, new lengths; builds the fill jobs. Mutates the states."""
         argmax = torch.argmax(out.logits, dim=-1) if out.logits.shape[0] else None
         sampled = [w for w in work if w.state.request_id in picks and not w.state.spec.sampling.greedy]
         sampled_tokens = self._sample_or_verify(sampled, out.logits, picks)
