@@ -16,25 +16,42 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "kvstore": ("services.kvstore.main", "run the kvstore gRPC service"),
     "router": ("services.router.main", "run the router gRPC service"),
     "worker": ("services.gpuworker.main", "run a gpuworker (model + KV pools + engine)"),
+    "distill-draft": ("services.gpuworker.distill", "train a model's draft layers on its own greedy outputs"),
     "up": ("services.launcher", "run kvstore + router + workers locally and wait"),
     "generate": ("services.client", "stream an answer from the router"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (all are listed in the help)."""
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        module = importlib.import_module(module_name)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        if name == command:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
     return parser
 
 
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand named in ``argv`` (skipping top-level options and their values)."""
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--log-level":
+            skip = True
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(_command_of(argv)).parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -17,6 +17,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from services.common.paths import distilled_tiny_dir
+
 DEMO_PROMPT = "Tandem pairs every target KV block with a draft KV block, so"
 
 
@@ -124,6 +126,13 @@ def start_suite(args: argparse.Namespace) -> list[Child]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model == "tiny":
+        distilled = distilled_tiny_dir()
+        if (distilled / "config.json").is_file():
+            args.model = str(distilled)
+            print(f"serving the tiny model with its distilled draft from {distilled}")
+        else:
+            print("serving the tiny model with a random draft (run `tandem distill-draft tiny` for a trained one)")
     print(f"starting kvstore, {args.workers} worker(s) and router (model {args.model}) ...", flush=True)
     try:
         children = start_suite(args)

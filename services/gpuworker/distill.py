@@ -18,13 +18,13 @@ import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from services.common.errors import InvalidArgument
+from services.common.paths import distilled_tiny_dir
 from services.common.spec import SpecMode
 from services.gpuworker.attention.base import BatchLayout, get_backend
 from services.gpuworker.engine.capacity import blocks_for
@@ -211,11 +211,11 @@ class _TargetData:
         return total / d.num_kv_layers
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI: ``distill-draft MODEL --out DIR [--mode eagle3|mtp] [--steps N] ...``; prints JSON."""
-    ap = argparse.ArgumentParser(prog="tandem distill-draft", description=__doc__.split("\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Flags of ``tandem distill-draft``."""
     ap.add_argument("model", help='model folder, or "tiny" for the built-in model')
-    ap.add_argument("--out", default=None, help="output folder (default: the model folder)")
+    ap.add_argument("--out", default=None,
+                    help=f"output folder (default: the model folder; for tiny: {distilled_tiny_dir()}, which `tandem up` serves)")
     ap.add_argument("--mode", choices=["eagle3", "mtp"], default="eagle3")
     ap.add_argument("--mtp-depth", type=int, default=1)
     ap.add_argument("--steps", type=int, default=300)
@@ -225,10 +225,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step when measuring acceptance")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train, save, print acceptance before/after as JSON. Exit 2 on bad arguments."""
+    out = args.out
+    if out is None and str(args.model) == "tiny":
+        out = str(distilled_tiny_dir(args.mode))
     try:
         result = distill_draft(
-            args.model, args.out, args.steps, spec_mode=SpecMode[args.mode.upper()], mtp_depth=args.mtp_depth,
+            args.model, out, args.steps, spec_mode=SpecMode[args.mode.upper()], mtp_depth=args.mtp_depth,
             num_sequences=args.sequences, gen_len=args.gen_len, batch_size=args.batch_size, lr=args.lr,
             k=args.k, seed=args.seed,
         )
@@ -237,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(dataclasses.asdict(result), indent=2))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``distill-draft MODEL [--out DIR] [--mode eagle3|mtp] [--steps N] ...``; prints JSON."""
+    ap = argparse.ArgumentParser(prog="tandem distill-draft", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
