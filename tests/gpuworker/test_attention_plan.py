@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
+from services.common.errors import InvalidArgument
 from services.gpuworker.attention.base import AttentionGeometry, AttentionKind, BatchLayout, get_backend
 
 BS = 4
@@ -120,3 +122,92 @@ def test_replans_keep_per_layer_tensors_at_stable_addresses():
     assert {n: getattr(second, n).data_ptr() for n in stable} == addresses
     assert second.positions.tolist() == [150, 151, 190, 191]
     assert second.kv_page_indices.numel() == 38 + 48
+
+
+# -- BatchLayout: lists or arrays, vectorized checks, the same errors ---------------------------
+
+
+def _plans_equal(a, b) -> None:
+    for name in ("positions", "slot_mapping", "k_rows", "v_rows", "batch_indices", "qo_indptr", "kv_lens",
+                 "kv_page_indptr", "kv_page_indices", "kv_last_page_len", "block_tables"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in ("kind", "num_tokens", "query_len", "max_query_len", "max_kv_len", "max_block_id"):
+        assert getattr(a, name) == getattr(b, name), name
+
+
+def test_array_layouts_plan_like_lists():
+    tables = [[9, 4, 7], [3, 11, 5]]
+    as_lists = BatchLayout(tables, [5, 2], [3, 3])
+    rect = BatchLayout(np.array(tables, dtype=np.int32), np.array([5, 2]), np.array([3, 3], dtype=np.uint8))
+    ragged_lists = BatchLayout([[9, 4], [3, 11, 5, 8]], [5, 2], [3, 1])
+    ragged_rows = BatchLayout([np.array([9, 4]), np.array([3, 11, 5, 8])], np.array([5, 2]), [3, 1])
+    for kind in (AttentionKind.VERIFY, AttentionKind.PREFILL):
+        _plans_equal(get_backend("torch", "cpu", GEOM).plan(as_lists, kind),
+                     get_backend("torch", "cpu", GEOM).plan(rect, kind))
+    _plans_equal(get_backend("torch", "cpu", GEOM).plan(ragged_lists),
+                 get_backend("torch", "cpu", GEOM).plan(ragged_rows))
+    assert rect.kv_lens == [8, 5] and rect.capacities(BS) == [12, 12] and rect.num_tokens == 6
+    assert ragged_rows.arrays.tables.tolist() == [[9, 4, -1, -1], [3, 11, 5, 8]]
+    assert ragged_rows.arrays.widths.tolist() == [2, 4]
+
+
+def test_layout_keeps_caller_arrays_writable_and_its_own_read_only():
+    tables = np.arange(6, dtype=np.int64).reshape(2, 3)
+    layout = BatchLayout(tables, np.zeros(2, dtype=np.int64), np.ones(2, dtype=np.int64))
+    tables[0, 0] = 0  # the caller's array is still the caller's
+    with pytest.raises(ValueError):
+        layout.arrays.tables[0, 0] = 5
+
+
+@pytest.mark.parametrize("to_array", [False, True], ids=["lists", "arrays"])
+@pytest.mark.parametrize(
+    "tables,cached,qlens,message",
+    [
+        ([[1], [2]], [0, 0], [1, 0], "request 1: query_len must be >= 1, got 0"),
+        ([[1], [2]], [0, -3], [1, 1], "request 1: cached_len must be >= 0, got -3"),
+        ([[1, 2], [-1, 4]], [0, 0], [1, 1], "request 1: block ids must be non-negative integers"),
+        ([[1, 2], [3]], [0, 0], [2, 1], None),  # valid (ragged)
+    ],
+)
+def test_layout_errors_name_the_first_bad_request(to_array, tables, cached, qlens, message):
+    if to_array:
+        rows = [np.array(t) for t in tables]
+        tables = np.array(tables) if len({len(t) for t in tables}) == 1 else rows
+        cached, qlens = np.array(cached), np.array(qlens)
+    if message is None:
+        assert BatchLayout(tables, cached, qlens).batch_size == 2
+        return
+    with pytest.raises(InvalidArgument) as err:
+        BatchLayout(tables, cached, qlens)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    "tables,cached,qlens",
+    [
+        ([[1.0]], [0], [1]),  # a float block id is not silently cast
+        ([["3"]], [0], [1]),
+        ([[1]], [0.5], [1]),
+        ([[1]], [0], [True]),
+        ([[1], [[2]]], [0, 0], [1, 1]),  # a nested table
+        ([1], [0], [1]),  # a table that is no sequence
+        (np.array([[1.5, 2.0]]), [0], [1]),
+        ([[1]], np.zeros((1, 1), dtype=np.int64), [1]),
+        ([[2**31]], [0], [1]),  # ids and lengths must fit the int32 plans
+        ([[1]], [2**31 - 1], [1]),
+        ([[1]], [2**70], [1]),
+        ([], [], []),
+        ([[1]], [0, 0], [1]),
+    ],
+)
+def test_layout_rejects_non_integers_and_out_of_range_values(tables, cached, qlens):
+    with pytest.raises(InvalidArgument):
+        BatchLayout(tables, cached, qlens)
+
+
+def test_capacity_error_names_the_request():
+    backend = get_backend("torch", "cpu", GEOM)
+    layout = BatchLayout(np.array([[1, 2], [3, 4]]), np.array([4, 6]), np.array([3, 3]))
+    with pytest.raises(InvalidArgument, match=r"request 1: kv_len 9 \(cached 6 \+ query 3\) exceeds reserved "
+                                              r"capacity 8 \(2 blocks of 4\)"):
+        backend.plan(layout, AttentionKind.VERIFY)

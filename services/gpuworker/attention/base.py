@@ -18,6 +18,10 @@ Positions ``cached .. cached+q-1`` are written by this forward and attended caus
 exceeds its capacity is rejected with ``InvalidArgument`` before anything touches the pools, so
 speculative tokens can never overrun what the kvstore reserved.
 
+``BatchLayout`` (module ``layout``) validates the host integers once, with numpy, and keeps them
+as arrays; the planner here turns those arrays into the plan's tensors without a Python loop over
+requests or tokens.
+
 Plans are cached per ``(kind, batch size, query length)``: the backend keeps one *workspace*
 (device buffers, FlashInfer wrappers, ...) per key and re-plans it in place. A plan therefore stays
 valid until the next ``plan()`` call with the same key; using a plan after that raises
@@ -38,6 +42,7 @@ import numpy as np
 import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.gpuworker.attention.layout import BatchLayout
 
 
 class AttentionKind(enum.Enum):
@@ -75,60 +80,6 @@ class AttentionGeometry:
                 f"num_qo_heads ({self.num_qo_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
-
-
-@dataclass(frozen=True)
-class BatchLayout:
-    """One forward over a batch, in host integers (no device tensors).
-
-    ``block_tables[r]``: the pages of request r in position order; reserved capacity of r is
-    ``len(block_tables[r]) * block_size``. ``cached_lens[r]``: logical KV length before this
-    forward (positions ``0..cached-1`` already hold KV). ``query_lens[r]``: tokens fed now, written
-    at positions ``cached .. cached+q-1``. Tokens of the forward are request-major: request 0's
-    q tokens first, then request 1's, ...
-
-    Construction checks the shapes (``InvalidArgument``); the capacity check needs the block size
-    and happens in ``AttentionBackend.plan``.
-    """
-
-    block_tables: list[list[int]]
-    cached_lens: list[int]
-    query_lens: list[int]
-
-    def __post_init__(self) -> None:
-        n = len(self.query_lens)
-        if n == 0:
-            raise InvalidArgument("a batch needs at least one request")
-        if len(self.block_tables) != n or len(self.cached_lens) != n:
-            raise InvalidArgument(
-                f"block_tables ({len(self.block_tables)}), cached_lens ({len(self.cached_lens)}) "
-                f"and query_lens ({n}) must have one entry per request"
-            )
-        for r, (table, cached, q) in enumerate(
-            zip(self.block_tables, self.cached_lens, self.query_lens)
-        ):
-            if not isinstance(q, int) or q < 1:
-                raise InvalidArgument(f"request {r}: query_len must be >= 1, got {q!r}")
-            if not isinstance(cached, int) or cached < 0:
-                raise InvalidArgument(f"request {r}: cached_len must be >= 0, got {cached!r}")
-            if any((not isinstance(b, int)) or b < 0 for b in table):
-                raise InvalidArgument(f"request {r}: block ids must be non-negative integers")
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.query_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens)
-
-    @property
-    def kv_lens(self) -> list[int]:
-        """Logical KV length after this forward, per request."""
-        return [c + q for c, q in zip(self.cached_lens, self.query_lens)]
-
-    def capacities(self, block_size: int) -> list[int]:
-        return [len(t) * block_size for t in self.block_tables]
 
 
 @dataclass
@@ -247,16 +198,16 @@ class AttentionBackend(abc.ABC):
         (or length-1) query lengths — the caller must use PREFILL then."""
         if not isinstance(layout, BatchLayout):
             raise InvalidArgument("plan() needs a BatchLayout")
+        a = layout.arrays
         bs = self.geometry.block_size
-        for r, (kv_len, cap) in enumerate(zip(layout.kv_lens, layout.capacities(bs))):
-            if kv_len > cap:
-                raise InvalidArgument(
-                    f"request {r}: kv_len {kv_len} (cached {layout.cached_lens[r]} + query "
-                    f"{layout.query_lens[r]}) exceeds reserved capacity {cap} "
-                    f"({len(layout.block_tables[r])} blocks of {bs})"
-                )
-        qlens = layout.query_lens
-        uniform = qlens[0] if all(q == qlens[0] for q in qlens) else None
+        over = a.kv > a.widths * bs
+        if over.any():
+            r = int(np.argmax(over))
+            raise InvalidArgument(
+                f"request {r}: kv_len {a.kv[r]} (cached {a.cached[r]} + query {a.q[r]}) exceeds "
+                f"reserved capacity {a.widths[r] * bs} ({a.widths[r]} blocks of {bs})"
+            )
+        uniform = a.uniform_q
         if kind is None:
             kind = AttentionKind.DECODE if uniform == 1 else AttentionKind.PREFILL
         elif kind is AttentionKind.DECODE and uniform != 1:
@@ -295,24 +246,14 @@ class AttentionBackend(abc.ABC):
         their sizes depend on the key only) in a buffer of their own, so their device addresses
         survive re-plans even when the block tables grow (what CUDA graphs need)."""
         bs = self.geometry.block_size
-        B = layout.batch_size
-        q = np.asarray(layout.query_lens, dtype=np.int64)
-        cached = np.asarray(layout.cached_lens, dtype=np.int64)
-        kv_lens = cached + q
-        T = int(q.sum())
+        a = layout.arrays
+        q, cached, kv_lens, tables = a.q, a.cached, a.kv, a.tables
+        B, T = len(q), a.num_tokens
         qo_indptr = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(q, out=qo_indptr[1:])
         batch_idx = np.repeat(np.arange(B), q)
         positions = cached[batch_idx] + np.arange(T) - qo_indptr[batch_idx]
-
-        widths = [len(t) for t in layout.block_tables]
-        max_pages = max(1, max(widths))
-        if min(widths) == max_pages:  # rectangular: one C-level conversion
-            tables = np.asarray(layout.block_tables, dtype=np.int64).reshape(B, max_pages)
-        else:
-            tables = np.full((B, max_pages), -1, dtype=np.int64)
-            for r, t in enumerate(layout.block_tables):
-                tables[r, : len(t)] = t
+        max_pages = tables.shape[1]
         pages = tables[batch_idx, positions // bs]
         slots = pages * bs + positions % bs
         k_rows = slots + pages * bs  # flat pool view: page p's K rows start at p * 2 * bs
@@ -350,8 +291,8 @@ class AttentionBackend(abc.ABC):
             batch_size=B,
             query_len=query_len,
             max_query_len=int(q.max()),
-            max_kv_len=int(kv_lens.max()),
-            max_block_id=int(tables.max()),
+            max_kv_len=a.max_kv_len,
+            max_block_id=a.max_block_id,
             positions=d_wide[:T],
             slot_mapping=d_wide[T : 2 * T],
             k_rows=d_wide[2 * T : 3 * T],

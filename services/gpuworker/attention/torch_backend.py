@@ -32,7 +32,8 @@ class TorchBackend(AttentionBackend):
         if plan.kind is AttentionKind.PREFILL:
             per_request = []
             start = 0
-            for r, (q, kv) in enumerate(zip(plan.layout.query_lens, plan.layout.kv_lens)):
+            a = plan.layout.arrays
+            for r, (q, kv) in enumerate(zip(a.q.tolist(), a.kv.tolist())):
                 j = torch.arange(kv, device=dev)
                 pos = plan.positions[start : start + q]
                 per_request.append(
