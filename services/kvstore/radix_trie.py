@@ -100,6 +100,7 @@ class RadixTrie:
     def __init__(self) -> None:
         self.roots: dict[Namespace, Node] = {}
         self.num_nodes = 0  # non-root nodes
+        self.version = 0  # bumped whenever a node or root is added or removed (paths may change)
 
     def root(self, namespace: Namespace) -> Node | None:
         """The namespace's root, or None if nothing is published in it (read-only)."""
@@ -109,6 +110,7 @@ class RadixTrie:
         root = self.roots.get(namespace)
         if root is None:
             root = self.roots[namespace] = Node(b"", None, namespace, key=namespace.root_key())
+            self.version += 1
         return root
 
     @staticmethod
@@ -131,25 +133,35 @@ class RadixTrie:
         hold none of these nodes yet. New nodes share one ``Chain`` (no hashing here). Returns
         the nodes in chain order; ``contents`` must not change afterwards."""
         out: list[Node] = []
-        namespace = parent.namespace
-        chain = None
-        for index, (content, block) in enumerate(zip(contents, blocks)):
-            child = parent.children.get(content)
+        append = out.append
+        k, n = 0, len(contents)
+        while k < n:  # nodes that exist already (published on another worker)
+            child = parent.children.get(contents[k])
             if child is None:
-                if chain is None:
-                    chain = Chain(parent, contents[index:]) if index else Chain(parent, contents)
-                    base = index
-                child = parent.children[content] = Node(content, parent, namespace, chain, index - base)
-                self.num_nodes += 1
-            child.residency[worker_id] = block
-            block.node = child
-            out.append(child)
+                break
+            child.residency[worker_id] = blocks[k]
+            blocks[k].node = child
+            append(child)
             parent = child
+            k += 1
+        if k < n:  # the rest is new: a fresh node has no children, so no lookups
+            namespace = parent.namespace
+            chain = Chain(parent, contents[k:] if k else contents)
+            for index, content in enumerate(chain.contents):
+                block = blocks[k + index]
+                child = parent.children[content] = Node(content, parent, namespace, chain, index)
+                child.residency[worker_id] = block
+                block.node = child
+                append(child)
+                parent = child
+            self.num_nodes += n - k
+            self.version += 1
         return out
 
     def remove_residents(self, nodes: list[Node], worker_id: str) -> None:
         """``remove_resident`` for each node in order (mutates): the batch form for evictions,
         whose victims come deepest first."""
+        self.version += 1
         pruned = 0
         for node in nodes:
             residency = node.residency
@@ -168,6 +180,7 @@ class RadixTrie:
         """Forget that ``worker_id`` holds ``node``; prune it (and childless roots) once nothing
         holds it (mutates). Callers remove deeper nodes first, keeping residency prefix-closed."""
         del node.residency[worker_id]
+        self.version += 1
         self._prune(node)
 
     def _prune(self, node: Node) -> None:

@@ -72,6 +72,7 @@ class KVStore:
         self.epoch = time.time_ns() // 1000 if epoch is None else validation.count("epoch", epoch)
         self._workers: dict[str, WorkerRecord] = {}
         self._trie = RadixTrie()
+        self._last_walk: tuple | None = None  # (namespace, token buffer, trie version, path)
         self._events = EventLog(validation.count("events_per_worker", events_per_worker, minimum=1))
         self._reservations: dict[str, ReservationRecord] = {}
         self._by_request: dict[str, ReservationRecord] = {}
@@ -150,7 +151,7 @@ class KVStore:
             path = paths.get(namespace)
             if path is None:
                 stream = KeyStream(buf, worker.span, spec.block_size)
-                path = paths[namespace] = self._walk(self._trie.root(namespace), stream)
+                path = paths[namespace] = self._walk_cached(namespace, stream)
             blocks = self._resident_prefix(path, wid)
             results.append(
                 MatchResult(
@@ -163,6 +164,23 @@ class KVStore:
                 )
             )
         return results
+
+    def _walk_cached(self, namespace, stream: KeyStream) -> list[Node]:
+        """``_walk`` from the namespace's root, remembering the last answer (read-only for the
+        store's state): a router's Reserve repeats the Match it just made, and the path cannot
+        have changed while the trie's ``version`` did not. The list is shared: never mutate it."""
+        trie = self._trie
+        last = self._last_walk
+        if (
+            last is not None
+            and last[2] == trie.version
+            and (last[0] is namespace or last[0] == namespace)
+            and (last[1] is stream.buf or last[1] == stream.buf)
+        ):
+            return last[3]
+        path = self._walk(trie.root(namespace), stream)
+        self._last_walk = (namespace, stream.buf, trie.version, path)
+        return path
 
     @staticmethod
     def _walk(root: Node | None, stream: KeyStream) -> list[Node]:
@@ -238,7 +256,7 @@ class KVStore:
         spec, pool = worker.spec, worker.pool
         n = len(arr)
         stream = KeyStream(buf, worker.span, spec.block_size)
-        path = self._walk(self._trie.root(worker.namespace(salt)), stream)
+        path = self._walk_cached(worker.namespace(salt), stream)
         reused = self._resident_prefix(path, worker.worker_id)
         pinned = [node.residency[worker.worker_id] for node in path[:reused]]
         capacity = min(n + headroom, spec.max_seq_len)

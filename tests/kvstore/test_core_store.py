@@ -430,3 +430,23 @@ def test_audit_reports_corruption(store, make_spec, corrupt, expected):
     corrupt(store, pool_of(store))
     violations = store.check_invariants()
     assert any(expected in v for v in violations), violations
+
+
+def test_a_remembered_match_walk_never_outlives_a_trie_change(store, make_spec):
+    """Reserve reuses the walk of the Match just before it; any node added or pruned in between
+    must show up in the answer."""
+    w = store.register_worker(make_spec())
+    prompt = list(range(1, 10))  # 2 keyed blocks of 4 at D = 0
+    a = reserve(store, w, "a", prompt)
+    b = reserve(store, w, "b", [50, 51, 52, 53])
+    assert store.match(prompt)[0].reusable_positions == 0
+    store.publish(reservation_id=a.reservation_id, incarnation=a.incarnation, final_positions=9)
+    assert store.match(prompt)[0].reusable_positions == 8  # nodes added since the last walk
+    release(store, a)
+    assert store.match(prompt)[0].reusable_positions == 8
+    [grown] = store.extend([ExtendItem(b.reservation_id, b.incarnation, 32)])  # evicts both, no walk
+    assert grown.ok and store.stats().trie_nodes == 0
+    assert store.match(prompt)[0].reusable_positions == 0  # nodes pruned since the last walk
+    release(store, store.get_reservation(b.reservation_id))
+    assert reserve(store, w, "d", prompt).reused_positions == 0
+    assert store.check_invariants() == []
