@@ -185,7 +185,7 @@ class EngineRunner:
                 job.first_token_at = time.monotonic()
             job.tokens.extend(result.new_token_ids)
             job.post("tokens", list(result.new_token_ids))
-        if result.proposed_drafts or (result.new_token_ids and not result.prefill_tokens):
+        if result.verified:  # a decode step: 1 target token + accepted drafts
             job.decode_steps += 1
             job.accepted_drafts += result.accepted_drafts
         if result.finish_reason is FinishReason.CAPACITY:
