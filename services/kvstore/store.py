@@ -257,8 +257,9 @@ class KVStore:
         n = len(arr)
         stream = KeyStream(buf, worker.span, spec.block_size)
         path = self._walk_cached(worker.namespace(salt), stream)
-        reused = self._resident_prefix(path, worker.worker_id)
-        pinned = [node.residency[worker.worker_id] for node in path[:reused]]
+        wid = worker.worker_id
+        reused = self._resident_prefix(path, wid)
+        pinned = [node.residency[wid] for node in path[:reused]]
         capacity = min(n + headroom, spec.max_seq_len)
         fresh = -(-capacity // spec.block_size) - reused
         cached_pins = [b.ref_count for b in pinned].count(0)
