@@ -24,10 +24,11 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(settings: KVStoreSettings) -> None:
     from services.common.telemetry import setup_tracing
-    from services.kvstore.server import start_kvstore
+    from services.kvstore.server import start_kvstore, tune_gc
 
     setup_tracing("tandem-kvstore")
     server, _store = await start_kvstore(settings)
+    tune_gc()
     server.install_signal_handlers()
     log.info("kvstore serving on %s", server.address)
     await server.wait_for_termination()
