@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
