@@ -159,15 +159,15 @@ class Workspace:
 
         Reusing the same storage keeps device addresses stable across re-plans (what CUDA graphs
         and FlashInfer wrappers want)."""
-        flat = host.reshape(-1)
+        flat = host if host.dim() == 1 else host.reshape(-1)
         buf = self.buffers.get(name)
         if buf is None or buf.dtype != host.dtype or buf.numel() < flat.numel():
             size = max(flat.numel(), 1 if buf is None else 2 * buf.numel())
             buf = torch.empty(size, dtype=host.dtype, device=self.device)
             self.buffers[name] = buf
-        view = buf[: flat.numel()]
+        view = buf[: flat.numel()] if buf.numel() != flat.numel() else buf
         view.copy_(flat, non_blocking=True)
-        return view.view(host.shape)
+        return view if host.dim() == 1 else view.view(host.shape)
 
 
 class AttentionBackend(abc.ABC):
@@ -237,50 +237,65 @@ class AttentionBackend(abc.ABC):
         return plan
 
     def _common_plan(self, layout, kind, key, generation, query_len, ws: Workspace) -> AttentionPlan:
-        """The plan's tensors for every backend, computed with vectorized numpy and staged in the
-        workspace. O(1) interpreter steps per batch, not per request or per token: planning runs
-        for every forward, up to k+1 times per speculative step, on the host while the GPU waits.
+        """The plan's tensors for every backend, computed with vectorized numpy from the layout's
+        arrays: O(1) interpreter steps per batch, not per request or per token (planning runs for
+        every forward, up to k+1 times per speculative step, on the host while the GPU waits).
         Mutates ``ws`` buffers.
 
-        Staging keeps the per-layer tensors of DECODE/VERIFY keys (positions, slots, K/V rows:
-        their sizes depend on the key only) in a buffer of their own, so their device addresses
-        survive re-plans even when the block tables grow (what CUDA graphs need)."""
+        Two staging copies per plan, into two workspace buffers:
+
+            "fixed"  int64 [ positions | slots | k_rows | v_rows ]            4T
+                     int32 [ batch | qo_indptr | kv_lens | page_indptr | last ]  T + 4B + 2
+            "paged"  int32 [ page_indices | block_tables ]                     nnz + B*P
+
+        The fixed buffer's size depends on the plan key only (DECODE/VERIFY: T = B*q), so what
+        per-layer kernels read keeps its device address across re-plans even when tables grow
+        (what CUDA graphs need); the paged part is read at plan time only."""
         bs = self.geometry.block_size
         a = layout.arrays
-        q, cached, kv_lens, tables = a.q, a.cached, a.kv, a.tables
-        B, T = len(q), a.num_tokens
-        qo_indptr = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(q, out=qo_indptr[1:])
-        batch_idx = np.repeat(np.arange(B), q)
-        positions = cached[batch_idx] + np.arange(T) - qo_indptr[batch_idx]
-        max_pages = tables.shape[1]
-        pages = tables[batch_idx, positions // bs]
-        slots = pages * bs + positions % bs
-        k_rows = slots + pages * bs  # flat pool view: page p's K rows start at p * 2 * bs
+        q, cached, kv, tables = a.q, a.cached, a.kv, a.tables
+        B, T, P = len(q), a.num_tokens, tables.shape[1]
 
-        used_pages = (kv_lens + bs - 1) // bs
-        page_indptr = np.zeros(B + 1, dtype=np.int64)
+        fixed = np.empty(4 * T + (T + 4 * B + 3) // 2, dtype=np.int64)
+        positions, slots, k_rows, v_rows = fixed[: 4 * T].reshape(4, T)
+        small = fixed[4 * T :].view(np.int32)
+        batch_idx, qo_indptr = small[:T], small[T : T + B + 1]
+        kv32, page_indptr = small[T + B + 1 : T + 2 * B + 1], small[T + 2 * B + 1 : T + 3 * B + 2]
+        last_page_len = small[T + 3 * B + 2 : T + 4 * B + 2]
+
+        if a.uniform_q is not None:  # DECODE / VERIFY (and uniform prefill): no gathers
+            n = a.uniform_q
+            rows = np.arange(B).repeat(n)
+            np.add(cached[:, None], np.arange(n), out=positions.reshape(B, n))
+            qo_indptr[:] = np.arange(0, (B + 1) * n, n)
+        else:
+            starts = np.zeros(B + 1, dtype=np.int64)
+            np.cumsum(q, out=starts[1:])
+            rows = np.repeat(np.arange(B), q)
+            np.subtract(np.arange(T), starts[rows], out=positions)
+            positions += cached[rows]
+            qo_indptr[:] = starts
+        batch_idx[:] = rows
+        pages = tables[rows, positions // bs]
+        np.multiply(pages, bs, out=slots)
+        slots += positions % bs
+        np.add(slots, pages * bs, out=k_rows)  # flat pool view: page p's K rows start at p * 2bs
+        np.add(k_rows, bs, out=v_rows)
+
+        used_pages = (kv + (bs - 1)) // bs
+        kv32[:] = kv
+        page_indptr[0] = 0
         np.cumsum(used_pages, out=page_indptr[1:])
-        page_indices = tables[np.arange(max_pages)[None, :] < used_pages[:, None]]
-        last_page_len = (kv_lens - 1) % bs + 1
+        np.subtract(kv, (used_pages - 1) * bs, out=last_page_len)
+        nnz = int(page_indptr[-1])
+        paged = np.empty(nnz + B * P, dtype=np.int32)
+        np.compress((np.arange(P) < used_pages[:, None]).ravel(), tables, out=paged[:nnz])
+        paged[nnz:] = tables.ravel()
 
-        # int64: what per-layer kernels read (sizes depend on T only)
-        wide = torch.from_numpy(np.concatenate([positions, slots, k_rows, k_rows + bs]))
-        # int32: fixed size per key / growing tables / growing page list: three buffers so the
-        # fixed part keeps its address when tables grow
-        fixed = np.concatenate([batch_idx, qo_indptr, kv_lens, page_indptr, last_page_len]).astype(np.int32)
-        d_wide = ws.stage("wide", wide)
         d_fixed = ws.stage("fixed", torch.from_numpy(fixed))
-        d_tables = ws.stage("tables", torch.from_numpy(tables.astype(np.int32)))
-        d_indices = ws.stage("page_indices", torch.from_numpy(page_indices.astype(np.int32)))
-        o = np.cumsum([0, T, B + 1, B, B + 1, B])
-        host = {
-            "qo_indptr": fixed[o[1] : o[2]],
-            "kv_lens": fixed[o[2] : o[3]],
-            "kv_page_indptr": fixed[o[3] : o[4]],
-            "kv_last_page_len": fixed[o[4] : o[5]],
-            "used_pages": used_pages,
-        }
+        d_paged = ws.stage("paged", torch.from_numpy(paged))
+        dev = self._fixed_views(ws, d_fixed, T, B)
+        indices, dev_tables = self._paged_views(ws, d_paged, nnz, B, P)
         return AttentionPlan(
             layout=layout,
             kind=kind,
@@ -290,22 +305,56 @@ class AttentionBackend(abc.ABC):
             num_tokens=T,
             batch_size=B,
             query_len=query_len,
-            max_query_len=int(q.max()),
+            max_query_len=a.uniform_q or int(q.max()),
             max_kv_len=a.max_kv_len,
             max_block_id=a.max_block_id,
-            positions=d_wide[:T],
-            slot_mapping=d_wide[T : 2 * T],
-            k_rows=d_wide[2 * T : 3 * T],
-            v_rows=d_wide[3 * T :],
-            batch_indices=d_fixed[o[0] : o[1]],
-            qo_indptr=d_fixed[o[1] : o[2]],
-            kv_lens=d_fixed[o[2] : o[3]],
-            kv_page_indptr=d_fixed[o[3] : o[4]],
-            kv_last_page_len=d_fixed[o[4] : o[5]],
-            kv_page_indices=d_indices,
-            block_tables=d_tables.view(B, max_pages),
-            host=host,
+            kv_page_indices=indices,
+            block_tables=dev_tables,
+            host={
+                "qo_indptr": qo_indptr,
+                "kv_lens": kv32,
+                "kv_page_indptr": page_indptr,
+                "kv_last_page_len": last_page_len,
+                "used_pages": used_pages,
+            },
+            **dev,
         )
+
+    @staticmethod
+    def _fixed_views(ws: Workspace, d_fixed: torch.Tensor, T: int, B: int) -> dict[str, torch.Tensor]:
+        """Device views of the fixed buffer, made once per (buffer, T, B): slicing device tensors
+        costs microseconds each and a DECODE/VERIFY key re-plans the same shapes every step."""
+        sig = (d_fixed.data_ptr(), T, B)
+        cached = ws.state.get("fixed_views")
+        if cached is not None and cached[0] == sig:
+            return cached[1]
+        wide = d_fixed[: 4 * T].view(4, T)
+        small = d_fixed[4 * T :].view(torch.int32)
+        views = {
+            "positions": wide[0],
+            "slot_mapping": wide[1],
+            "k_rows": wide[2],
+            "v_rows": wide[3],
+            "batch_indices": small[:T],
+            "qo_indptr": small[T : T + B + 1],
+            "kv_lens": small[T + B + 1 : T + 2 * B + 1],
+            "kv_page_indptr": small[T + 2 * B + 1 : T + 3 * B + 2],
+            "kv_last_page_len": small[T + 3 * B + 2 : T + 4 * B + 2],
+        }
+        ws.state["fixed_views"] = (sig, views)
+        return views
+
+    @staticmethod
+    def _paged_views(ws: Workspace, d_paged: torch.Tensor, nnz: int, B: int, P: int):
+        """(page indices, block tables [B, P]) views of the paged buffer, cached like the fixed
+        views (the page count changes only when a request crosses a page boundary)."""
+        sig = (d_paged.data_ptr(), nnz, B, P)
+        cached = ws.state.get("paged_views")
+        if cached is not None and cached[0] == sig:
+            return cached[1]
+        views = (d_paged[:nnz], d_paged[nnz:].view(B, P))
+        ws.state["paged_views"] = (sig, views)
+        return views
 
     def _new_workspace(self, key: tuple) -> Workspace:
         """Make the reusable state for one plan key (override to add wrappers/buffers)."""

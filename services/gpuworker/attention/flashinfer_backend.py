@@ -153,7 +153,8 @@ class FlashInferBackend(AttentionBackend):
     def _finish_plan(self, plan: AttentionPlan, ws: Workspace) -> None:
         """Plan the key's FlashInfer wrapper for this batch (mutates the wrapper and
         ``ws.state["host"]``). Host metadata comes from the shared planner (``plan.host``), so
-        FlashInfer never copies device tensors back to the host (no sync per step)."""
+        FlashInfer never copies device tensors back to the host (no sync per step); the KV lengths
+        and the longest query go in too, so FlashInfer does not recompute them with torch ops."""
         g = self.geometry
         bs = g.block_size
         ph = plan.host
@@ -161,11 +162,12 @@ class FlashInferBackend(AttentionBackend):
             "qo_indptr": torch.from_numpy(ph["qo_indptr"]),
             "page_indptr": torch.from_numpy(ph["kv_page_indptr"]),
             "last_page_len": torch.from_numpy(ph["kv_last_page_len"]),
+            "kv_lens": torch.from_numpy(ph["kv_lens"]),
             "used_pages": ph["used_pages"],
         }
         ws.state["host"] = host
         if plan.kind is not AttentionKind.PREFILL and self.graph_max_pages_per_request is not None:
-            worst = int(host["used_pages"].max())
+            worst = -(-plan.max_kv_len // bs)  # the longest request uses the most pages
             if worst > self.graph_max_pages_per_request:
                 raise InvalidArgument(
                     f"a request needs {worst} pages, more than graph_max_pages_per_request="
@@ -192,6 +194,8 @@ class FlashInferBackend(AttentionBackend):
                 g.head_dim,
                 bs,
                 causal=True,
+                seq_lens=host["kv_lens"],
+                max_token_per_sequence=plan.max_query_len,
                 **common,
             )
         else:
@@ -206,9 +210,11 @@ class FlashInferBackend(AttentionBackend):
                 pos_encoding_mode="NONE",
                 q_len_per_req=plan.query_len,
                 disable_split_kv=self._batch_fills_gpu(plan, host),
+                seq_lens=host["kv_lens"],
                 **common,
             )
-        event = torch.cuda.Event()
+        # one event per workspace, re-recorded (the previous recording completed: synchronized above)
+        event = previous if previous is not None else torch.cuda.Event()
         event.record()
         ws.state["planned_event"] = event
         plan.extras["wrapper"] = wrapper
@@ -223,8 +229,8 @@ class FlashInferBackend(AttentionBackend):
             return False
         if plan.batch_size * self.geometry.num_kv_heads < 2 * self._num_sms:
             return False
-        pages = host["used_pages"]
-        return int(pages.max()) <= 2 * float(pages.mean())
+        longest = -(-plan.max_kv_len // self.geometry.block_size)  # pages of the longest request
+        return longest <= 2 * float(host["used_pages"].mean())
 
     # -- per-layer calls ----------------------------------------------------------------------
 
