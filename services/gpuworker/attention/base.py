@@ -289,8 +289,16 @@ class AttentionBackend(abc.ABC):
         np.subtract(kv, (used_pages - 1) * bs, out=last_page_len)
         nnz = int(page_indptr[-1])
         paged = np.empty(nnz + B * P, dtype=np.int32)
-        np.compress((np.arange(P) < used_pages[:, None]).ravel(), tables, out=paged[:nnz])
-        paged[nnz:] = tables.ravel()
+        flat_tables = paged[nnz:]
+        flat_tables[:] = tables.ravel()
+        # pages holding logical KV: a prefix of each row, picked by a mask made with one repeat
+        #   row r:  [ used_pages[r] x True ][ P - used_pages[r] x False ]
+        runs = np.empty(2 * B, dtype=np.int64)
+        runs[0::2] = used_pages
+        np.subtract(P, used_pages, out=runs[1::2])
+        keep = np.zeros(2 * B, dtype=bool)
+        keep[0::2] = True
+        paged[:nnz] = flat_tables[np.repeat(keep, runs)]
 
         d_fixed = ws.stage("fixed", torch.from_numpy(fixed))
         d_paged = ws.stage("paged", torch.from_numpy(paged))
