@@ -225,12 +225,12 @@ async def run_phase(policy: str, args, router: str, system_prompts, convs) -> tu
     history: dict[int, list[int]] = {}  # user -> prompt + answer so far (token ids)
     total = len(convs) * args.turns
     records: list[Record] = []
-    failures = 0
+    failures = skipped = 0  # skipped: later turns of a user whose turn failed
     t0 = time.monotonic()
     stop_at = t0 + args.max_seconds
 
     async def one(u: int, turn: int) -> None:
-        nonlocal failures
+        nonlocal failures, skipped
         conv = convs[u]
         base = history.get(u) or [TINY_BOS_ID, *system_prompts[conv.system]]
         prompt = base + turn_suffix(conv.questions[turn])
@@ -249,9 +249,13 @@ async def run_phase(policy: str, args, router: str, system_prompts, convs) -> tu
                 answer.extend(msg.token_ids)
                 if msg.HasField("usage"):
                     usage = msg.usage
-        except grpc.aio.AioRpcError as err:
+            if usage is None:
+                raise RuntimeError("the stream ended without usage")
+        except (grpc.aio.AioRpcError, RuntimeError) as err:
             failures += 1
-            print(f"  {policy}: request u{u} t{turn} failed: {err.code().name} {err.details()}", flush=True)
+            skipped += args.turns - turn - 1
+            why = f"{err.code().name} {err.details()}" if isinstance(err, grpc.aio.AioRpcError) else str(err)
+            print(f"  {policy}: request u{u} t{turn} failed: {why}", flush=True)
             return
         end = time.monotonic()
         if answer and answer[-1] == TINY_EOS_ID:
@@ -268,7 +272,7 @@ async def run_phase(policy: str, args, router: str, system_prompts, convs) -> tu
             try:
                 u, turn = queue.get_nowait()
             except asyncio.QueueEmpty:
-                if len(records) + failures >= total:
+                if len(records) + failures + skipped >= total:
                     return
                 await asyncio.sleep(0.01)  # another client's turn will enqueue the next one
                 continue
@@ -287,6 +291,8 @@ async def run_phase(policy: str, args, router: str, system_prompts, convs) -> tu
     finally:
         reporter.cancel()
         await channel.close()
+    if len(records) + failures + skipped < total:
+        print(f"  {policy}: stopped at --max-seconds with {len(records)} of {total} requests done", flush=True)
     return records, time.monotonic() - t0, failures
 
 
@@ -342,7 +348,7 @@ def summarize(policy: str, phases: list[Phase]) -> dict:
     by_turn = {}
     for t in sorted({r.turn for r in records}):
         rs = [r for r in records if r.turn == t]
-        by_turn[t] = {
+        by_turn[str(t)] = {  # str keys: the same in memory and in the JSON file
             "requests": len(rs),
             "ttft_p50_ms": float(np.percentile([r.ttft_s * 1e3 for r in rs], 50)),
             "hit_rate": sum(r.cached_tokens for r in rs) / max(1, sum(r.prompt_tokens for r in rs)),
@@ -413,7 +419,7 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], records: dict[str, list[Record]], path: Path) -> None:
+def plot(results: list[dict], records: dict[str, list[Record]], path: Path, title: str = "") -> None:
     """TTFT distribution (CDF) and hit rate per turn, per policy."""
     import matplotlib
 
@@ -430,11 +436,11 @@ def plot(results: list[dict], records: dict[str, list[Record]], path: Path) -> N
     a.set_title("TTFT distribution")
     a.grid(alpha=0.3)
     a.legend()
-    turns = sorted({t for r in results for t in r["by_turn"]})
+    turns = sorted({int(t) for r in results for t in r["by_turn"]})
     width = 0.8 / len(results)
     for i, r in enumerate(results):
         xs = [t + (i - (len(results) - 1) / 2) * width for t in turns]
-        b.bar(xs, [100 * r["by_turn"][t]["hit_rate"] for t in turns], width,
+        b.bar(xs, [100 * r["by_turn"][str(t)]["hit_rate"] for t in turns], width,
               label=f"{r['policy']} (all: {100 * r['hit_rate']:.0f} %)")
     b.set_xticks(turns)
     b.set_xlabel("turn")
@@ -443,6 +449,8 @@ def plot(results: list[dict], records: dict[str, list[Record]], path: Path) -> N
     b.set_ylim(0, 100)
     b.grid(axis="y", alpha=0.3)
     b.legend()
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -501,7 +509,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: 4 systems, 8 users, 2 turns")
     p.add_argument("--json", type=Path, help="write every figure and request here")
     p.add_argument("--plot", type=Path, help="write the PNG here (e.g. docs/img/e2e_bench.png)")
+    p.add_argument("--from-json", type=Path, help="no run: table and --plot from an earlier --json")
     args = p.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        records = {k: [Record(**r) for r in v] for k, v in saved["records"].items()}
+        print(markdown_table(saved["results"]))
+        if args.plot:
+            plot(saved["results"], records, args.plot, saved.get("title", ""))
+        return 0
     if args.quick:
         args.systems, args.users, args.turns, args.max_seconds, args.repeats = 4, 8, 2, 60.0, 1
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
@@ -549,6 +565,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{len(recs) / wall:.2f} req/s, CPU s {cpu}", flush=True)
             phases[policy].append(Phase(policy, rep, recs, wall, failures, kv, cpu, load))
     results = [summarize(pol, phases[pol]) for pol in policies]
+    title = (f"{args.users} users × {args.turns} turns over {args.systems} system prompts, {args.clients} clients, "
+             f"{args.workers} workers × {args.num_blocks} blocks, k={args.k}, {info['nproc']} CPU cores")
     records = {pol: [r for ph in phases[pol] for r in ph.records] for pol in policies}
     table = markdown_table(results)
     print("\n" + table)
@@ -557,11 +575,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ngreedy answers identical across policies for {100 * same:.1f} % of (user, turn) pairs")
     if args.json:
         args.json.write_text(json.dumps({
-            "machine": info, "args": {k: str(v) for k, v in vars(args).items()}, "model": model,
+            "machine": info, "args": {k: str(v) for k, v in vars(args).items()}, "model": model, "title": title,
             "results": results, "records": {k: [asdict(r) for r in v] for k, v in records.items()},
         }, indent=1))
     if args.plot:
-        plot(results, records, args.plot)
+        plot(results, records, args.plot, title)
         print(f"plot: {args.plot}")
     return 0 if all(r["invariants_ok"] and not r["failures"] for r in results) else 1
 
