@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from conftest import LONG_PREFIX, TIMEOUT, spawn_worker_process
+from suite_rig import LONG_PREFIX, TIMEOUT, spawn_worker_process
 from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
 from tandem.router.v1 import router_pb2
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from conftest import Suite
+from suite_rig import Suite
 from services.common.telemetry import setup_tracing
 from services.kvstore.server import start_kvstore
 from services.kvstore.settings import KVStoreSettings
