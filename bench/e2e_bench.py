@@ -23,15 +23,20 @@ CPU, EAGLE-3, one torch thread each so each worker owns a core) and the router w
 TTFT (time to the first streamed token) and end-to-end latency p50/p99, cache hit rate
 (usage.cached_tokens / usage.prompt_tokens) and the kvstore's Stats (reused / requested positions,
 evictions), mean acceptance length (generated tokens per target forward, weighted by tokens), the
-request split over workers; at the end the kvstore's invariant audit must pass.
+request split over workers; at the end the kvstore's invariant audit must pass. Each policy runs
+``--repeats`` times in ABBA order (kv, rr, rr, kv), so drifting load from other processes hits both
+alike; rates are the median over runs, distributions pool all runs. The CPU seconds each worker
+process burned (``/proc``) per request is the figure that other load on the machine barely moves;
+"worker CPU share" (CPU / wall per worker) shows how much of its core each worker actually got.
 
     python bench/e2e_bench.py                                     # both policies, ~5 min on 2 cores
     python bench/e2e_bench.py --quick                             # smoke run (~1 min)
     python bench/e2e_bench.py --distill --json e2e.json --plot docs/img/e2e_bench.png
 
-``--distill`` first trains the tiny model's EAGLE-3 draft (``services/gpuworker/distill.py``, about
-a minute; cached under ``--distill-dir``) so the acceptance length is a real one; without it the
-tiny model's draft is random and accepts almost nothing (acceptance ≈ 1).
+``--distill`` first trains the tiny model's EAGLE-3 draft (``tandem distill-draft tiny``, a few
+minutes on 2 busy cores; kept in ``--distill-dir``, by default where ``tandem up`` looks for it)
+so the acceptance length is a trained one; without it the tiny model's draft is random and
+accepts almost nothing (acceptance ≈ 1).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.common.paths import distilled_tiny_dir  # noqa: E402
 from services.common.tokenizer import TINY_BOS_ID, TINY_EOS_ID  # noqa: E402
 
 POLICIES = ("kv_aware", "round_robin")
@@ -477,8 +483,8 @@ def distilled_model(out_dir: Path, k: int) -> str:
     """The tiny model with a trained EAGLE-3 draft (distilled once, then reused from disk)."""
     if (out_dir / "config.json").exists():
         return str(out_dir)
-    print(f"distilling the tiny model's EAGLE-3 draft into {out_dir} (about a minute) ...", flush=True)
-    subprocess.run([sys.executable, "-m", "services.gpuworker.distill", "tiny", "--out", str(out_dir), "--k", str(k)],
+    print(f"distilling the tiny model's EAGLE-3 draft into {out_dir} (a few minutes) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "services.cli", "distill-draft", "tiny", "--out", str(out_dir), "--k", str(k)],
                    cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True, stdout=subprocess.DEVNULL)
     return str(out_dir)
 
@@ -500,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny", help="model folder or 'tiny'")
     p.add_argument("--distill", action="store_true", help="use the tiny model with a distilled draft")
-    p.add_argument("--distill-dir", type=Path, default=Path(tempfile.gettempdir()) / "tandem_e2e_tiny_distilled")
+    p.add_argument("--distill-dir", type=Path, default=distilled_tiny_dir("eagle3"),
+                   help="where the distilled tiny model is (made there when missing; default: where tandem up looks)")
     p.add_argument("--repeats", type=int, default=2, help="runs per policy, in ABBA order")
     p.add_argument("--quiet-load", type=float, default=0.0,
                    help="before each run wait (up to --quiet-wait-s) until the 1-min load average is below this")
