@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from services.common.spec import SpecMode  # noqa: E402
+from services.kvstore.server import tune_gc  # noqa: E402
 from services.kvstore import types as core  # noqa: E402
 from services.kvstore.store import KVStore  # noqa: E402
 
@@ -204,6 +205,7 @@ def warmed_store(work: Workload, num_workers: int) -> KVStore:
         store.register_worker(spec)
     for i, (_, toks) in enumerate(work.warmup()):
         _cycle_inprocess(store, toks, f"warm-{i}", i)
+    tune_gc()  # as `tandem kvstore` does after start-up
     return store
 
 
