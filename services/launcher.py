@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-port", type=int, default=50050, help="router port (0 = any free port)")
     parser.add_argument("--kvstore-port", type=int, default=50051, help="kvstore port (0 = any free port)")
     parser.add_argument("--worker-base-port", type=int, default=50061, help="first worker port (0 = any free ports)")
+    parser.add_argument("--metrics-base-port", type=int, default=0,
+                        help="serve Prometheus /metrics: kvstore on this port, router +1, worker i +2+i (0 = off)")
     parser.add_argument("--num-blocks", type=int, default=1024, help="paired KV blocks per worker")
     parser.add_argument("--demo", action="store_true", help="run a demo request twice once everything is up")
     parser.add_argument("--exit-after-demo", action="store_true", help="stop the suite after the demo (for scripts)")
@@ -52,6 +54,11 @@ def _free_port(host: str) -> int:
 
 def _port(host: str, wanted: int) -> int:
     return wanted if wanted else _free_port(host)
+
+
+def _metrics(args: argparse.Namespace, offset: int) -> list[str]:
+    """The ``--metrics-port`` flag of one child (none when ``--metrics-base-port`` is 0)."""
+    return ["--metrics-port", str(args.metrics_base_port + offset)] if args.metrics_base_port else []
 
 
 def _spawn(name: str, argv: list[str], address: str) -> Child:
@@ -101,7 +108,7 @@ def start_suite(args: argparse.Namespace) -> list[Child]:
     try:
         kv_port = _port(host, args.kvstore_port)
         kv_addr = f"{host}:{kv_port}"
-        children.append(_spawn("kvstore", ["kvstore", "--host", host, "--port", str(kv_port)], kv_addr))
+        children.append(_spawn("kvstore", ["kvstore", "--host", host, "--port", str(kv_port), *_metrics(args, 0)], kv_addr))
         deadline = time.monotonic() + args.startup_timeout_s
         wait_serving(kv_addr, deadline, children[-1].proc)
         for i in range(args.workers):
@@ -110,12 +117,14 @@ def start_suite(args: argparse.Namespace) -> list[Child]:
             argv = [
                 "worker", "--host", host, "--port", str(port), "--kvstore", kv_addr,
                 "--worker-id", f"worker{i}", "--model", args.model, "--num-blocks", str(args.num_blocks),
+                *_metrics(args, 2 + i),
             ]
             children.append(_spawn(f"worker{i}", argv, addr))
         r_port = _port(host, args.router_port)
         r_addr = f"{host}:{r_port}"
         children.append(
-            _spawn("router", ["router", "--host", host, "--port", str(r_port), "--kvstore", kv_addr, "--model", args.model], r_addr)
+            _spawn("router", ["router", "--host", host, "--port", str(r_port), "--kvstore", kv_addr, "--model", args.model,
+                              *_metrics(args, 1)], r_addr)
         )
         for child in children[1:]:
             wait_serving(child.address, deadline, child.proc)

@@ -18,12 +18,14 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from services.common.errors import AlreadyExists, Cancelled, ResourceExhausted, TandemError
 from services.gpuworker.engine.engine import Engine
+from services.gpuworker.engine.report import StepReport
 from services.gpuworker.engine.request import FinishReason, RequestSpec
 from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource
 
@@ -62,9 +64,21 @@ class Usage:
 
 
 class EngineRunner:
-    """Owns the engine on a dedicated thread; ``submit``/``cancel`` are safe from any thread."""
+    """Owns the engine on a dedicated thread; ``submit``/``cancel`` are safe from any thread.
 
-    def __init__(self, engine: Engine, link: KVStoreLink, source: ReservationBlockSource, *, max_running: int = 256):
+    ``on_step(report, elapsed_s)``, if given, is called on the engine thread after every step that
+    completed (``elapsed_s`` includes the device sync); metrics use it. It must not block.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        link: KVStoreLink,
+        source: ReservationBlockSource,
+        *,
+        max_running: int = 256,
+        on_step: Callable[[StepReport, float], None] | None = None,
+    ):
         self.engine = engine
         self.link = link
         self.source = source
@@ -78,6 +92,7 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stop = threading.Event()
         self.steps = 0
+        self._on_step = on_step
 
     # -- any thread ---------------------------------------------------------------------------------
 
@@ -125,8 +140,10 @@ class EngineRunner:
             if not self.engine.has_work():
                 continue
             try:
+                started = time.perf_counter()
                 report = self.engine.step()
                 self._sync()
+                elapsed_s = time.perf_counter() - started
             except Exception as exc:  # a bug or a device failure: fail every request, keep serving
                 log.exception("engine step failed")
                 self._sync()
@@ -134,6 +151,8 @@ class EngineRunner:
                     self._fail(rid, exc)
                 continue
             self.steps += 1
+            if self._on_step is not None:
+                self._on_step(report, elapsed_s)
             for rid, result in report.results.items():
                 job = self._jobs.get(rid)
                 if job is not None:

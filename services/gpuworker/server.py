@@ -12,12 +12,14 @@ import torch
 from opentelemetry import trace
 
 from services.common.errors import FailedPrecondition, NotFound, TandemError
+from services.common.metrics import ServiceMetrics
 from services.common.server import GrpcServer, ServiceBinding
 from services.common.spec import SpecMode
 from services.common.telemetry import ServerTracingInterceptor
 from services.gpuworker.attention.base import AttentionGeometry, get_backend
 from services.gpuworker.engine.engine import Engine, EngineConfig
 from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource
+from services.gpuworker.metrics import WorkerMetrics
 from services.gpuworker.model.loader import load_model
 from services.gpuworker.runner import EngineRunner
 from services.gpuworker.servicer import WorkerServicer
@@ -79,9 +81,16 @@ def pool_blocks(settings: WorkerSettings, target, draft, dtype: torch.dtype) -> 
 
 
 async def start_worker(
-    settings: WorkerSettings, *, tracer_provider: trace.TracerProvider | None = None
+    settings: WorkerSettings,
+    *,
+    tracer_provider: trace.TracerProvider | None = None,
+    metrics: ServiceMetrics | None = None,
 ) -> tuple[GrpcServer, EngineRunner, WorkerIdentity]:
-    """Load the model, build pools and engine, serve, register; health SERVING once registered."""
+    """Load the model, build pools and engine, serve, register; health SERVING once registered.
+
+    With ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
+    :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
+    """
     spec_mode = _SPEC_MODES[settings.spec_mode]
     dtype = _DTYPES[settings.dtype]
     device = torch.device(settings.device)
@@ -110,7 +119,16 @@ async def start_worker(
             max_draft_tokens=settings.max_draft_tokens,
         ),
     )
-    runner = EngineRunner(engine, link, source, max_running=settings.max_running)
+    interceptors: list = [ServerTracingInterceptor(tracer_provider)]
+    worker_metrics: WorkerMetrics | None = None
+    if settings.metrics_port is not None:
+        metrics = metrics or ServiceMetrics("gpuworker")
+        interceptors.append(metrics.interceptor())
+        worker_metrics = WorkerMetrics(metrics, running=lambda: runner.running)  # read at scrape time
+    runner = EngineRunner(
+        engine, link, source, max_running=settings.max_running,
+        on_step=worker_metrics.on_step if worker_metrics is not None else None,
+    )
 
     server = GrpcServer(
         [],  # the servicer needs the identity, which needs the bound port: added below
@@ -118,7 +136,7 @@ async def start_worker(
         port=settings.port,
         max_receive_bytes=settings.max_receive_bytes,
         grace_s=settings.grace_s,
-        interceptors=[ServerTracingInterceptor(tracer_provider)],
+        interceptors=interceptors,
     )
     identity = WorkerIdentity(
         worker_id=settings.worker_id,
@@ -138,6 +156,9 @@ async def start_worker(
         link=link,
     )
     server.add_binding(ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(runner, identity, tracer_provider=tracer_provider), SERVICE_NAME))
+    if settings.metrics_port is not None:
+        metrics.serve(settings.host, settings.metrics_port)  # a taken port fails before gRPC binds
+        server.on_stop(metrics.stop)
     port = await server.start()
     identity.address = settings.advertise or f"{settings.host}:{port}"
     runner.start()

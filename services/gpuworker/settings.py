@@ -35,6 +35,7 @@ class WorkerSettings(BaseSettings):
     max_receive_bytes: int = Field(16 << 20, ge=1024, description="largest request message")
     grace_s: float = Field(5.0, ge=0, description="seconds in-flight requests get on shutdown")
     seed: int = Field(0, description="seed of the built-in tiny model's weights")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port on host (unset = off, 0 = any free port)")
 
     @model_validator(mode="after")
     def _check(self) -> "WorkerSettings":

@@ -7,8 +7,10 @@ import gc
 
 from opentelemetry import trace
 
+from services.common.metrics import ServiceMetrics
 from services.common.server import GrpcServer, ServiceBinding
 from services.common.telemetry import ServerTracingInterceptor
+from services.kvstore.metrics import KVStoreCollector
 from services.kvstore.servicer import KVStoreServicer
 from services.kvstore.settings import KVStoreSettings
 from services.kvstore.store import KVStore
@@ -22,10 +24,20 @@ async def start_kvstore(
     *,
     store: KVStore | None = None,
     tracer_provider: trace.TracerProvider | None = None,
+    metrics: ServiceMetrics | None = None,
 ) -> tuple[GrpcServer, KVStore]:
-    """Start serving (health SERVING once bound) and a lease reaper; return (server, store)."""
+    """Start serving (health SERVING once bound) and a lease reaper; return (server, store).
+
+    With ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
+    :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
+    """
     store = store or KVStore(lease_ttl_s=settings.lease_ttl_s, max_tokens=settings.max_tokens)
     servicer = KVStoreServicer(store, event_queue=settings.event_queue)
+    interceptors: list = [ServerTracingInterceptor(tracer_provider)]
+    if settings.metrics_port is not None:
+        metrics = metrics or ServiceMetrics("kvstore")
+        metrics.registry.register(KVStoreCollector(store, asyncio.get_running_loop()))
+        interceptors.append(metrics.interceptor())
     server = GrpcServer(
         [ServiceBinding(kvstore_pb2_grpc.add_KVStoreServicer_to_server, servicer, SERVICE_NAME)],
         host=settings.host,
@@ -33,8 +45,11 @@ async def start_kvstore(
         max_receive_bytes=settings.max_receive_bytes,
         max_concurrent_rpcs=settings.max_concurrent_rpcs,
         grace_s=settings.grace_s,
-        interceptors=[ServerTracingInterceptor(tracer_provider)],
+        interceptors=interceptors,
     )
+    if settings.metrics_port is not None:
+        metrics.serve(settings.host, settings.metrics_port)  # a taken port fails before gRPC binds
+        server.on_stop(metrics.stop)
     await server.start()
     server.run_in_background(_reap_leases(store, settings.lease_ttl_s / 4))
     await server.set_serving()

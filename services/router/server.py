@@ -1,8 +1,8 @@
 """Assemble a running router: tokenizer, tenants, channels, dispatcher, servicer, gRPC server.
 
 Health turns SERVING once the kvstore answers (the router can do nothing useful before); the
-server's interceptors are, outermost first: tracing (a span per RPC), bearer-token auth, then the
-common error mapping.
+server's interceptors are, outermost first: tracing (a span per RPC), metrics (when enabled),
+bearer-token auth, then the common error mapping.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from opentelemetry import trace
 from services.common.auth import BearerAuthInterceptor, load_channel_credentials, load_server_credentials
 from services.common.channels import ChannelPool, open_channel
 from services.common.errors import TandemError
+from services.common.metrics import ServiceMetrics
 from services.common.server import GrpcServer, ServiceBinding
 from services.common.telemetry import ServerTracingInterceptor
 from services.common.tokenizer import load_tokenizer
 from services.router.directory import WorkerDirectory
 from services.router.dispatcher import DispatchConfig, Dispatcher
 from services.router.jobs import RequestLimits
+from services.router.metrics import RouterMetrics
 from services.router.policy import PolicyWeights
 from services.router.retry import WaitQueue
 from services.router.servicer import RouterServicer
@@ -66,10 +68,13 @@ async def start_router(
     settings: RouterSettings,
     *,
     tracer_provider: trace.TracerProvider | None = None,
+    metrics: ServiceMetrics | None = None,
 ) -> tuple[GrpcServer, Router]:
     """Start serving (health SERVING once the kvstore answers); return (server, parts).
 
-    Configuration errors (tenants, TLS files, tokenizer) raise before anything binds.
+    Configuration errors (tenants, TLS files, tokenizer) raise before anything binds. With
+    ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
+    :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
     """
     tokenizer = load_tokenizer(settings.model)
     tenants = TenantRegistry.from_settings(settings.tenants, settings.shared_tenants)
@@ -109,6 +114,12 @@ async def start_router(
         tracer_provider=tracer_provider,
     )
     servicer = RouterServicer(dispatcher, tenants, tokenizer, limits)
+    interceptors: list = [ServerTracingInterceptor(tracer_provider)]
+    if settings.metrics_port is not None:
+        metrics = metrics or ServiceMetrics("router")
+        # before auth, so that rejected tokens are counted too
+        interceptors += [metrics.interceptor(), RouterMetrics(metrics).interceptor()]
+    interceptors.append(BearerAuthInterceptor(tenants.authenticate))
     server = GrpcServer(
         [ServiceBinding(router_pb2_grpc.add_RouterServicer_to_server, servicer, SERVICE_NAME)],
         host=settings.host,
@@ -116,10 +127,13 @@ async def start_router(
         max_receive_bytes=settings.max_receive_bytes,
         max_concurrent_rpcs=settings.max_concurrent_rpcs,
         grace_s=settings.grace_s,
-        interceptors=[ServerTracingInterceptor(tracer_provider), BearerAuthInterceptor(tenants.authenticate)],
+        interceptors=interceptors,
         server_credentials=server_credentials,
     )
     router = Router(servicer, dispatcher, tenants, asyncio.Event())
+    if settings.metrics_port is not None:
+        metrics.serve(settings.host, settings.metrics_port)  # a taken port fails before gRPC binds
+        server.on_stop(metrics.stop)
     await server.start()
     server.run_in_background(_lifetime(server, router, kv_channel, channels))
     return server, router

@@ -20,6 +20,7 @@ class RouterSettings(BaseSettings):
     max_receive_bytes: int = Field(16 << 20, ge=1024, description="largest message in bytes (both ways, server and channels)")
     max_concurrent_rpcs: int = Field(1024, ge=1, description="RPCs handled at once; more are refused")
     grace_s: float = Field(5.0, ge=0, description="seconds in-flight RPCs get on shutdown")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port on host (unset = off, 0 = any free port)")
 
     # --- request limits
     max_new_tokens: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")

@@ -1,0 +1,186 @@
+"""Prometheus metrics shared by the three services: a per-service registry, its ``/metrics``
+HTTP endpoint, and a ``grpc.aio`` server interceptor that times every RPC.
+
+Each service owns one :class:`ServiceMetrics` (its own ``CollectorRegistry``, not the process-wide
+default one), so several services started in one process, as the tests do, never clash over a
+metric name::
+
+    service process
+    ---------------
+    grpc.aio server ── RpcMetricsInterceptor ──▶ tandem_rpc_duration_seconds{method, code}
+    service hooks (engine steps, router outcomes) ──▶ counters / histograms   } ServiceMetrics
+    custom collectors (kvstore: KVStore.stats() at scrape time) ─────────────┘   .registry
+                                                                                    │
+    prometheus_client HTTP thread  GET /metrics ◀───────────────────────────────────┘
+
+The endpoint is off unless a service's ``metrics_port`` setting is set (0 = any free port, which
+tests use). Recording costs a few microseconds per RPC, and nothing at all when metrics are off:
+services then install no interceptor and create no registry.
+
+:func:`observe_handler` is the one place that wraps a gRPC method handler to learn when an RPC
+starts, what it streams and which status it ends with; per-service interceptors reuse it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+# Health probes and reflection are polled constantly (Health.Watch never ends) and say nothing
+# about serving.
+EXCLUDED_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+# From sub-millisecond kvstore verbs to minute-long Generate streams.
+RPC_LATENCY_BUCKETS_S = (
+    0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+)
+
+
+def status_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
+    """The status an RPC ended with, as far as a server interceptor can tell (read-only)."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if exc is None:
+        return grpc.StatusCode.OK
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN
+
+
+def observe_handler(
+    handler: grpc.RpcMethodHandler,
+    *,
+    on_end: Callable[[grpc.StatusCode, float], None],
+    on_start: Callable[[], None] | None = None,
+    on_message: Callable[[object], None] | None = None,
+) -> grpc.RpcMethodHandler:
+    """Wrap a unary-unary or unary-stream ``handler`` (other kinds are returned as they are).
+
+    ``on_start()`` runs when the RPC starts, ``on_message(msg)`` for each response message, and
+    ``on_end(code, elapsed_s)`` exactly once when it ends, however it ends (so a gauge raised in
+    ``on_start`` is always lowered). The callbacks must not raise.
+    """
+    clock = time.perf_counter
+    if handler.unary_unary is not None:
+        inner = handler.unary_unary
+
+        async def unary_unary(request, context):
+            if on_start is not None:
+                on_start()
+            started = clock()
+            error: BaseException | None = None
+            try:
+                response = await inner(request, context)
+                if on_message is not None:
+                    on_message(response)
+                return response
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                on_end(status_of(context, error), clock() - started)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer, handler.response_serializer)
+    if handler.unary_stream is not None:
+        inner_stream = handler.unary_stream
+
+        async def unary_stream(request, context):
+            if on_start is not None:
+                on_start()
+            started = clock()
+            error: BaseException | None = None
+            try:
+                result = inner_stream(request, context)
+                if inspect.isasyncgen(result):
+                    try:
+                        async for item in result:
+                            if on_message is not None:
+                                on_message(item)
+                            yield item
+                    finally:
+                        await result.aclose()  # close the handler now, not whenever GC gets to it
+                else:
+                    await result  # a handler that writes with context.write()
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                on_end(status_of(context, error), clock() - started)
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer, handler.response_serializer)
+    return handler
+
+
+class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Record ``tandem_rpc_duration_seconds{method, code}`` for every RPC (streams: until the last
+    message). Place it right after the tracing interceptor so authentication failures count too."""
+
+    def __init__(self, histogram: Histogram, *, exclude_prefixes: Sequence[str] = EXCLUDED_METHOD_PREFIXES):
+        self._histogram = histogram
+        self._exclude = tuple(exclude_prefixes)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(self._exclude):
+            return handler
+        histogram = self._histogram
+
+        def on_end(code: grpc.StatusCode, elapsed_s: float) -> None:
+            histogram.labels(method, code.name).observe(elapsed_s)
+
+        return observe_handler(handler, on_end=on_end)
+
+
+class ServiceMetrics:
+    """One service's metrics: a private registry, the RPC histogram, and the HTTP endpoint.
+
+    Services add their own metrics with ``registry=metrics.registry``. :meth:`serve` starts the
+    endpoint (a daemon thread); :meth:`stop` shuts it down. Both mutate this object only.
+    """
+
+    def __init__(self, service: str):
+        self.service = service
+        self.registry = CollectorRegistry()
+        self.rpc_duration = Histogram(
+            "tandem_rpc_duration_seconds",
+            "Server-side RPC latency (streams: until the last message), by method and status code",
+            ["method", "code"],
+            buckets=RPC_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.port: int | None = None
+        self._httpd = None
+        self._thread = None
+
+    def interceptor(self) -> RpcMetricsInterceptor:
+        """A server interceptor recording into :attr:`rpc_duration`."""
+        return RpcMetricsInterceptor(self.rpc_duration)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start ``GET /metrics`` on ``host:port`` (0 = any free port); return the bound port.
+        Raises OSError when the port is taken."""
+        if self._httpd is not None:
+            return self.port  # type: ignore[return-value]
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._httpd.server_port
+        log.info("%s metrics on http://%s:%d/metrics", self.service, host, self.port)
+        return self.port
+
+    def stop(self) -> None:
+        """Stop the endpoint (idempotent; blocking for at most one poll interval of the server)."""
+        httpd, self._httpd = self._httpd, None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+            if self._thread is not None:
+                self._thread.join(5.0)

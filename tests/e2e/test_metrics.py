@@ -1,0 +1,178 @@
+"""The Prometheus endpoints of all three services, scraped over HTTP after real requests.
+
+The suite runs in-process (kvstore + one tiny CPU worker + router, each with ``metrics_port=0``),
+so the test knows exactly what it asked for and checks that every counter moved by that amount.
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.common.metrics import ServiceMetrics
+from services.gpuworker.server import start_worker
+from services.gpuworker.settings import WorkerSettings
+from services.kvstore.server import start_kvstore
+from services.kvstore.settings import KVStoreSettings
+from services.router.server import start_router
+from services.router.settings import RouterSettings
+from suite_rig import LONG_PREFIX, TIMEOUT, Suite, rpc_code
+from tandem.router.v1 import router_pb2, router_pb2_grpc
+
+NUM_BLOCKS = 512
+GENERATE = "/tandem.router.v1.Router/Generate"
+
+
+def scrape(metrics: ServiceMetrics) -> dict[tuple[str, tuple], float]:
+    """GET /metrics and return {(sample name, sorted labels): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=TIMEOUT) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture
+def metered(start_service):
+    """kvstore + worker "w0" + router, each with its own metrics endpoint on a free port."""
+    m = {name: ServiceMetrics(name) for name in ("kvstore", "gpuworker", "router")}
+    kv_settings = KVStoreSettings(host="127.0.0.1", port=0, grace_s=0.0, lease_ttl_s=1.5, metrics_port=0)
+    kv = start_service(lambda: start_kvstore(kv_settings, metrics=m["kvstore"]))
+    suite = Suite(kv=kv, start_service=start_service)
+    w_settings = WorkerSettings(host="127.0.0.1", port=0, kvstore=kv.address, worker_id="w0", model="tiny",
+                                spec_mode="eagle3", num_blocks=NUM_BLOCKS, heartbeat_s=0.2, grace_s=0.0, metrics_port=0)
+
+    async def worker():
+        server, runner, identity = await start_worker(w_settings, metrics=m["gpuworker"])
+        return server, (runner, identity)
+
+    suite.workers.append(start_service(worker))
+    r_settings = RouterSettings(host="127.0.0.1", port=0, kvstore=kv.address, grace_s=0.0, registry_ttl_s=0.0,
+                                policy_seed=7, metrics_port=0)
+    suite.router = start_service(lambda: start_router(r_settings, metrics=m["router"]))
+    suite.router.loop.run(suite.router.payload.ready.wait(), timeout=TIMEOUT)
+    suite.stub = router_pb2_grpc.RouterStub(suite.router.channel)
+    return suite, m
+
+
+def wait_for(predicate, timeout_s: float = 15.0):
+    end = time.monotonic() + timeout_s
+    while True:
+        result = predicate()
+        if result or time.monotonic() > end:
+            return result
+        time.sleep(0.05)
+
+
+def test_counters_move_by_what_the_requests_did(metered):
+    suite, m = metered
+    prompt = LONG_PREFIX + "Question: what is measured?"
+    _, _, u1 = suite.generate(prompt, max_new_tokens=12, num_draft_tokens=3)
+    _, _, u2 = suite.generate(prompt, max_new_tokens=12, num_draft_tokens=3)
+    assert u2.cached_tokens > 0  # the second request reused the first one's blocks
+    bad = suite.stub.Generate(router_pb2.GenerateRequest(max_new_tokens=4), timeout=TIMEOUT)  # no prompt
+    assert rpc_code(bad) == grpc.StatusCode.INVALID_ARGUMENT
+    usages = (u1, u2)
+    prompt_tokens = sum(u.prompt_tokens for u in usages)
+    cached = sum(u.cached_tokens for u in usages)
+    completion = sum(u.completion_tokens for u in usages)
+
+    # --- router: outcomes, TTFT, token counters, in-flight back to zero
+    r = scrape(m["router"])
+    assert value(r, "tandem_router_requests_total", outcome="OK") == 2
+    assert value(r, "tandem_router_requests_total", outcome="INVALID_ARGUMENT") == 1
+    assert value(r, "tandem_router_in_flight_requests") == 0
+    assert value(r, "tandem_router_ttft_seconds_count") == 2
+    assert value(r, "tandem_router_ttft_seconds_sum") == pytest.approx(sum(u.time_to_first_token_s for u in usages))
+    assert value(r, "tandem_router_prompt_tokens_total") == prompt_tokens
+    assert value(r, "tandem_router_cached_tokens_total") == cached
+    assert value(r, "tandem_router_completion_tokens_total") == completion
+    assert value(r, "tandem_rpc_duration_seconds_count", method=GENERATE, code="OK") == 2
+    assert value(r, "tandem_rpc_duration_seconds_count", method=GENERATE, code="INVALID_ARGUMENT") == 1
+
+    # --- kvstore: read from KVStore.stats() at scrape time
+    def drained():
+        s = scrape(m["kvstore"])
+        return s if value(s, "tandem_kvstore_live_reservations") == 0 else None
+
+    k = wait_for(drained)
+    assert k, "reservations stayed live"
+    assert value(k, "tandem_kvstore_workers") == 1
+    assert value(k, "tandem_kvstore_requested_positions_total", worker="w0") == prompt_tokens
+    assert value(k, "tandem_kvstore_reused_positions_total", worker="w0") == cached
+    assert value(k, "tandem_kvstore_reservations_created_total") == 2
+    assert value(k, "tandem_kvstore_published_blocks_total", worker="w0") >= u1.prompt_tokens // 16
+    assert value(k, "tandem_kvstore_evicted_blocks_total", worker="w0") == 0  # 512 blocks: no pressure
+    pool = {state: value(k, "tandem_kvstore_pool_blocks", worker="w0", state=state) for state in ("free", "cached", "in_use")}
+    assert sum(pool.values()) == NUM_BLOCKS
+    assert pool["in_use"] == 0 and pool["cached"] > 0
+    assert value(k, "tandem_kvstore_worker_live_reservations", worker="w0") == 0
+    reserve = "/tandem.kvstore.v1.KVStore/Reserve"
+    assert value(k, "tandem_rpc_duration_seconds_count", method=reserve, code="OK") == 2
+
+    # --- worker: tokens, prefill, drafts, steps
+    w = scrape(m["gpuworker"])
+    assert value(w, "tandem_worker_generated_tokens_total") == completion
+    assert value(w, "tandem_worker_prefill_tokens_total") == prompt_tokens - cached
+    assert value(w, "tandem_worker_requests_finished_total", reason="length") == 2
+    assert value(w, "tandem_worker_running_requests") == 0
+    proposed = value(w, "tandem_worker_proposed_draft_tokens_total")
+    accepted = value(w, "tandem_worker_accepted_draft_tokens_total")
+    verify_steps = value(w, "tandem_worker_acceptance_length_count")
+    assert 0 < verify_steps and 0 <= accepted <= proposed <= 3 * verify_steps
+    # every verify step yields 1 + accepted tokens; the prefill's last step yields one more each
+    assert value(w, "tandem_worker_acceptance_length_sum") == verify_steps + accepted
+    assert verify_steps + accepted + len(usages) >= completion
+    # one request at a time: every step served one request, at least one prefill step each
+    assert value(w, "tandem_worker_step_duration_seconds_count") >= verify_steps + len(usages)
+    assert value(w, "tandem_rpc_duration_seconds_count", method="/tandem.worker.v1.Worker/Generate", code="OK") == 2
+
+
+def test_a_cancelled_stream_is_counted_and_leaves_nothing_in_flight(metered):
+    suite, m = metered
+    call = suite.stub.Generate(router_pb2.GenerateRequest(text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
+    got = 0
+    for msg in call:
+        got += len(msg.token_ids)
+        if got >= 4:
+            break
+    assert value(scrape(m["router"]), "tandem_router_in_flight_requests") == 1
+    assert value(scrape(m["gpuworker"]), "tandem_worker_running_requests") == 1
+    call.cancel()
+
+    def settled():
+        r = scrape(m["router"])
+        return r if value(r, "tandem_router_in_flight_requests") == 0 else None
+
+    r = wait_for(settled)
+    assert r, "the router still counts the cancelled request in flight"
+    assert value(r, "tandem_router_requests_total", outcome="CANCELLED") == 1
+    assert value(r, "tandem_router_requests_total", outcome="OK") == 0
+    assert value(r, "tandem_router_ttft_seconds_count") == 0  # no usage: the request never completed
+    assert wait_for(lambda: value(scrape(m["gpuworker"]), "tandem_worker_running_requests") == 0)
+
+
+def test_metrics_are_off_unless_a_port_is_set(start_service):
+    """Default settings: no endpoint, no interceptor (a passed-in ServiceMetrics records nothing)."""
+    metrics = ServiceMetrics("kvstore")
+    settings = KVStoreSettings(host="127.0.0.1", port=0, grace_s=0.0)
+    assert settings.metrics_port is None
+    svc = start_service(lambda: start_kvstore(settings, metrics=metrics))
+    from tandem.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+    kvstore_pb2_grpc.KVStoreStub(svc.channel).Stats(kvstore_pb2.StatsRequest(), timeout=TIMEOUT)
+    assert metrics.port is None
+    names = {s.name for family in metrics.registry.collect() for s in family.samples}
+    assert not any(n.startswith("tandem_rpc_duration_seconds_count") for n in names), names
+    assert not any(n.startswith("tandem_kvstore_") for n in names), names
