@@ -30,14 +30,39 @@ if TYPE_CHECKING:
 class Chain:
     """The nodes one ``attach_chain`` call created, as key material: the node they hang below
     and their contents in order. Keys are derived from it on first read and memoized, so
-    publishing hashes nothing; events keep the chain (not its nodes) to name evicted blocks."""
+    publishing hashes nothing; events keep the chain (not its nodes) to name evicted blocks.
 
-    __slots__ = ("parent", "contents", "keys")
+    ``nodes`` are those of the chain's nodes still in the trie. Each is the parent of the next,
+    so only a childless tail can be pruned and the ones left are always a prefix: a walk that
+    reaches ``nodes[i]`` may compare the next ``m`` blocks of its prompt with ``joined`` in one
+    slice compare and jump to ``nodes[i + m]``::
+
+        parent ── nodes[0] ── nodes[1] ── ... ── nodes[-1]      (pruned tail: gone from nodes)
+                  |content 0|content 1| ... |       joined = content 0 + content 1 + ...
+    """
+
+    __slots__ = ("parent", "contents", "keys", "nodes", "first_len", "joined")
 
     def __init__(self, parent: Node, contents: list[bytes]):
         self.parent = parent
         self.contents = contents  # never mutated
         self.keys: list[BlockKey] = []  # memo: keys of contents[: len(keys)]
+        self.nodes: list[Node] = []  # the chain's nodes still in the trie (a prefix)
+        self.first_len = len(contents[0])  # block 0 below a root is D positions longer
+        self.joined: bytes | None = None  # b"".join(contents), made by the first walk that needs it
+
+    def join(self) -> bytes:
+        """``joined``, built and kept on first use (mutates the memo only)."""
+        joined = self.joined = b"".join(self.contents)
+        return joined
+
+    def pruned(self, index: int) -> None:
+        """Node ``index`` (and so every later one) left the trie (mutates): forget them, and the
+        joined contents once none is left (events keep pruned chains alive)."""
+        nodes = self.nodes
+        del nodes[index:]
+        if not nodes:
+            self.joined = None
 
     def key_at(self, index: int) -> BlockKey:
         """``blake2b-256(previous key || material)`` chained from ``parent.key`` (read-only apart
@@ -65,13 +90,15 @@ class Node:
 
     __slots__ = ("content", "parent", "children", "depth", "residency", "namespace", "chain", "index", "_key")
 
-    def __init__(self, content: bytes, parent: Node | None, namespace: Namespace, chain: Chain | None = None,
-                 index: int = 0, key: BlockKey | None = None):
+    def __init__(self, content: bytes, parent: Node | None, namespace: Namespace, chain: Chain | None, index: int,
+                 depth: int, residency: dict[str, Block], key: BlockKey | None = None):
+        # Positional and precomputed (depth, residency): attach_chain creates ~one node per
+        # published block, so this constructor is on the Publish hot path.
         self.content = content
         self.parent = parent
         self.children: dict[bytes, Node] = {}
-        self.depth = 0 if parent is None else parent.depth + 1  # root 0, block j at depth j+1
-        self.residency: dict[str, Block] = {}  # worker id -> block holding this node there
+        self.depth = depth  # root 0, block j at depth j+1
+        self.residency = residency  # worker id -> block holding this node there
         self.namespace = namespace
         self.chain = chain  # where its key comes from (None for a root)
         self.index = index
@@ -109,7 +136,7 @@ class RadixTrie:
     def root_or_create(self, namespace: Namespace) -> Node:
         root = self.roots.get(namespace)
         if root is None:
-            root = self.roots[namespace] = Node(b"", None, namespace, key=namespace.root_key())
+            root = self.roots[namespace] = Node(b"", None, namespace, None, 0, 0, {}, namespace.root_key())
             self.version += 1
         return root
 
@@ -147,13 +174,18 @@ class RadixTrie:
         if k < n:  # the rest is new: a fresh node has no children, so no lookups
             namespace = parent.namespace
             chain = Chain(parent, contents[k:] if k else contents)
-            for index, content in enumerate(chain.contents):
-                block = blocks[k + index]
-                child = parent.children[content] = Node(content, parent, namespace, chain, index)
-                child.residency[worker_id] = block
+            depth = parent.depth
+            index = 0
+            for content, block in zip(chain.contents, blocks[k:] if k else blocks):
+                depth += 1
+                child = parent.children[content] = Node(
+                    content, parent, namespace, chain, index, depth, {worker_id: block}
+                )
                 block.node = child
                 append(child)
                 parent = child
+                index += 1
+            chain.nodes = out[k:]
             self.num_nodes += n - k
             self.version += 1
         return out
@@ -171,6 +203,11 @@ class RadixTrie:
             parent = node.parent
             del parent.children[node.content]
             node.parent = None  # detached: a stale reference can no longer reach the trie
+            chain = node.chain  # Chain.pruned, inlined: this is the eviction hot loop
+            chain_nodes = chain.nodes
+            del chain_nodes[node.index :]
+            if not chain_nodes:
+                chain.joined = None
             pruned += 1
             if not parent.children and not parent.residency:  # else the usual case: still resident
                 self._prune(parent)
@@ -190,6 +227,7 @@ class RadixTrie:
             parent = node.parent
             del parent.children[node.content]
             node.parent = None  # detached: a stale reference can no longer reach the trie
+            node.chain.pruned(node.index)
             self.num_nodes -= 1
             node = parent
         if node.parent is None and not node.children and self.roots.get(node.namespace) is node:
