@@ -14,6 +14,12 @@ and is pruned at once, so every non-root node is resident somewhere. Roots witho
 dropped too. Keys are derived lazily from ``Chain`` records, which events keep alive instead of
 the (short-lived) nodes.
 
+Evictions prune ~one node per evicted block and the next Publish creates as many: pruned nodes
+go to a small spare list and ``attach_chain`` refills them (allocation and teardown of a node and
+its two dicts cost more than the rest of its bookkeeping). Only nodes nobody can still name are
+refilled: not ``anchor`` nodes (some ``Chain`` or STORED event derives keys from them), and not
+nodes pruned by ``remove_resident`` (worker drops), which are simply released.
+
 Lookups (``root``, ``walk``) are read-only; ``attach_chain`` and ``remove_resident`` mutate.
 """
 
@@ -88,7 +94,7 @@ class Node:
     get theirs at creation.
     """
 
-    __slots__ = ("content", "parent", "children", "depth", "residency", "namespace", "chain", "index", "_key")
+    __slots__ = ("content", "parent", "children", "depth", "residency", "namespace", "chain", "index", "_key", "anchor")
 
     def __init__(self, content: bytes, parent: Node | None, namespace: Namespace, chain: Chain | None, index: int,
                  depth: int, residency: dict[str, Block], key: BlockKey | None = None):
@@ -103,6 +109,7 @@ class Node:
         self.chain = chain  # where its key comes from (None for a root)
         self.index = index
         self._key = key
+        self.anchor = False  # a Chain (or an event) derives keys from this node: never recycle it
 
     @property
     def is_root(self) -> bool:
@@ -127,6 +134,7 @@ class RadixTrie:
     def __init__(self) -> None:
         self.roots: dict[Namespace, Node] = {}
         self.num_nodes = 0  # non-root nodes
+        self._spare: list[Node] = []  # pruned nodes for attach_chain to refill (no stale holders)
         self.version = 0  # bumped whenever a node or root is added or removed (paths may change)
 
     def root(self, namespace: Namespace) -> Node | None:
@@ -161,6 +169,7 @@ class RadixTrie:
         the nodes in chain order; ``contents`` must not change afterwards."""
         out: list[Node] = []
         append = out.append
+        parent.anchor = True  # the STORED event names it as the parent
         k, n = 0, len(contents)
         while k < n:  # nodes that exist already (published on another worker)
             child = parent.children.get(contents[k])
@@ -173,14 +182,27 @@ class RadixTrie:
             k += 1
         if k < n:  # the rest is new: a fresh node has no children, so no lookups
             namespace = parent.namespace
+            parent.anchor = True
             chain = Chain(parent, contents[k:] if k else contents)
             depth = parent.depth
             index = 0
+            spare = self._spare
             for content, block in zip(chain.contents, blocks[k:] if k else blocks):
                 depth += 1
-                child = parent.children[content] = Node(
-                    content, parent, namespace, chain, index, depth, {worker_id: block}
-                )
+                if spare:  # a node pruned by an eviction: refill it instead of allocating
+                    child = parent.children[content] = spare.pop()
+                    child.content = content
+                    child.parent = parent
+                    child.depth = depth
+                    child.residency[worker_id] = block
+                    child.namespace = namespace
+                    child.chain = chain
+                    child.index = index
+                    child._key = None
+                else:
+                    child = parent.children[content] = Node(
+                        content, parent, namespace, chain, index, depth, {worker_id: block}
+                    )
                 block.node = child
                 append(child)
                 parent = child
@@ -195,6 +217,7 @@ class RadixTrie:
         whose victims come deepest first."""
         self.version += 1
         pruned = 0
+        spare = self._spare
         for node in nodes:
             residency = node.residency
             del residency[worker_id]
@@ -208,6 +231,8 @@ class RadixTrie:
             del chain_nodes[node.index :]
             if not chain_nodes:
                 chain.joined = None
+            if not node.anchor and len(spare) < 1024:
+                spare.append(node)
             pruned += 1
             if not parent.children and not parent.residency:  # else the usual case: still resident
                 self._prune(parent)

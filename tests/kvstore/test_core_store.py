@@ -493,3 +493,42 @@ def test_walk_along_chains_matches_a_block_by_block_walk(store, make_spec):
         assert store.match(p)[0].reusable_positions == _reference_reusable(store, p), p
     release(store, r, final=20)
     assert store.check_invariants() == []
+
+
+def test_event_keys_stay_right_after_evicted_nodes_are_reused(store, make_spec):
+    """Events derive keys lazily from the trie's chains; the trie refills pruned nodes for new
+    publishes. Keys read only after that reuse must still be those of the original prompts."""
+    from services.kvstore.keys import KeyStream, chain_key
+
+    w = store.register_worker(make_spec())  # 8 blocks of 4, D = 0
+
+    def expected_keys(tokens, count):
+        stream = KeyStream.from_tokens(tokens, 0, 4)
+        key = store._workers["w0"].namespace(b"").root_key()
+        out = []
+        for j in range(count):
+            key = chain_key(key, stream.block_key_material(j))
+            out.append(key)
+        return out
+
+    a, b, c = list(range(1, 18)), list(range(40, 72)), list(range(80, 100))
+    r = reserve(store, w, "a", a)  # 5 blocks
+    store.publish(reservation_id=r.reservation_id, incarnation=r.incarnation, final_positions=8)
+    store.publish(reservation_id=r.reservation_id, incarnation=r.incarnation, final_positions=16)
+    release(store, r)
+    r = reserve(store, w, "b", b)  # 8 blocks: evicts a3, a2, a1, a0
+    release(store, r, final=28)  # 7 blocks published, on nodes refilled from a's
+    r = reserve(store, w, "c", c)  # 5 blocks: evicts b's leaves, their nodes refilled again
+    release(store, r, final=16)
+    ka, kb, kc = expected_keys(a, 4), expected_keys(b, 7), expected_keys(c, 4)
+    root = store._workers["w0"].namespace(b"").root_key()
+    got = [(e.kind, list(e.block_keys), e.parent_key) for e in store.events_since("w0", 0)]
+    assert got[:4] == [
+        (EventKind.STORED, ka[:2], root),
+        (EventKind.STORED, ka[2:], ka[1]),
+        (EventKind.REMOVED, ka[::-1], None),
+        (EventKind.STORED, kb, root),
+    ]
+    assert got[4][0] is EventKind.REMOVED and got[4][1] == kb[::-1][: len(got[4][1])]
+    assert got[5:] == [(EventKind.STORED, kc, root)]
+    assert store.check_invariants() == []
