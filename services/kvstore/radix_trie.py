@@ -231,12 +231,14 @@ class RadixTrie:
             del chain_nodes[node.index :]
             if not chain_nodes:
                 chain.joined = None
-            if not node.anchor and len(spare) < 1024:
+            if not node.anchor:
                 spare.append(node)
             pruned += 1
             if not parent.children and not parent.residency:  # else the usual case: still resident
                 self._prune(parent)
         self.num_nodes -= pruned
+        if len(spare) > 1024:  # bound what is kept for reuse
+            del spare[1024:]
 
     def remove_resident(self, node: Node, worker_id: str) -> None:
         """Forget that ``worker_id`` holds ``node``; prune it (and childless roots) once nothing
