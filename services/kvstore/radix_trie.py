@@ -14,6 +14,12 @@ and is pruned at once, so every non-root node is resident somewhere. Roots witho
 dropped too. Keys are derived lazily from ``Chain`` records, which events keep alive instead of
 the (short-lived) nodes.
 
+Evictions prune ~one node per evicted block and the next Publish creates as many: pruned nodes
+go to a small spare list and ``attach_chain`` refills them (allocation and teardown of a node and
+its two dicts cost more than the rest of its bookkeeping). Only nodes nobody can still name are
+refilled: not ``anchor`` nodes (some ``Chain`` or STORED event derives keys from them), and not
+nodes pruned by ``remove_resident`` (worker drops), which are simply released.
+
 Lookups (``root``, ``walk``) are read-only; ``attach_chain`` and ``remove_resident`` mutate.
 """
 
@@ -30,14 +36,39 @@ if TYPE_CHECKING:
 class Chain:
     """The nodes one ``attach_chain`` call created, as key material: the node they hang below
     and their contents in order. Keys are derived from it on first read and memoized, so
-    publishing hashes nothing; events keep the chain (not its nodes) to name evicted blocks."""
+    publishing hashes nothing; events keep the chain (not its nodes) to name evicted blocks.
 
-    __slots__ = ("parent", "contents", "keys")
+    ``nodes`` are those of the chain's nodes still in the trie. Each is the parent of the next,
+    so only a childless tail can be pruned and the ones left are always a prefix: a walk that
+    reaches ``nodes[i]`` may compare the next ``m`` blocks of its prompt with ``joined`` in one
+    slice compare and jump to ``nodes[i + m]``::
+
+        parent ── nodes[0] ── nodes[1] ── ... ── nodes[-1]      (pruned tail: gone from nodes)
+                  |content 0|content 1| ... |       joined = content 0 + content 1 + ...
+    """
+
+    __slots__ = ("parent", "contents", "keys", "nodes", "first_len", "joined")
 
     def __init__(self, parent: Node, contents: list[bytes]):
         self.parent = parent
         self.contents = contents  # never mutated
         self.keys: list[BlockKey] = []  # memo: keys of contents[: len(keys)]
+        self.nodes: list[Node] = []  # the chain's nodes still in the trie (a prefix)
+        self.first_len = len(contents[0])  # block 0 below a root is D positions longer
+        self.joined: bytes | None = None  # b"".join(contents), made by the first walk that needs it
+
+    def join(self) -> bytes:
+        """``joined``, built and kept on first use (mutates the memo only)."""
+        joined = self.joined = b"".join(self.contents)
+        return joined
+
+    def pruned(self, index: int) -> None:
+        """Node ``index`` (and so every later one) left the trie (mutates): forget them, and the
+        joined contents once none is left (events keep pruned chains alive)."""
+        nodes = self.nodes
+        del nodes[index:]
+        if not nodes:
+            self.joined = None
 
     def key_at(self, index: int) -> BlockKey:
         """``blake2b-256(previous key || material)`` chained from ``parent.key`` (read-only apart
@@ -63,19 +94,22 @@ class Node:
     get theirs at creation.
     """
 
-    __slots__ = ("content", "parent", "children", "depth", "residency", "namespace", "chain", "index", "_key")
+    __slots__ = ("content", "parent", "children", "depth", "residency", "namespace", "chain", "index", "_key", "anchor")
 
-    def __init__(self, content: bytes, parent: Node | None, namespace: Namespace, chain: Chain | None = None,
-                 index: int = 0, key: BlockKey | None = None):
+    def __init__(self, content: bytes, parent: Node | None, namespace: Namespace, chain: Chain | None, index: int,
+                 depth: int, residency: dict[str, Block], key: BlockKey | None = None):
+        # Positional and precomputed (depth, residency): attach_chain creates ~one node per
+        # published block, so this constructor is on the Publish hot path.
         self.content = content
         self.parent = parent
         self.children: dict[bytes, Node] = {}
-        self.depth = 0 if parent is None else parent.depth + 1  # root 0, block j at depth j+1
-        self.residency: dict[str, Block] = {}  # worker id -> block holding this node there
+        self.depth = depth  # root 0, block j at depth j+1
+        self.residency = residency  # worker id -> block holding this node there
         self.namespace = namespace
         self.chain = chain  # where its key comes from (None for a root)
         self.index = index
         self._key = key
+        self.anchor = False  # a Chain (or an event) derives keys from this node: never recycle it
 
     @property
     def is_root(self) -> bool:
@@ -100,6 +134,7 @@ class RadixTrie:
     def __init__(self) -> None:
         self.roots: dict[Namespace, Node] = {}
         self.num_nodes = 0  # non-root nodes
+        self._spare: list[Node] = []  # pruned nodes for attach_chain to refill (no stale holders)
         self.version = 0  # bumped whenever a node or root is added or removed (paths may change)
 
     def root(self, namespace: Namespace) -> Node | None:
@@ -109,7 +144,7 @@ class RadixTrie:
     def root_or_create(self, namespace: Namespace) -> Node:
         root = self.roots.get(namespace)
         if root is None:
-            root = self.roots[namespace] = Node(b"", None, namespace, key=namespace.root_key())
+            root = self.roots[namespace] = Node(b"", None, namespace, None, 0, 0, {}, namespace.root_key())
             self.version += 1
         return root
 
@@ -134,6 +169,7 @@ class RadixTrie:
         the nodes in chain order; ``contents`` must not change afterwards."""
         out: list[Node] = []
         append = out.append
+        parent.anchor = True  # the STORED event names it as the parent
         k, n = 0, len(contents)
         while k < n:  # nodes that exist already (published on another worker)
             child = parent.children.get(contents[k])
@@ -146,14 +182,32 @@ class RadixTrie:
             k += 1
         if k < n:  # the rest is new: a fresh node has no children, so no lookups
             namespace = parent.namespace
+            parent.anchor = True
             chain = Chain(parent, contents[k:] if k else contents)
-            for index, content in enumerate(chain.contents):
-                block = blocks[k + index]
-                child = parent.children[content] = Node(content, parent, namespace, chain, index)
-                child.residency[worker_id] = block
+            depth = parent.depth
+            index = 0
+            spare = self._spare
+            for content, block in zip(chain.contents, blocks[k:] if k else blocks):
+                depth += 1
+                if spare:  # a node pruned by an eviction: refill it instead of allocating
+                    child = parent.children[content] = spare.pop()
+                    child.content = content
+                    child.parent = parent
+                    child.depth = depth
+                    child.residency[worker_id] = block
+                    child.namespace = namespace
+                    child.chain = chain
+                    child.index = index
+                    child._key = None
+                else:
+                    child = parent.children[content] = Node(
+                        content, parent, namespace, chain, index, depth, {worker_id: block}
+                    )
                 block.node = child
                 append(child)
                 parent = child
+                index += 1
+            chain.nodes = out[k:]
             self.num_nodes += n - k
             self.version += 1
         return out
@@ -163,6 +217,7 @@ class RadixTrie:
         whose victims come deepest first."""
         self.version += 1
         pruned = 0
+        spare = self._spare
         for node in nodes:
             residency = node.residency
             del residency[worker_id]
@@ -171,10 +226,19 @@ class RadixTrie:
             parent = node.parent
             del parent.children[node.content]
             node.parent = None  # detached: a stale reference can no longer reach the trie
+            chain = node.chain  # Chain.pruned, inlined: this is the eviction hot loop
+            chain_nodes = chain.nodes
+            del chain_nodes[node.index :]
+            if not chain_nodes:
+                chain.joined = None
+            if not node.anchor:
+                spare.append(node)
             pruned += 1
             if not parent.children and not parent.residency:  # else the usual case: still resident
                 self._prune(parent)
         self.num_nodes -= pruned
+        if len(spare) > 1024:  # bound what is kept for reuse
+            del spare[1024:]
 
     def remove_resident(self, node: Node, worker_id: str) -> None:
         """Forget that ``worker_id`` holds ``node``; prune it (and childless roots) once nothing
@@ -190,6 +254,7 @@ class RadixTrie:
             parent = node.parent
             del parent.children[node.content]
             node.parent = None  # detached: a stale reference can no longer reach the trie
+            node.chain.pruned(node.index)
             self.num_nodes -= 1
             node = parent
         if node.parent is None and not node.children and self.roots.get(node.namespace) is node:

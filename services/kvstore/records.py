@@ -27,7 +27,7 @@ class WorkerRecord:
     __slots__ = (
         "spec", "incarnation", "span", "pool", "lease_deadline", "reservations",
         "requested_positions", "reused_positions", "evictions", "published_blocks",
-        "deduplicated_blocks",
+        "deduplicated_blocks", "_namespaces",
     )
 
     def __init__(self, spec: WorkerSpec, incarnation: int, lease_deadline: float):
@@ -42,14 +42,24 @@ class WorkerRecord:
         self.evictions = 0
         self.published_blocks = 0
         self.deduplicated_blocks = 0
+        self._namespaces: dict[bytes, Namespace] = {}  # memo of ``namespace`` by cache salt
 
     @property
     def worker_id(self) -> str:
         return self.spec.worker_id
 
     def namespace(self, cache_salt: bytes) -> Namespace:
-        spec = self.spec
-        return Namespace(spec.model_id, spec.block_size, spec.spec_mode, self.span, cache_salt)
+        """The worker's namespace under ``cache_salt`` (read-only apart from a small memo: Match
+        and Reserve ask on every call, and one shared object lets the walk cache compare by
+        identity instead of hashing five fields)."""
+        memo = self._namespaces
+        namespace = memo.get(cache_salt)
+        if namespace is None:
+            if len(memo) >= 64:  # salts come from tenants: keep the memo bounded
+                memo.clear()
+            spec = self.spec
+            namespace = memo[cache_salt] = Namespace(spec.model_id, spec.block_size, spec.spec_mode, self.span, cache_salt)
+        return namespace
 
     def usage(self) -> PoolUsage:
         pool = self.pool

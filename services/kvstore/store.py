@@ -185,7 +185,10 @@ class KVStore:
     @staticmethod
     def _walk(root: Node | None, stream: KeyStream) -> list[Node]:
         """Trie nodes along the stream's reusable blocks (read-only). Slices block contents
-        lazily, stopping at the first miss: this is the hot loop of Match and Reserve."""
+        lazily, stopping at the first miss: this is the hot loop of Match and Reserve. Along a
+        ``Chain`` (the nodes one Publish created) it compares many blocks in one slice compare
+        and takes the nodes from the chain (bisecting for the equal part when the run differs
+        somewhere), then leaves the chain by a dict lookup."""
         path: list[Node] = []
         if root is None:
             return path
@@ -197,10 +200,35 @@ class KVStore:
         end = step + d4
         stop = cap * step + d4  # end of the last reusable block
         append = path.append
+        stepped = None  # the chain whose run we just left: its next block is not ours
         while node is not None:
             append(node)
             if end >= stop:
                 break
+            chain = node.chain
+            if chain is not stepped:
+                nxt = node.index + 1
+                nodes = chain.nodes
+                m = min(len(nodes) - nxt, (stop - end) // step)
+                if m > 1:
+                    at = chain.first_len + (nxt - 1) * step
+                    joined = chain.joined or chain.join()
+                    if buf[end : end + m * step] != joined[at : at + m * step]:
+                        # Longest run of equal blocks, by bisection: [0, lo) equal, [hi, m] not.
+                        lo, hi = 0, m
+                        while hi - lo > 1:
+                            mid = (lo + hi) >> 1
+                            if buf[end : end + mid * step] == joined[at : at + mid * step]:
+                                lo = mid
+                            else:
+                                hi = mid
+                        m = lo
+                        stepped = chain
+                    if m:
+                        path.extend(nodes[nxt : nxt + m - 1])
+                        node = nodes[nxt + m - 1]
+                        end += m * step
+                        continue
             node = node.children.get(buf[end : end + step])
             end += step
         return path

@@ -450,3 +450,85 @@ def test_a_remembered_match_walk_never_outlives_a_trie_change(store, make_spec):
     release(store, store.get_reservation(b.reservation_id))
     assert reserve(store, w, "d", prompt).reused_positions == 0
     assert store.check_invariants() == []
+
+
+def _reference_reusable(store, tokens, worker_id="w0"):
+    """Reusable positions by a plain block-by-block dict walk (no chain skipping)."""
+    from services.kvstore.keys import KeyStream
+
+    worker = store._workers[worker_id]
+    stream = KeyStream.from_tokens(tokens, worker.span, worker.spec.block_size)
+    node = store._trie.root(worker.namespace(b""))
+    reused = 0
+    for j in range(stream.reusable_block_cap):
+        node = None if node is None else node.children.get(stream.block_content(j))
+        if node is None or worker_id not in node.residency:
+            break
+        reused += 1
+    return reused * worker.spec.block_size
+
+
+def test_walk_along_chains_matches_a_block_by_block_walk(store, make_spec):
+    """Match skips along the chain one Publish created with one slice compare; prompts that
+    leave a chain mid-way, branch into another chain, or run into a chain whose tail was
+    evicted must get exactly what a block-by-block walk finds."""
+    w = store.register_worker(make_spec(num_blocks=16, max_seq_len=128))
+    a = list(range(1, 33))  # 8 blocks of 4
+    r = reserve(store, w, "a", a + [99])
+    release(store, r, final=32)
+    b = a[:12] + list(range(60, 80))  # shares 3 blocks with a, then a new chain of 5
+    r = reserve(store, w, "b", b + [99])
+    release(store, r, final=32)
+    rng = np.random.default_rng(7)
+    prompts = [a + [5], b + [5], a[:20] + [0] * 9, b[:25] + [1] * 7, a[:12] + list(range(60, 70)) + a[22:]]
+    prompts += [a[:k] for k in range(1, 33)] + [b[:k] for k in range(1, 33)]  # the last position never counts
+    for _ in range(40):  # random splices of the two chains and noise
+        cut1, cut2 = sorted(rng.integers(0, 33, size=2))
+        prompts.append(a[:cut1] + b[cut1:cut2] + list(rng.integers(1, 90, size=int(rng.integers(1, 9)))))
+    for p in prompts:
+        assert store.match(p)[0].reusable_positions == _reference_reusable(store, p), p
+    r = reserve(store, w, "c", [90] * 21)  # 6 blocks: evicts the tails of both chains (LRU leaves)
+    assert store.stats().workers[0].evictions > 0
+    for p in prompts:
+        assert store.match(p)[0].reusable_positions == _reference_reusable(store, p), p
+    release(store, r, final=20)
+    assert store.check_invariants() == []
+
+
+def test_event_keys_stay_right_after_evicted_nodes_are_reused(store, make_spec):
+    """Events derive keys lazily from the trie's chains; the trie refills pruned nodes for new
+    publishes. Keys read only after that reuse must still be those of the original prompts."""
+    from services.kvstore.keys import KeyStream, chain_key
+
+    w = store.register_worker(make_spec())  # 8 blocks of 4, D = 0
+
+    def expected_keys(tokens, count):
+        stream = KeyStream.from_tokens(tokens, 0, 4)
+        key = store._workers["w0"].namespace(b"").root_key()
+        out = []
+        for j in range(count):
+            key = chain_key(key, stream.block_key_material(j))
+            out.append(key)
+        return out
+
+    a, b, c = list(range(1, 18)), list(range(40, 72)), list(range(80, 100))
+    r = reserve(store, w, "a", a)  # 5 blocks
+    store.publish(reservation_id=r.reservation_id, incarnation=r.incarnation, final_positions=8)
+    store.publish(reservation_id=r.reservation_id, incarnation=r.incarnation, final_positions=16)
+    release(store, r)
+    r = reserve(store, w, "b", b)  # 8 blocks: evicts a3, a2, a1, a0
+    release(store, r, final=28)  # 7 blocks published, on nodes refilled from a's
+    r = reserve(store, w, "c", c)  # 5 blocks: evicts b's leaves, their nodes refilled again
+    release(store, r, final=16)
+    ka, kb, kc = expected_keys(a, 4), expected_keys(b, 7), expected_keys(c, 4)
+    root = store._workers["w0"].namespace(b"").root_key()
+    got = [(e.kind, list(e.block_keys), e.parent_key) for e in store.events_since("w0", 0)]
+    assert got[:4] == [
+        (EventKind.STORED, ka[:2], root),
+        (EventKind.STORED, ka[2:], ka[1]),
+        (EventKind.REMOVED, ka[::-1], None),
+        (EventKind.STORED, kb, root),
+    ]
+    assert got[4][0] is EventKind.REMOVED and got[4][1] == kb[::-1][: len(got[4][1])]
+    assert got[5:] == [(EventKind.STORED, kc, root)]
+    assert store.check_invariants() == []
