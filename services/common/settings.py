@@ -9,7 +9,9 @@ and defaults stay one list.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from pydantic import ValidationError
@@ -46,3 +48,19 @@ def settings_from_args(cls: type[S], args: argparse.Namespace) -> S:
             lines.append(f"  --{field.replace('_', '-')} / {prefix}{field.upper()}: {err['msg']} (got {err.get('input')!r})")
         print("\n".join(lines), file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def service_command(
+    cls: type[S], serve: Callable[[S], Awaitable[None]]
+) -> tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]:
+    """The ``(add_arguments, run)`` pair a ``tandem <service>`` subcommand module exports: flags
+    from ``cls``'s fields, then ``serve(settings)`` on a fresh event loop until it returns."""
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        add_settings_flags(parser, cls)
+
+    def run(args: argparse.Namespace) -> int:
+        asyncio.run(serve(settings_from_args(cls, args)))
+        return 0
+
+    return add_arguments, run

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import logging
 
-from services.common.settings import add_settings_flags, settings_from_args
+from services.common.settings import service_command
 from services.kvstore.settings import KVStoreSettings
 
 log = logging.getLogger(__name__)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_settings_flags(parser, KVStoreSettings)
-
-
-def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(KVStoreSettings, args)
-    asyncio.run(serve(settings))
-    return 0
 
 
 async def serve(settings: KVStoreSettings) -> None:
@@ -32,3 +20,6 @@ async def serve(settings: KVStoreSettings) -> None:
     server.install_signal_handlers()
     log.info("kvstore serving on %s", server.address)
     await server.wait_for_termination()
+
+
+add_arguments, run = service_command(KVStoreSettings, serve)

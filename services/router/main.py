@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import logging
 
-from services.common.settings import add_settings_flags, settings_from_args
+from services.common.settings import service_command
 from services.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_settings_flags(parser, RouterSettings)
-
-
-def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(RouterSettings, args)
-    asyncio.run(serve(settings))
-    return 0
 
 
 async def serve(settings: RouterSettings) -> None:
@@ -31,3 +19,6 @@ async def serve(settings: RouterSettings) -> None:
     server.install_signal_handlers()
     log.info("router serving on %s (kvstore %s, model %s)", server.address, settings.kvstore, settings.model)
     await server.wait_for_termination()
+
+
+add_arguments, run = service_command(RouterSettings, serve)
