@@ -117,6 +117,7 @@ async def start_worker(
             chunk_size=settings.chunk_size,
             max_batch_size=settings.max_batch_size,
             max_draft_tokens=settings.max_draft_tokens,
+            forced_acceptance=settings.forced_acceptance,
         ),
     )
     interceptors: list = [ServerTracingInterceptor(tracer_provider)]

@@ -35,6 +35,11 @@ class WorkerSettings(BaseSettings):
     max_receive_bytes: int = Field(16 << 20, ge=1024, description="largest request message")
     grace_s: float = Field(5.0, ge=0, description="seconds in-flight requests get on shutdown")
     seed: int = Field(0, description="seed of the built-in tiny model's weights")
+    cuda_graphs: bool = Field(True, description="capture decode, verify and draft-chain forwards in CUDA graphs at start-up (CUDA only; ignored on CPU)")
+    warmup: bool = Field(True, description="compile kernels and capture graphs before health says SERVING")
+    extend_watermark_blocks: int = Field(2, ge=0, le=1024, description="extend a request's KV capacity ahead of need once fewer than this many blocks of headroom are left")
+    extend_chunk_blocks: int = Field(4, ge=1, le=1024, description="blocks of headroom each ahead-of-need Extend asks for")
+    forced_acceptance: int | None = Field(None, ge=0, le=32, description="BENCHMARKS ONLY: accept exactly this many drafts per verify, whatever they are (output is no longer the model's)")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port on host (unset = off, 0 = any free port)")
 
     @model_validator(mode="after")
