@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -16,11 +17,9 @@ from services.common.metrics import ServiceMetrics
 from services.common.server import GrpcServer, ServiceBinding
 from services.common.spec import SpecMode
 from services.common.telemetry import ServerTracingInterceptor
-from services.gpuworker.attention.base import AttentionGeometry, get_backend
-from services.gpuworker.engine.engine import Engine, EngineConfig
+from services.gpuworker.build import build_engine
 from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource
 from services.gpuworker.metrics import WorkerMetrics
-from services.gpuworker.model.loader import load_model
 from services.gpuworker.runner import EngineRunner
 from services.gpuworker.servicer import WorkerServicer
 from services.gpuworker.settings import WorkerSettings
@@ -29,8 +28,6 @@ from tandem.worker.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-_SPEC_MODES = {"none": SpecMode.NONE, "eagle3": SpecMode.EAGLE3, "mtp": SpecMode.MTP}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -66,60 +63,29 @@ class WorkerIdentity:
         )
 
 
-def pool_blocks(settings: WorkerSettings, target, draft, dtype: torch.dtype) -> int:
-    """``num_blocks`` as given, or as many paired blocks as ``kv_memory_mb`` holds: one block is
-    a page in every target layer plus a page in every draft layer."""
-    if settings.num_blocks:
-        return settings.num_blocks
-    c = target.config
-    layers = c.num_layers + (draft.num_kv_layers if draft is not None else 0)
-    per_block = layers * 2 * settings.block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
-    blocks = int(settings.kv_memory_mb * 2**20 // per_block)
-    if blocks < 1:
-        raise ValueError(f"kv_memory_mb={settings.kv_memory_mb} holds no block of {per_block} bytes")
-    return blocks
-
-
 async def start_worker(
     settings: WorkerSettings,
     *,
     tracer_provider: trace.TracerProvider | None = None,
     metrics: ServiceMetrics | None = None,
 ) -> tuple[GrpcServer, EngineRunner, WorkerIdentity]:
-    """Load the model, build pools and engine, serve, register; health SERVING once registered.
+    """Load the model, build pools and engine, warm it up (kernels compiled, CUDA graphs
+    captured), serve, register; health SERVING only after all of that.
 
     With ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
     :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
     """
-    spec_mode = _SPEC_MODES[settings.spec_mode]
-    dtype = _DTYPES[settings.dtype]
-    device = torch.device(settings.device)
-    target, draft, _tokenizer = await asyncio.to_thread(
-        load_model, settings.model, spec_mode=spec_mode, mtp_depth=settings.mtp_depth, dtype=dtype, device=device, seed=settings.seed
-    )
-    num_blocks = pool_blocks(settings, target, draft, dtype)
-    c = target.config
-    target_pool = target.new_kv_pool(num_blocks, settings.block_size)
-    draft_pool = draft.new_kv_pool(num_blocks, settings.block_size) if draft is not None else None
-    geometry = AttentionGeometry(c.num_heads, c.num_kv_heads, c.head_dim, settings.block_size, dtype)
-    backend = get_backend(settings.backend, device, geometry)
     link = KVStoreLink(settings.kvstore, timeout_s=settings.rpc_timeout_s)
     source = ReservationBlockSource(link)
-    engine = Engine(
-        target,
-        draft,
-        backend,
-        target_pool,
-        draft_pool,
-        source,
-        EngineConfig(
-            max_batch_tokens=settings.max_batch_tokens,
-            chunk_size=settings.chunk_size,
-            max_batch_size=settings.max_batch_size,
-            max_draft_tokens=settings.max_draft_tokens,
-            forced_acceptance=settings.forced_acceptance,
-        ),
-    )
+    built = await asyncio.to_thread(build_engine, settings, source)
+    engine, target, draft, spec_mode, num_blocks = built.engine, built.target, built.draft, built.spec_mode, built.num_blocks
+    device, c = engine.device, target.config
+    if settings.warmup:
+        # kernels compiled and graphs captured before health says SERVING: the first request
+        # then costs what any other does
+        started = time.perf_counter()
+        graphs = await asyncio.to_thread(engine.warmup, lambda msg: log.info("warm-up: %s", msg))
+        log.info("warm-up done in %.1fs (%d CUDA graphs)", time.perf_counter() - started, graphs)
     interceptors: list = [ServerTracingInterceptor(tracer_provider)]
     worker_metrics: WorkerMetrics | None = None
     if settings.metrics_port is not None:

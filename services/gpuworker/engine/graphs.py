@@ -80,6 +80,12 @@ class ForwardGraphs:
     ):
         if capture and backend.device.type != "cuda":
             raise InvalidArgument(f"CUDA graphs need a CUDA device, the backend is on {backend.device}")
+        safe = set(getattr(backend, "graph_safe_kinds", ()))
+        if capture and not {AttentionKind.DECODE, AttentionKind.VERIFY} <= safe:
+            raise InvalidArgument(
+                f"the {backend.name} attention backend cannot replay decode/verify plans in CUDA graphs "
+                "(use flashinfer with graph_max_pages_per_request, or no graphs)"
+            )
         if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
             raise InvalidArgument(f"buckets must be increasing positive integers, got {list(buckets)}")
         self.backend = backend
