@@ -156,6 +156,11 @@ class ForwardGraphs:
 
     # -- running -----------------------------------------------------------------------------------
 
+    @property
+    def captured(self) -> int:
+        """How many graphs have been captured."""
+        return len(self._graphs)
+
     def bucket(self, batch: int) -> int | None:
         """Smallest bucket holding ``batch`` requests, or None when the batch is too large."""
         for b in self.buckets:
