@@ -5,11 +5,13 @@ greedy output through the served path (kvstore + worker + router) equals the eng
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
 import torch
 
+from services.common.tokenizer import BYTE_TOKENIZER_MARKER
 from services.gpuworker.attention.base import get_backend
 from services.gpuworker.engine.capacity import LocalBlockSource
 from services.gpuworker.engine.engine import Engine, EngineConfig
@@ -54,7 +56,25 @@ def test_graph_replay_equals_eager(models, k):
     assert outputs["capture"] == outputs["pad"]
 
 
-async def _served_tokens(tmp_path, prompts_: list[list[int]], max_new: int, k: int) -> tuple[list[list[int]], object]:
+def write_checkpoint(folder) -> str:
+    """A random Llama with FlashInfer's head size (128), written by transformers; the loader
+    gives it a seeded random EAGLE-3 draft (no tandem_draft.json in the folder). A byte-sized
+    vocabulary lets the router use its built-in byte tokenizer for the streamed text."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                      max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # wide logit margins
+    model.save_pretrained(folder)
+    (folder / BYTE_TOKENIZER_MARKER).write_text(json.dumps({"type": "byte"}))
+    return str(folder)
+
+
+async def _served_tokens(model: str, prompts_: list[list[int]], max_new: int, k: int) -> tuple[list[list[int]], object]:
     """Greedy tokens of each prompt through kvstore + worker (FlashInfer, CUDA graphs) + router."""
     from services.gpuworker.server import start_worker
     from services.gpuworker.settings import WorkerSettings
@@ -68,7 +88,7 @@ async def _served_tokens(tmp_path, prompts_: list[list[int]], max_new: int, k: i
     kv_server, _ = await start_kvstore(KVStoreSettings(host="127.0.0.1", port=0, grace_s=0.0))
     kv_addr = f"127.0.0.1:{kv_server.port}"
     worker_settings = WorkerSettings(
-        host="127.0.0.1", port=0, kvstore=kv_addr, model="tiny", device="cuda:0", backend="flashinfer",
+        host="127.0.0.1", port=0, kvstore=kv_addr, model=model, device="cuda:0", backend="flashinfer",
         dtype="bfloat16", spec_mode="eagle3", num_blocks=256, grace_s=0.0,
     )
     w_server, runner, _identity = await start_worker(worker_settings)
@@ -100,11 +120,12 @@ def test_served_path_equals_engine_alone_and_warms_up_first(tmp_path, k):
 
     g = torch.Generator().manual_seed(7)
     ps = [torch.randint(1, 250, (n,), generator=g).tolist() for n in (9, 33, 70)]
-    served, (captured_at_serving, engine) = asyncio.run(_served_tokens(tmp_path, ps, 16, k))
+    model = write_checkpoint(tmp_path / "model")
+    served, (captured_at_serving, engine) = asyncio.run(_served_tokens(model, ps, 16, k))
     assert captured_at_serving > 0, "the worker said SERVING before capturing its graphs"
     assert engine.graphs.replays > 0
 
-    settings = WorkerSettings(model="tiny", device="cuda:0", backend="flashinfer", dtype="bfloat16",
+    settings = WorkerSettings(model=model, device="cuda:0", backend="flashinfer", dtype="bfloat16",
                               spec_mode="eagle3", num_blocks=256)
     source = LocalBlockSource(256, settings.block_size)
     alone = build_engine(settings, source).engine
