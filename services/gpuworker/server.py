@@ -18,6 +18,7 @@ from services.common.server import GrpcServer, ServiceBinding
 from services.common.spec import SpecMode
 from services.common.telemetry import ServerTracingInterceptor
 from services.gpuworker.build import build_engine
+from services.gpuworker.kvstore_courier import KVStoreCourier
 from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource
 from services.gpuworker.metrics import WorkerMetrics
 from services.gpuworker.runner import EngineRunner
@@ -76,7 +77,8 @@ async def start_worker(
     :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
     """
     link = KVStoreLink(settings.kvstore, timeout_s=settings.rpc_timeout_s)
-    source = ReservationBlockSource(link)
+    courier = KVStoreCourier()
+    source = ReservationBlockSource(link, courier)
     built = await asyncio.to_thread(build_engine, settings, source)
     engine, target, draft, spec_mode, num_blocks = built.engine, built.target, built.draft, built.spec_mode, built.num_blocks
     device, c = engine.device, target.config
@@ -93,7 +95,8 @@ async def start_worker(
         interceptors.append(metrics.interceptor())
         worker_metrics = WorkerMetrics(metrics, running=lambda: runner.running)  # read at scrape time
     runner = EngineRunner(
-        engine, link, source, max_running=settings.max_running,
+        engine, link, source, courier, max_running=settings.max_running,
+        extend_watermark_blocks=settings.extend_watermark_blocks, extend_chunk_blocks=settings.extend_chunk_blocks,
         on_step=worker_metrics.on_step if worker_metrics is not None else None,
     )
 

@@ -244,17 +244,57 @@ class Engine:
         if s is None:
             raise NotFound(f"unknown request {request_id!r}")
         new = [int(b) for b in block_table]
-        if len(new) != len(s.block_table):
-            raise FailedPrecondition(
-                f"remap of {request_id!r} changes the table length ({len(s.block_table)} -> {len(new)})"
-            )
+        # the kvstore's table may be longer or shorter by now (an Extend or a Trim answered
+        # since): only the positions both know are remapped
+        n = min(len(new), len(s.block_table))
+        self._check_only_final_blocks_moved(s, new[:n])
+        s.block_table = new[:n] + s.block_table[n:]
+
+    def adopt_table(self, request_id: str, block_table) -> bool:
+        """Adopt the kvstore's newer table for a request: an ahead-of-need Extend's answer (more
+        blocks at the end), possibly with deduplicated final blocks (as ``remap_blocks``). A
+        table shorter than the request's own is stale and ignored; so is an unknown (finished)
+        request. Returns whether the table was adopted; ``FailedPrecondition`` (changing
+        nothing) if a non-final block moved."""
+        s = self._states.get(request_id)
+        new = [int(b) for b in block_table]
+        if s is None or len(new) < len(s.block_table):
+            return False
+        self._check_only_final_blocks_moved(s, new)
+        s.block_table = new
+        return True
+
+    def _check_only_final_blocks_moved(self, s: RequestState, new: list[int]) -> None:
         final_blocks = s.draft_len // self.block_size
         changed = [i for i, (a, b) in enumerate(zip(s.block_table, new)) if a != b]
         if changed and changed[-1] >= final_blocks:
             raise FailedPrecondition(
-                f"remap of {request_id!r} touches block {changed[-1]}, past its {final_blocks} final blocks"
+                f"{s.request_id}: the kvstore moved block {changed[-1]}, past its {final_blocks} final blocks"
             )
-        s.block_table = new
+
+    def capacity_wants(self, watermark_blocks: int, chunk_blocks: int, skip=()) -> dict[str, int]:
+        """Ahead-of-need capacity (read-only): decoding requests with fewer than
+        ``watermark_blocks`` blocks of headroom past their next step get ``chunk_blocks`` more,
+        never past what the request can still write (so no trim takes them back). Requests in
+        ``skip`` (an Extend already in flight) are left out. Empty under the "rejected" trim
+        policy, which gives blocks back after every verify."""
+        if self.config.trim_policy == "rejected":
+            return {}
+        bs = self.block_size
+        wants: dict[str, int] = {}
+        for rid, s in self._states.items():
+            if rid in skip or s.finished or s.in_prefill:
+                continue
+            limit = blocks_for(self._most_positions(s), bs) * bs
+            cap = s.capacity
+            next_need = s.logical_len + min(s.spec.k, self.config.max_draft_tokens)
+            if cap < limit and cap - next_need < watermark_blocks * bs:
+                wants[rid] = min(max(cap, next_need) + chunk_blocks * bs, limit)
+        return wants
+
+    def _most_positions(self, s: RequestState) -> int:
+        """Positions a request can still write up to (exclusive of the last token, never fed)."""
+        return min(s.num_prompt + s.spec.max_new_tokens, self.max_seq_len) - 1
 
     def request_ids(self) -> list[str]:
         return list(self._states)
@@ -386,8 +426,8 @@ class Engine:
                 errors[s.request_id] = ans or FailedPrecondition("block source gave no answer")
             else:
                 table = [int(b) for b in ans]
-                if table[: len(s.block_table)] != s.block_table:
-                    raise FailedPrecondition(f"{s.request_id}: extend moved existing blocks")
+                # only deduplicated final blocks may differ (a Publish answered meanwhile)
+                self._check_only_final_blocks_moved(s, table)
                 s.block_table = table
             # Whatever we got, fit the step into it: fewer drafts, a shorter chunk, or nothing.
             cap = s.capacity
@@ -604,16 +644,20 @@ class Engine:
         for s in states:
             if s.finished:
                 continue  # the caller releases the whole reservation
-            most = min(s.num_prompt + s.spec.max_new_tokens, self.max_seq_len) - 1
-            keep = max(most, s.target_len, s.draft_len)
+            keep = max(self._most_positions(s), s.target_len, s.draft_len)
             if self.config.trim_policy == "rejected" and not s.in_prefill:
                 keep = s.logical_len  # positions >= L hold only rejected or no KV
             if blocks_for(keep, self.block_size) < len(s.block_table):
                 keeps[s.request_id] = keep
         if keeps:
-            tables = self.block_source.trim(dict(keeps))
-            for rid, table in tables.items():
+            # a source that trims asynchronously answers nothing: the table is cut as asked
+            tables = self.block_source.trim(dict(keeps)) or {}
+            for rid, keep in keeps.items():
                 s = self._states[rid]
+                table = tables.get(rid)
+                if table is None:
+                    s.block_table = s.block_table[: blocks_for(keep, self.block_size)]
+                    continue
                 table = [int(b) for b in table]
                 if table != s.block_table[: len(table)]:
                     raise FailedPrecondition(f"{rid}: trim changed kept blocks")
