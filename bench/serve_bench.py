@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -594,6 +595,12 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.monotonic() - t_start:6.1f}s] {msg}", flush=True)
 
+    if args.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(args.device)  # the model build and the copy timing use the current device
+        if not os.environ.get("FLASHINFER_WORKSPACE_BASE"):
+            log("FLASHINFER_WORKSPACE_BASE is unset: kernels compiled now (1-2.5 min) are not kept for the next run")
     res: dict = {"meta": meta(args), "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     log(f"{json.dumps(res['meta'])}")
     with tempfile.TemporaryDirectory(prefix="tandem_serve_") as tmp:
