@@ -30,6 +30,12 @@ measured here) and the engine-alone plain decode rate at batch 1 as a fraction o
 
     python bench/serve_bench.py --device cpu --shape tiny-cpu --quick     # CPU smoke run, < 2 min
     python3 bench/serve_bench.py --shape 1b --json serve_1b.json --plot serve_1b.png   # GPU box
+    python3 bench/serve_bench.py --shape 8b --json serve_8b.json --plot serve_8b.png
+
+On the GPU box keep FlashInfer's JIT cache (``FLASHINFER_WORKSPACE_BASE``). A level issues no new
+request after ``--level-max-s``: at the goal speeds every level runs its full count (1b ≈ 2 min,
+8b ≈ 4 min including build, loads and one suite start per a); a slower served path runs fewer
+requests per level instead of running longer (≲ 6 and 8 min).
     python bench/serve_bench.py --from-json serve_1b.json --plot serve_1b.png          # anywhere
 """
 
@@ -57,6 +63,7 @@ from _common import gpu_ms, grouped_bars, machine, start_suite  # noqa: E402
 from worker_bench import bench_config  # noqa: E402
 
 from services.gpuworker.model.config import LlamaConfig  # noqa: E402
+from services.gpuworker.settings import WorkerSettings  # noqa: E402
 
 SHAPES = {
     "tiny-cpu": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
@@ -65,7 +72,7 @@ SHAPES = {
     "8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                       num_kv_heads=8, head_dim=128, max_seq_len=8192, rope_theta=500000.0),
 }
-BLOCK = 16  # the worker's default block size
+BLOCK = WorkerSettings.model_fields["block_size"].default  # the suite runs with the worker's default
 
 
 # ------------------------------------------------------------------------------------- workload
@@ -192,8 +199,6 @@ def copy_bandwidth_GBps(nbytes: int = 1 << 30) -> float:
 # ------------------------------------------------------------------------------------- settings
 def worker_settings(args, model_dir: Path, a: int | None):
     """The one WorkerSettings both the served worker (as flags) and the engine alone use."""
-    from services.gpuworker.settings import WorkerSettings
-
     gpu = args.device.startswith("cuda")
     kw = dict(model=str(model_dir), spec_mode="eagle3", device=args.device,
               backend="flashinfer" if gpu else "torch", dtype="bfloat16" if gpu else "float32",
@@ -320,16 +325,22 @@ def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log) -> 
         try:
             suite = start_suite(log_dir, [settings_flags(settings)], router, timeout_s=args.startup_timeout_s)
         except Exception:
-            for f in sorted(log_dir.iterdir()):
-                print(f"--- {f.name}\n{f.read_text()[-3000:]}", file=sys.stderr)
+            print_logs(log_dir)
             raise
         log(f"[served a={a}] all SERVING after {time.monotonic() - t0:.1f} s")
         try:
             result = asyncio.run(served_suite(args, suite.router, a, prompts, log))
         finally:
             suite.stop()
+        if result["first_error"] or any(r["failed"] for r in result["levels"]):
+            print_logs(log_dir)  # the folder is temporary: show why while it exists
         suites.append({"a": a, "startup_s": time.monotonic() - t0, **result})
     return suites
+
+
+def print_logs(log_dir: Path) -> None:
+    for f in sorted(log_dir.iterdir()):
+        print(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------- engine alone
@@ -397,9 +408,10 @@ def run_engine_alone(args, model_dir: Path, prompts: Prompts, served: list[dict]
         log(f"[engine alone a={a}] built in {time.monotonic() - t0:.1f} s ({built.num_blocks} blocks)")
         span = built.draft.span if built.draft is not None else 0
         # what the kvstore can reuse of the shared prefix: whole blocks whose keys it knows
-        reused = (len(prompts.shared) - span) // BLOCK * BLOCK
+        bs = settings.block_size
+        reused = (len(prompts.shared) - span) // bs * bs
         submit(setup, "prefix", prompts.shared, max_new_tokens=1)
-        prefix_blocks = run_until_done(setup, keep=("prefix",))["prefix"].block_table[: reused // BLOCK]
+        prefix_blocks = run_until_done(setup, keep=("prefix",))["prefix"].block_table[: reused // bs]
         warmed = set()
         for row in suite["levels"]:
             level = Level(row["concurrency"], row["k"], row["a"], row["requests"], row["max_new_tokens"])
@@ -559,7 +571,8 @@ def parse_args(argv):
     p.add_argument("--accept", default="0,1,2,3", help="forced acceptance values (one suite each)")
     p.add_argument("--rounds", type=int, default=2, help="requests per level = max(rounds x concurrency, min-requests)")
     p.add_argument("--min-requests", type=int, default=4)
-    p.add_argument("--level-max-s", type=float, default=30.0, help="no new requests of a level after this")
+    p.add_argument("--level-max-s", type=float, default=6.0,
+                   help="no new requests of a level after this (the engine alone then runs as many as were served)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="worker setting cuda_graphs (default: the worker's)")
     p.add_argument("--max-batch-tokens", type=int, help="worker setting (default: the worker's)")
@@ -576,8 +589,8 @@ def parse_args(argv):
         args.rounds, args.min_requests = 2, 4
     args.concurrency = [int(x) for x in str(args.concurrency).split(",")]
     args.accept = [int(x) for x in str(args.accept).split(",")]
-    if any(a > args.k for a in args.accept):
-        p.error("forced acceptance values must be <= --k")
+    if args.k < 1 or any(not 0 <= a <= args.k for a in args.accept):
+        p.error("--k must be >= 1 and forced acceptance values in [0, k]")
     return args
 
 
