@@ -17,6 +17,9 @@ from services.common.server import GrpcServer, ServiceBinding
 from services.common.spec import SpecMode
 from services.common.telemetry import ServerTracingInterceptor
 from services.gpuworker.attention.base import AttentionGeometry, get_backend
+from services.gpuworker.build import DTYPES as _DTYPES
+from services.gpuworker.build import SPEC_MODES as _SPEC_MODES
+from services.gpuworker.build import pool_blocks
 from services.gpuworker.engine.engine import Engine, EngineConfig
 from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource
 from services.gpuworker.metrics import WorkerMetrics
@@ -29,8 +32,6 @@ from tandem.worker.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-_SPEC_MODES = {"none": SpecMode.NONE, "eagle3": SpecMode.EAGLE3, "mtp": SpecMode.MTP}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -64,20 +65,6 @@ class WorkerIdentity:
             vocab_size=self.vocab_size,
             max_seq_len=self.max_seq_len,
         )
-
-
-def pool_blocks(settings: WorkerSettings, target, draft, dtype: torch.dtype) -> int:
-    """``num_blocks`` as given, or as many paired blocks as ``kv_memory_mb`` holds: one block is
-    a page in every target layer plus a page in every draft layer."""
-    if settings.num_blocks:
-        return settings.num_blocks
-    c = target.config
-    layers = c.num_layers + (draft.num_kv_layers if draft is not None else 0)
-    per_block = layers * 2 * settings.block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
-    blocks = int(settings.kv_memory_mb * 2**20 // per_block)
-    if blocks < 1:
-        raise ValueError(f"kv_memory_mb={settings.kv_memory_mb} holds no block of {per_block} bytes")
-    return blocks
 
 
 async def start_worker(
