@@ -1,18 +1,23 @@
 """Build a worker's engine from its settings: model, paired KV pools, attention backend, engine.
 
-One function that the service (``server.py``) and the served-path benchmark both call, so the
-benchmark's "engine alone" is exactly the engine the service runs::
+One recipe for every caller, so that a benchmark driving the engine in-process runs exactly what
+the served worker runs (same backend, pools, graphs, engine knobs)::
 
-    settings ──load_model──▶ target (+ draft) ──▶ pools [num_blocks (+1 scratch page)]
-                                                  backend (FlashInfer graph-safe plans on CUDA)
-                                                  Engine(graphs = capture | pad | off)
+    WorkerSettings ──load_model──▶ target + draft ──pool_blocks──▶ KV pools [num_blocks (+1)]
+                   ──get_backend──▶ attention backend (graph-safe FlashInfer plans on CUDA)
+                   ──make_source(num_blocks)──▶ BlockSource ──▶ Engine(graphs = capture|pad|off)
 
-The kvstore is told ``num_blocks``; with CUDA graphs the pools hold one more page (the scratch
-page that padding rows of graph batches write), which the kvstore never hands out.
+The kvstore (or local source) is told ``num_blocks``; with graphs the pools hold one page more,
+the scratch page that padding rows of graph batches write, which no source ever hands out.
+``make_source`` is where callers differ: the worker passes a kvstore-backed source, tests and
+benchmarks a ``LocalBlockSource(num_blocks, block_size)``. ``models`` reuses an already loaded
+(target, draft) pair (fresh pools are always allocated). Nothing here starts threads or RPCs;
+graphs are captured by ``engine.warmup()``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +38,23 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class BuiltEngine:
+    """The engine and what it was built from (all owned by the caller)."""
+
     engine: Engine
     target: TargetModel
     draft: DraftModel | None
+    tokenizer: object | None  # None when ``models`` was given
+    source: BlockSource
+    num_blocks: int  # what the source may hand out (the pools may hold a scratch page more)
     spec_mode: SpecMode
-    num_blocks: int  # what the kvstore may hand out (the pools may hold a scratch page more)
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_models(settings: WorkerSettings):
+    """(target, draft, tokenizer) for ``settings`` (model folder or 'tiny', spec mode, dtype, device)."""
+    return load_model(settings.model, spec_mode=SPEC_MODES[settings.spec_mode], mtp_depth=settings.mtp_depth,
+                      dtype=DTYPES[settings.dtype], device=torch.device(settings.device), seed=settings.seed)
 
 
 def pool_blocks(settings: WorkerSettings, target, draft, dtype: torch.dtype) -> int:
@@ -65,41 +82,45 @@ def graph_mode(settings: WorkerSettings) -> str:
     return "pad" if settings.warmup else "off"
 
 
-def build_engine(settings: WorkerSettings, block_source: BlockSource) -> BuiltEngine:
-    """Load the model and assemble the engine (graphs not captured yet: ``engine.warmup()``)."""
-    spec_mode = SPEC_MODES[settings.spec_mode]
+def engine_config(settings: WorkerSettings) -> EngineConfig:
+    return EngineConfig(
+        max_batch_tokens=settings.max_batch_tokens,
+        chunk_size=settings.chunk_size,
+        max_batch_size=settings.max_batch_size,
+        max_draft_tokens=settings.max_draft_tokens,
+        forced_acceptance=settings.forced_acceptance,
+        graphs=graph_mode(settings),
+    )
+
+
+def build_engine(
+    settings: WorkerSettings,
+    make_source: Callable[[int], BlockSource],
+    *,
+    models: tuple[TargetModel, DraftModel | None] | None = None,
+) -> BuiltEngine:
+    """Load (or reuse ``models``), allocate pools, pick the backend and build the engine that a
+    worker with ``settings`` runs. ``make_source(num_blocks)`` supplies its block source."""
     dtype = DTYPES[settings.dtype]
     device = torch.device(settings.device)
-    target, draft, _tokenizer = load_model(
-        settings.model, spec_mode=spec_mode, mtp_depth=settings.mtp_depth, dtype=dtype, device=device, seed=settings.seed
-    )
+    tokenizer = None
+    if models is None:
+        target, draft, tokenizer = load_models(settings)
+    else:
+        target, draft = models
     num_blocks = pool_blocks(settings, target, draft, dtype)
-    graphs = graph_mode(settings)
-    pages = num_blocks + (1 if graphs != "off" else 0)
+    config = engine_config(settings)
+    pages = num_blocks + (1 if config.graphs != "off" else 0)
     target_pool = target.new_kv_pool(pages, settings.block_size)
     draft_pool = draft.new_kv_pool(pages, settings.block_size) if draft is not None else None
     c = target.config
     geometry = AttentionGeometry(c.num_heads, c.num_kv_heads, c.head_dim, settings.block_size, dtype)
-    max_seq_len = min(c.max_seq_len, 1 << 30)
     backend = get_backend(
         settings.backend, device, geometry,
-        # every decode/verify plan fits these fixed buffers: a request never spans more pages
-        graph_max_pages_per_request=-(-max_seq_len // settings.block_size) if graphs == "capture" else None,
+        # every decode/verify plan fits these fixed buffers: no request spans more pages
+        graph_max_pages_per_request=-(-c.max_seq_len // settings.block_size) if config.graphs == "capture" else None,
     )
-    engine = Engine(
-        target,
-        draft,
-        backend,
-        target_pool,
-        draft_pool,
-        block_source,
-        EngineConfig(
-            max_batch_tokens=settings.max_batch_tokens,
-            chunk_size=settings.chunk_size,
-            max_batch_size=settings.max_batch_size,
-            max_draft_tokens=settings.max_draft_tokens,
-            forced_acceptance=settings.forced_acceptance,
-            graphs=graphs,
-        ),
-    )
-    return BuiltEngine(engine, target, draft, spec_mode, num_blocks)
+    source = make_source(num_blocks)
+    engine = Engine(target, draft, backend, target_pool, draft_pool, source, config)
+    return BuiltEngine(engine, target, draft, tokenizer, source, num_blocks, SPEC_MODES[settings.spec_mode],
+                       dtype, device)

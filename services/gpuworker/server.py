@@ -9,7 +9,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
 from opentelemetry import trace
 
 from services.common.errors import FailedPrecondition, NotFound, TandemError
@@ -79,7 +78,7 @@ async def start_worker(
     link = KVStoreLink(settings.kvstore, timeout_s=settings.rpc_timeout_s)
     courier = KVStoreCourier()
     source = ReservationBlockSource(link, courier)
-    built = await asyncio.to_thread(build_engine, settings, source)
+    built = await asyncio.to_thread(build_engine, settings, lambda _num_blocks: source)
     engine, target, draft, spec_mode, num_blocks = built.engine, built.target, built.draft, built.spec_mode, built.num_blocks
     device, c = engine.device, target.config
     if settings.warmup:

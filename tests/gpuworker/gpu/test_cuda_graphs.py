@@ -128,7 +128,7 @@ def test_served_path_equals_engine_alone_and_warms_up_first(tmp_path, k):
     settings = WorkerSettings(model=model, device="cuda:0", backend="flashinfer", dtype="bfloat16",
                               spec_mode="eagle3", num_blocks=256)
     source = LocalBlockSource(256, settings.block_size)
-    alone = build_engine(settings, source).engine
+    alone = build_engine(settings, lambda _num_blocks: source).engine
     alone.warmup()
     setup = LocalSetup(alone, source, alone.target, None)
     alone_tokens = []
