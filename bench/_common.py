@@ -41,7 +41,9 @@ class Suite:
     workers: list[str] = field(default_factory=list)
 
     def spawn(self, name: str, argv: list[str], log_dir: Path, env_extra: dict | None = None) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+        # the repo first, then whatever the caller's path had (wheels unpacked elsewhere, say)
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
         log = open(log_dir / f"{name}.log", "wb")
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING", *argv],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
