@@ -30,6 +30,7 @@ from services.gpuworker.engine.engine import Engine, EngineConfig
 from services.gpuworker.model.draft import DraftModel
 from services.gpuworker.model.llama import TargetModel
 from services.gpuworker.model.loader import load_model
+from services.gpuworker.model.ops import fuse_projections, get_ops, use_ops
 from services.gpuworker.settings import WorkerSettings
 
 SPEC_MODES = {"none": SpecMode.NONE, "eagle3": SpecMode.EAGLE3, "mtp": SpecMode.MTP}
@@ -108,6 +109,14 @@ def build_engine(
         target, draft, tokenizer = load_models(settings)
     else:
         target, draft = models
+    if settings.backend == "flashinfer":
+        # FlashInfer's norm/RoPE/SiLU kernels and one GEMM for q/k/v and gate/up (model/ops.py);
+        # the torch backend keeps the reference ops
+        ops = get_ops("flashinfer")
+        for model in (target, draft):
+            if model is not None:
+                use_ops(model, ops)
+                fuse_projections(model)
     num_blocks = pool_blocks(settings, target, draft, dtype)
     config = engine_config(settings)
     pages = num_blocks + (1 if config.graphs != "off" else 0)
