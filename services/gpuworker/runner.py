@@ -54,8 +54,29 @@ class Job:
     decode_steps: int = 0
     accepted_drafts: int = 0
 
-    def post(self, *event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+class Outbox:
+    """Events for the asyncio handlers, delivered once per engine-loop turn: one
+    ``call_soon_threadsafe`` per event loop instead of one per request and step (each wakes the
+    loop; at 64 requests a step that is 64 wake-ups competing with the engine for the GIL)."""
+
+    def __init__(self):
+        self._events: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple]]] = {}
+
+    def post(self, job: Job, *event) -> None:
+        self._events.setdefault(job.loop, []).append((job.events, event))
+
+    def flush(self) -> None:
+        events, self._events = self._events, {}
+        for loop, batch in events.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the loop closed (server shut down): nobody is listening
+                pass
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for queue_, event in batch:
+        queue_.put_nowait(event)
 
 
 @dataclass(frozen=True)
@@ -95,6 +116,7 @@ class EngineRunner:
         self.extend_watermark_blocks = extend_watermark_blocks
         self.extend_chunk_blocks = extend_chunk_blocks
         self._extending: set[str] = set()  # request ids with an ahead-of-need Extend in flight
+        self._outbox = Outbox()
         self._commands: queue.Queue = queue.Queue()
         self._jobs: dict[str, Job] = {}  # engine thread only: admitted, running requests
         # Any thread: every request from submit() until its reservation has been ended, so that
@@ -145,7 +167,14 @@ class EngineRunner:
     # -- engine thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._outbox.flush()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
+            self._outbox.flush()
             self._drain_commands(block=not self.engine.has_work())
             if self._stop.is_set():
                 break
@@ -208,7 +237,7 @@ class EngineRunner:
         except Exception as exc:
             self.source.unbind(rid)
             self._send_abort(job)
-            job.post("error", exc)
+            self._outbox.post(job, "error", exc)
             return
         job.tokens = list(job.spec.prompt_ids)
         job.known_tokens = len(job.tokens)
@@ -220,7 +249,7 @@ class EngineRunner:
             if job.first_token_at is None:
                 job.first_token_at = time.monotonic()
             job.tokens.extend(result.new_token_ids)
-            job.post("tokens", list(result.new_token_ids))
+            self._outbox.post(job, "tokens", list(result.new_token_ids))
         if result.verified:  # a decode step: 1 target token + accepted drafts
             job.decode_steps += 1
             job.accepted_drafts += result.accepted_drafts
@@ -304,7 +333,7 @@ class EngineRunner:
 
         self.courier.send(lambda: self.link.release(job.reservation_id, job.incarnation, new_tokens, final),
                           released, kind="release")
-        job.post("done", result.finish_reason, self._usage(job))
+        self._outbox.post(job, "done", result.finish_reason, self._usage(job))
 
     def _fail(self, rid: str, exc: Exception) -> None:
         job = self._jobs.pop(rid)
@@ -313,7 +342,7 @@ class EngineRunner:
         self.source.unbind(rid)
         self._sync()  # the last step that wrote these blocks must be complete before they are freed
         self._send_abort(job)
-        job.post("error", exc)
+        self._outbox.post(job, "error", exc)
 
     def _send_abort(self, job: Job) -> None:
         rid = job.spec.request_id
