@@ -31,7 +31,9 @@ async def start_kvstore(
     With ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
     :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
     """
-    store = store or KVStore(lease_ttl_s=settings.lease_ttl_s, max_tokens=settings.max_tokens)
+    store = store or KVStore(
+        lease_ttl_s=settings.lease_ttl_s, max_tokens=settings.max_tokens, events_per_worker=settings.events_per_worker
+    )
     servicer = KVStoreServicer(store, event_queue=settings.event_queue)
     interceptors: list = [ServerTracingInterceptor(tracer_provider)]
     if settings.metrics_port is not None:
