@@ -195,7 +195,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             new_tokens=tokens_from_proto(request.new_tokens, field="new_tokens"),
             final_positions=request.final_positions,
         )
-        return pb.ReleaseResponse(newly_published=result.newly_published, freed_blocks=result.freed_blocks)
+        return pb.ReleaseResponse(
+            newly_published=result.newly_published, freed_blocks=result.freed_blocks, deduplicated=result.deduplicated
+        )
 
     async def Release(self, request, context):
         return self._end(self.store.release, request)

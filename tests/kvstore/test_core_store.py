@@ -437,6 +437,35 @@ def test_events_are_sequenced_buffered_and_pushed(clock, make_spec):
         store.events_since("nobody", 0)
 
 
+def test_large_publishes_and_evictions_become_bounded_events(clock, make_spec):
+    """No event lists more than ``max_blocks`` blocks: a big publish is several STORED events,
+    each chained to the previous one by its parent key, and the keys are those of one event."""
+    store = KVStore(clock=clock, epoch=0, events_per_worker=64)
+    store._events.max_blocks = 3  # white box: the production bound is 1,024
+    w = store.register_worker(make_spec(num_blocks=8, max_seq_len=64))
+    r = reserve(store, w, "a", list(range(1, 30)))  # 8 blocks, 7 keyed
+    release(store, r, final=28)
+    stored = store.events_since("w0", 0)
+    assert [(e.kind, len(e.block_ids)) for e in stored] == [(EventKind.STORED, 3), (EventKind.STORED, 3), (EventKind.STORED, 1)]
+    assert [e.seq for e in stored] == [1, 2, 3]
+    assert stored[1].parent_key == stored[0].block_keys[-1] and stored[2].parent_key == stored[1].block_keys[-1]
+    assert sum((e.block_ids for e in stored), ()) == tuple(range(7))
+    reserve(store, w, "b", list(range(40, 72)))  # all 8 blocks: evicts the 7 published ones
+    removed = store.events_since("w0", 3)
+    assert [len(e.block_ids) for e in removed] == [3, 3, 1] and all(e.kind is EventKind.REMOVED for e in removed)
+    assert sum((e.block_keys for e in removed), ()) == sum((e.block_keys for e in stored), ())[::-1]
+    assert store.check_invariants() == []
+
+
+def test_events_are_off_unless_asked_for(clock, make_spec):
+    store = KVStore(clock=clock, epoch=0)
+    w = store.register_worker(make_spec())
+    release(store, reserve(store, w, "a", list(range(1, 10))), final=9)
+    with pytest.raises(FailedPrecondition, match="events are off"):
+        store.events_since("w0", 0)
+    assert store.view().last_seq("w0") == 0 and store.check_invariants() == []
+
+
 def test_stats_count_requests_hits_and_evictions(store, make_spec):
     w = store.register_worker(make_spec(num_blocks=4))
     r = reserve(store, w, "a", list(range(1, 10)))

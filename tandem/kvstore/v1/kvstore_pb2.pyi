@@ -259,12 +259,14 @@ class ReleaseRequest(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., new_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., final_positions: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("newly_published", "freed_blocks")
+    __slots__ = ("newly_published", "freed_blocks", "deduplicated")
     NEWLY_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
     newly_published: int
     freed_blocks: int
-    def __init__(self, newly_published: _Optional[int] = ..., freed_blocks: _Optional[int] = ...) -> None: ...
+    deduplicated: int
+    def __init__(self, newly_published: _Optional[int] = ..., freed_blocks: _Optional[int] = ..., deduplicated: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("reservation_id", "incarnation")
