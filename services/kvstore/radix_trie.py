@@ -71,14 +71,13 @@ def common_blocks(node: Node, buf: bytes, pos: int, limit: int) -> int:
     """How many of the node's first ``limit`` blocks equal ``buf`` from byte ``pos`` (read-only).
     The first block is known to be equal (the caller found the node by it)."""
     content = node.content
-    end = node.end_of(limit)
-    if buf[pos : pos + end] == content[:end]:
+    # bytes.startswith(x, pos) compares in place: one copy (of the node's part) per compare.
+    if buf.startswith(content if limit == node.size else content[: node.end_of(limit)], pos):
         return limit
     lo, hi = 1, limit  # [0, lo) equal, hi not: bisect on slice compares
     while hi - lo > 1:
         mid = (lo + hi) >> 1
-        end = node.end_of(mid)
-        if buf[pos : pos + end] == content[:end]:
+        if buf.startswith(content[: node.end_of(mid)], pos):
             lo = mid
         else:
             hi = mid
@@ -123,10 +122,9 @@ class RadixTrie:
         while node is not None:
             size = node.size
             left = cap - blocks
-            content = node.content
             if size <= left:
-                end = pos + len(content)
-                m = size if buf[pos:end] == content else common_blocks(node, buf, pos, size)
+                end = pos + len(node.content)
+                m = size if buf.startswith(node.content, pos) else common_blocks(node, buf, pos, size)
             else:
                 m = common_blocks(node, buf, pos, left)
             blocks += m
