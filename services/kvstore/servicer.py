@@ -22,7 +22,7 @@ from tandem.kvstore.v1 import kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_CODE_NUMBERS = {c.name: c.value[0] for c in grpc.StatusCode}  # google.rpc.Code numbers
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 
 
 def _pool(p) -> pb.PoolUsage:
@@ -70,11 +70,11 @@ def _capacity_result(item_id: str, result: core.ItemResult) -> pb.CapacityResult
             capacity_positions=result.capacity_positions,
         )
     err = result.error
-    code = err.code.value if isinstance(err, TandemError) else "INTERNAL"
+    code = err.code.number if isinstance(err, TandemError) else _INTERNAL
     message = err.message if isinstance(err, TandemError) else "internal error"
     return pb.CapacityResult(
         reservation_id=item_id,
-        code=_CODE_NUMBERS[code],
+        code=code,
         message=message,
         block_table=result.block_table,
         capacity_positions=result.capacity_positions,
