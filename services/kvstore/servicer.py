@@ -153,14 +153,18 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         )
 
     async def Reserve(self, request, context):
-        r = self.store.reserve(
-            worker_id=request.worker_id,
-            incarnation=request.incarnation,
+        common = dict(
             request_id=request.request_id,
             tokens=tokens_from_proto(request.tokens),
             cache_salt=request.cache_salt,
             headroom_positions=request.headroom_positions,
         )
+        if request.candidates:
+            if request.worker_id or request.incarnation:
+                raise InvalidArgument("set either worker_id/incarnation or candidates, not both")
+            r = self.store.reserve_first(candidates=[(c.worker_id, c.incarnation) for c in request.candidates], **common)
+        else:
+            r = self.store.reserve(worker_id=request.worker_id, incarnation=request.incarnation, **common)
         return pb.ReserveResponse(reservation=_reservation(r))
 
     async def Extend(self, request, context):

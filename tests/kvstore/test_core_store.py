@@ -174,6 +174,30 @@ def test_resource_exhausted_is_all_or_nothing_and_counts_pins(store, make_spec, 
     assert store.check_invariants() == []
 
 
+def test_reserve_first_takes_the_first_live_candidate_with_room(store, make_spec, fingerprint):
+    a = store.register_worker(make_spec("a", num_blocks=2))
+    b = store.register_worker(make_spec("b", num_blocks=8))
+    prompt = list(range(1, 10))  # 3 blocks: more than a has
+    stale = ("b", b.incarnation + 7)
+    before = fingerprint(store)
+    with pytest.raises(ResourceExhausted, match="'a' needs 3"):
+        store.reserve_first(candidates=[stale, ("a", a.incarnation), ("nobody", 1)], request_id="q", tokens=prompt)
+    with pytest.raises(FailedPrecondition, match="no candidate worker is live"):
+        store.reserve_first(candidates=[stale, ("nobody", 1)], request_id="q", tokens=prompt)
+    with pytest.raises(InvalidArgument):
+        store.reserve_first(candidates=[], request_id="q", tokens=prompt)
+    assert fingerprint(store) == before
+    cands = [stale, ("a", a.incarnation), ("b", b.incarnation)]
+    r = store.reserve_first(candidates=cands, request_id="q", tokens=prompt)
+    assert (r.worker_id, r.block_table) == ("b", (0, 1, 2))
+    # A retry (e.g. after a lost answer) returns the same reservation, even though a has room now.
+    store.register_worker(make_spec("a", num_blocks=8))
+    a2 = store.list_workers()[0]
+    assert store.reserve_first(candidates=[("a", a2.incarnation), ("b", b.incarnation)], request_id="q",
+                               tokens=prompt) == r
+    assert store.stats().reservations_created == 1 and store.check_invariants() == []
+
+
 def test_extend_and_trim_apply_each_item_atomically(store, make_spec, fingerprint):
     w = store.register_worker(make_spec(num_blocks=8, max_seq_len=40))
     a = reserve(store, w, "a", list(range(1, 10)))  # 9 tokens -> blocks 0,1,2
