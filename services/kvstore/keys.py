@@ -17,8 +17,8 @@ Two equivalent views of the same stream:
   serve another prompt's KV).
 * **digest view**: ``position_keys()`` spells out ``[k0, t[1+D], ...]``; the 256-bit ``BlockKey``
   of a block is ``blake2b-256(parent key || k0-or-nothing || the block's uint32 keys)``, chained
-  from the namespace root ``blake2b-256(encoded namespace)``. Trie nodes derive it lazily, on the
-  first read (events, audits); the content view alone serves Match/Reserve/Publish.
+  from the namespace root ``blake2b-256(encoded namespace)``. The trie computes it at publish
+  only when block events are on; the content view alone serves Match/Reserve/Publish.
 
 Nothing here mutates shared state; ``KeyStream`` is immutable (``appended`` returns a new one).
 """
