@@ -27,11 +27,10 @@ from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 
 from . import audit, validation
 from .block_pool import Run, chain
-from .events import EventLog
+from .events import MAX_BLOCKS_PER_EVENT, EventLog
 from .keys import KeyStream
 from .radix_trie import Node, RadixTrie, common_blocks
 from .records import ReservationRecord, WorkerRecord
-from .view import StoreView
 from .types import (
     Event,
     EventKind,
@@ -47,6 +46,8 @@ from .types import (
     WorkerSpec,
     WorkerStats,
 )
+from .view import StoreView
+
 
 class KVStore:
     """The kvstore core. See the module docstring; each verb's docstring says if it mutates."""
@@ -59,13 +60,15 @@ class KVStore:
         max_tokens: int = 1 << 20,
         tombstones: int = 65536,
         events_per_worker: int = 0,
+        max_blocks_per_event: int = MAX_BLOCKS_PER_EVENT,
         epoch: int | None = None,
     ):
         """``epoch`` tells this store's life apart from earlier ones (default: wall-clock µs):
         incarnations count up from ``epoch + 1`` and reservation ids embed it, so ids handed out
         by a previous, non-durable store are never mistaken for live ones. Block events are
         opt-in: ``events_per_worker`` > 0 buffers that many per worker and makes the trie keep
-        every block's 256-bit key (hashed at publish); 0 records none and hashes nothing."""
+        every block's 256-bit key (hashed at publish); 0 records none and hashes nothing. Larger
+        publishes and evictions are cut into events of at most ``max_blocks_per_event`` blocks."""
         if not lease_ttl_s > 0:
             raise InvalidArgument("lease_ttl_s must be > 0")
         self.lease_ttl_s = float(lease_ttl_s)
@@ -74,7 +77,10 @@ class KVStore:
         self._max_tombstones = validation.count("tombstones", tombstones)
         self.epoch = time.time_ns() // 1000 if epoch is None else validation.count("epoch", epoch)
         self._workers: dict[str, WorkerRecord] = {}
-        self._events = EventLog(validation.count("events_per_worker", events_per_worker))
+        self._events = EventLog(
+            validation.count("events_per_worker", events_per_worker),
+            validation.count("max_blocks_per_event", max_blocks_per_event, minimum=1),
+        )
         self._trie = RadixTrie(keyed=self._events.enabled)
         self._reservations: dict[str, ReservationRecord] = {}
         self._by_request: dict[str, ReservationRecord] = {}

@@ -464,8 +464,7 @@ def test_events_are_sequenced_buffered_and_pushed(clock, make_spec):
 def test_large_publishes_and_evictions_become_bounded_events(clock, make_spec):
     """No event lists more than ``max_blocks`` blocks: a big publish is several STORED events,
     each chained to the previous one by its parent key, and the keys are those of one event."""
-    store = KVStore(clock=clock, epoch=0, events_per_worker=64)
-    store._events.max_blocks = 3  # white box: the production bound is 1,024
+    store = KVStore(clock=clock, epoch=0, events_per_worker=64, max_blocks_per_event=3)  # default 1,024
     w = store.register_worker(make_spec(num_blocks=8, max_seq_len=64))
     r = reserve(store, w, "a", list(range(1, 30)))  # 8 blocks, 7 keyed
     release(store, r, final=28)
