@@ -15,21 +15,19 @@ TLS helpers read PEM files named in settings; a client CA on the server side tur
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
-import inspect
-import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import grpc
 
-from services.common.errors import InvalidArgument, TandemError
-
-log = logging.getLogger(__name__)
+from services.common.errors import InvalidArgument
+from services.common.interceptors import DEFAULT_EXCLUDED_METHOD_PREFIXES, WrappingInterceptor, wrap_handler
+from services.common.server import abort_with_status
 
 AUTHORIZATION_KEY = "authorization"
-DEFAULT_EXEMPT_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+DEFAULT_EXEMPT_METHOD_PREFIXES = DEFAULT_EXCLUDED_METHOD_PREFIXES  # load balancers probe without credentials
 
 _principal: contextvars.ContextVar[object | None] = contextvars.ContextVar("tandem_principal", default=None)
 
@@ -55,14 +53,7 @@ def current_principal() -> object | None:
     return _principal.get()
 
 
-async def _reject(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
-    if isinstance(exc, TandemError):
-        await context.abort(grpc.StatusCode[exc.code.value], exc.message)
-    log.exception("authentication failed internally for %s", method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, "internal error (see server logs)")
-
-
-class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+class BearerAuthInterceptor(WrappingInterceptor):
     """Authenticate every RPC (except ``exempt_prefixes``) before its handler runs.
 
     ``authenticate(token_or_None)`` returns the principal or raises a :class:`TandemError`
@@ -75,73 +66,24 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         *,
         exempt_prefixes: Sequence[str] = DEFAULT_EXEMPT_METHOD_PREFIXES,
     ):
+        super().__init__(exempt_prefixes)
         self._authenticate = authenticate
-        self._exempt = tuple(exempt_prefixes)
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method.startswith(self._exempt):
-            return handler
-        token = bearer_token(handler_call_details.invocation_metadata)
+    def wrap(self, handler, method):
         authenticate = self._authenticate
 
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
+        def start(request, context) -> object:
+            return authenticate(bearer_token(context.invocation_metadata()))
 
-            async def unary_unary(request, context):
-                try:
-                    principal = authenticate(token)
-                except BaseException as exc:  # noqa: BLE001 - becomes the call's status
-                    if isinstance(exc, asyncio.CancelledError):
-                        raise
-                    await _reject(context, exc, method)
-                reset = _principal.set(principal)
-                try:
-                    return await inner(request, context)
-                finally:
-                    _principal.reset(reset)
+        def around(principal):
+            # Set around each step of the handler only, never across a yield of ours (a
+            # generator closed later from another task must not reset it there).
+            return partial(_principal.reset, _principal.set(principal))
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
+        async def on_error(exc: BaseException, context) -> None:
+            await abort_with_status(exc, context, method)
 
-            async def unary_stream(request, context):
-                try:
-                    principal = authenticate(token)
-                except BaseException as exc:  # noqa: BLE001
-                    if isinstance(exc, asyncio.CancelledError):
-                        raise
-                    await _reject(context, exc, method)
-                result = inner_stream(request, context)
-                if not inspect.isasyncgen(result):
-                    reset = _principal.set(principal)
-                    try:
-                        await result
-                    finally:
-                        _principal.reset(reset)
-                    return
-                # Set the principal around each step of the handler only, never across our own
-                # yield (a generator closed later from another task must not reset it there).
-                try:
-                    while True:
-                        reset = _principal.set(principal)
-                        try:
-                            item = await result.__anext__()
-                        except StopAsyncIteration:
-                            break
-                        finally:
-                            _principal.reset(reset)
-                        yield item
-                finally:
-                    await result.aclose()
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer
-            )
-        return handler
+        return wrap_handler(handler, start=start, around=around, on_error=on_error)
 
 
 # ------------------------------------------------------------------------------------------- TLS

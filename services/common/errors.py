@@ -1,8 +1,12 @@
 """Typed domain errors shared by all services.
 
 Cores raise these; servicers map them to gRPC status codes in one place
-(``services.common.server.map_errors``). Anything else that escapes a handler is an internal
-error: it is logged with its stack trace and reaches the client as a bare ``INTERNAL``.
+(``services.common.server.ErrorMappingInterceptor``). Anything else that escapes a handler is an
+internal error: it is logged with its stack trace and reaches the client as a bare ``INTERNAL``.
+
+This module is the one table between codes and errors: ``Code`` names match ``grpc.StatusCode``
+names, ``Code.number`` is the google.rpc code carried in per-item results, and ``error_class``
+goes back from either to the exception type. No gRPC import here: cores use it too.
 """
 
 from __future__ import annotations
@@ -23,6 +27,18 @@ class Code(enum.Enum):
     UNAUTHENTICATED = "UNAUTHENTICATED"
     PERMISSION_DENIED = "PERMISSION_DENIED"
     CANCELLED = "CANCELLED"
+
+    @property
+    def number(self) -> int:
+        """The google.rpc.Code number (as in ``grpc.StatusCode.X.value[0]``)."""
+        return _NUMBERS[self]
+
+
+_NUMBERS = {
+    Code.CANCELLED: 1, Code.INVALID_ARGUMENT: 3, Code.DEADLINE_EXCEEDED: 4, Code.NOT_FOUND: 5,
+    Code.ALREADY_EXISTS: 6, Code.PERMISSION_DENIED: 7, Code.RESOURCE_EXHAUSTED: 8,
+    Code.FAILED_PRECONDITION: 9, Code.UNAVAILABLE: 14, Code.UNAUTHENTICATED: 16,
+}
 
 
 class TandemError(Exception):
@@ -73,3 +89,15 @@ class PermissionDenied(TandemError):
 
 class Cancelled(TandemError):
     code = Code.CANCELLED
+
+
+_CLASSES: dict[object, type[TandemError]] = {}
+for _cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, ResourceExhausted, Unavailable,
+             DeadlineExceeded, Unauthenticated, PermissionDenied, Cancelled):
+    _CLASSES[_cls.code] = _CLASSES[_cls.code.value] = _CLASSES[_cls.code.number] = _cls
+
+
+def error_class(code: Code | str | int) -> type[TandemError] | None:
+    """The error type for a ``Code``, a status code name or a google.rpc number; None for codes
+    Tandem does not map (OK, UNKNOWN, INTERNAL, ...)."""
+    return _CLASSES.get(code)

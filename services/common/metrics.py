@@ -17,14 +17,12 @@ The endpoint is off unless a service's ``metrics_port`` setting is set (0 = any 
 tests use). Recording costs a few microseconds per RPC, and nothing at all when metrics are off:
 services then install no interceptor and create no registry.
 
-:func:`observe_handler` is the one place that wraps a gRPC method handler to learn when an RPC
-starts, what it streams and which status it ends with; per-service interceptors reuse it.
+:func:`observe_handler` learns when an RPC starts, what it streams and which status it ends with
+(on top of ``interceptors.wrap_handler``, the one wrapper); per-service interceptors reuse it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -32,28 +30,19 @@ from collections.abc import Callable, Sequence
 import grpc
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
-log = logging.getLogger(__name__)
+from services.common.interceptors import (
+    DEFAULT_EXCLUDED_METHOD_PREFIXES as EXCLUDED_METHOD_PREFIXES,
+    WrappingInterceptor,
+    status_of,
+    wrap_handler,
+)
 
-# Health probes and reflection are polled constantly (Health.Watch never ends) and say nothing
-# about serving.
-EXCLUDED_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+log = logging.getLogger(__name__)
 
 # From sub-millisecond kvstore verbs to minute-long Generate streams.
 RPC_LATENCY_BUCKETS_S = (
     0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 )
-
-
-def status_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
-    """The status an RPC ended with, as far as a server interceptor can tell (read-only)."""
-    code = context.code()
-    if isinstance(code, grpc.StatusCode):
-        return code
-    if exc is None:
-        return grpc.StatusCode.OK
-    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-        return grpc.StatusCode.CANCELLED
-    return grpc.StatusCode.UNKNOWN
 
 
 def observe_handler(
@@ -70,69 +59,28 @@ def observe_handler(
     ``on_start`` is always lowered). The callbacks must not raise.
     """
     clock = time.perf_counter
-    if handler.unary_unary is not None:
-        inner = handler.unary_unary
 
-        async def unary_unary(request, context):
-            if on_start is not None:
-                on_start()
-            started = clock()
-            error: BaseException | None = None
-            try:
-                response = await inner(request, context)
-                if on_message is not None:
-                    on_message(response)
-                return response
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                on_end(status_of(context, error), clock() - started)
+    def start(request, context) -> float:
+        if on_start is not None:
+            on_start()
+        return clock()
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer, handler.response_serializer)
-    if handler.unary_stream is not None:
-        inner_stream = handler.unary_stream
+    def end(started: float, context, exc) -> None:
+        on_end(status_of(context, exc), clock() - started)
 
-        async def unary_stream(request, context):
-            if on_start is not None:
-                on_start()
-            started = clock()
-            error: BaseException | None = None
-            try:
-                result = inner_stream(request, context)
-                if inspect.isasyncgen(result):
-                    try:
-                        async for item in result:
-                            if on_message is not None:
-                                on_message(item)
-                            yield item
-                    finally:
-                        await result.aclose()  # close the handler now, not whenever GC gets to it
-                else:
-                    await result  # a handler that writes with context.write()
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                on_end(status_of(context, error), clock() - started)
-
-        return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer, handler.response_serializer)
-    return handler
+    message = None if on_message is None else (lambda _started, msg: on_message(msg))
+    return wrap_handler(handler, start=start, on_message=message, end=end)
 
 
-class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+class RpcMetricsInterceptor(WrappingInterceptor):
     """Record ``tandem_rpc_duration_seconds{method, code}`` for every RPC (streams: until the last
     message). Place it right after the tracing interceptor so authentication failures count too."""
 
     def __init__(self, histogram: Histogram, *, exclude_prefixes: Sequence[str] = EXCLUDED_METHOD_PREFIXES):
+        super().__init__(exclude_prefixes)
         self._histogram = histogram
-        self._exclude = tuple(exclude_prefixes)
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method.startswith(self._exclude):
-            return handler
+    def wrap(self, handler, method):
         histogram = self._histogram
 
         def on_end(code: grpc.StatusCode, elapsed_s: float) -> None:

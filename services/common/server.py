@@ -29,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import TandemError
+from services.common.interceptors import WrappingInterceptor, wrap_handler
 
 log = logging.getLogger(__name__)
 
@@ -36,66 +37,27 @@ INTERNAL_MESSAGE = "internal error (see server logs)"
 
 
 def status_code_of(error: TandemError) -> grpc.StatusCode:
-    """The gRPC status code a domain error maps to."""
+    """The gRPC status code a domain error maps to (the names are shared, see ``errors.Code``)."""
     return grpc.StatusCode[error.code.value]
 
 
-async def _abort_for(exc: BaseException, context: grpc.aio.ServicerContext, method: str):
+async def abort_with_status(exc: BaseException, context: grpc.aio.ServicerContext, method: str = "") -> None:
+    """Answer the call for ``exc`` (always raises): a domain error's code and message, or a
+    bare INTERNAL after logging the stack trace."""
     if isinstance(exc, TandemError):
         await context.abort(status_code_of(exc), exc.message)
-    log.exception("internal error in %s", method, exc_info=exc)
+    log.error("internal error in %s", method or "an RPC handler", exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 
 
-def _passthrough(exc: BaseException) -> bool:
-    # context.abort() raises AbortError (already answered); cancellation must propagate, and so
-    # must GeneratorExit: a streaming handler abandoned at a yield (client gone) is closed with it.
-    return isinstance(exc, (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit))
-
-
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+class ErrorMappingInterceptor(WrappingInterceptor):
     """Map exceptions escaping any handler to status codes (see module docstring)."""
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
+    def wrap(self, handler, method):
+        async def on_error(exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+            await abort_with_status(exc, context, method)
 
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            async def unary_unary(request, context):
-                try:
-                    return await inner(request, context)
-                except BaseException as exc:  # noqa: BLE001 - mapped below
-                    if _passthrough(exc):
-                        raise
-                    await _abort_for(exc, context, method)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
-
-            async def unary_stream(request, context):
-                try:
-                    result = inner_stream(request, context)
-                    if inspect.isasyncgen(result):
-                        async for item in result:
-                            yield item
-                    else:
-                        await result
-                except BaseException as exc:  # noqa: BLE001
-                    if _passthrough(exc):
-                        raise
-                    await _abort_for(exc, context, method)
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer
-            )
-        return handler  # client/bidi streaming: none in Tandem's protos yet
+        return wrap_handler(handler, on_error=on_error)
 
 
 @dataclass

@@ -31,11 +31,10 @@ context, so a service that does not trace keeps the trace connected for the next
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import os
 from collections.abc import Sequence
+from functools import partial
 
 import grpc
 from opentelemetry import context as otel_context
@@ -45,12 +44,11 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from services.common.interceptors import DEFAULT_EXCLUDED_METHOD_PREFIXES, WrappingInterceptor, status_of, wrap_handler
+
 log = logging.getLogger(__name__)
 
 OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
-
-# Health probes and reflection are polled constantly and say nothing about a request.
-DEFAULT_EXCLUDED_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 # OpenTelemetry's gRPC conventions: a SERVER span is an error only for these codes; the others
 # (INVALID_ARGUMENT, NOT_FOUND, ...) are the caller's fault and leave the status unset.
@@ -128,21 +126,7 @@ def _finish_span(span: trace.Span, code: grpc.StatusCode) -> None:
         span.set_status(Status(StatusCode.ERROR, code.name))
 
 
-def _code_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> grpc.StatusCode:
-    """The status the RPC ended with, as far as the server can tell."""
-    code = context.code()
-    if isinstance(code, grpc.StatusCode):
-        return code
-    if exc is None:
-        return grpc.StatusCode.OK
-    if isinstance(exc, grpc.aio.AbortError):
-        return grpc.StatusCode.UNKNOWN  # aborted without a recorded code: should not happen
-    if isinstance(exc, asyncio.CancelledError):
-        return grpc.StatusCode.CANCELLED
-    return grpc.StatusCode.UNKNOWN
-
-
-class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
+class ServerTracingInterceptor(WrappingInterceptor):
     """One SERVER span per RPC (unary and server-streaming), continuing the caller's trace.
 
     The span is current while the handler runs, so internal spans and outgoing calls made by the
@@ -157,89 +141,29 @@ class ServerTracingInterceptor(grpc.aio.ServerInterceptor):
         *,
         exclude_prefixes: Sequence[str] = DEFAULT_EXCLUDED_METHOD_PREFIXES,
     ):
+        super().__init__(exclude_prefixes)
         self._tracer = get_tracer(__name__, tracer_provider)
-        self._exclude = tuple(exclude_prefixes)
 
-    def _start(self, method: str, metadata) -> trace.Span:
-        parent = propagate.extract(_metadata_carrier(metadata))
+    def wrap(self, handler, method):
+        tracer = self._tracer
         service, name = _split_method(method)
-        return self._tracer.start_span(
-            method,
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
-        )
+        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or method.startswith(self._exclude):
-            return handler
-        metadata = handler_call_details.invocation_metadata
-        start = self._start
+        def start(request, context):
+            parent = propagate.extract(_metadata_carrier(context.invocation_metadata()))
+            span = tracer.start_span(method, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+            return span, trace.set_span_in_context(span)
 
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
+        def around(state):
+            # Current only while the handler runs (each step), never across a yield of ours.
+            return partial(otel_context.detach, otel_context.attach(state[1]))
 
-            async def unary_unary(request, context):
-                span = start(method, metadata)
-                token = otel_context.attach(trace.set_span_in_context(span))
-                error: BaseException | None = None
-                try:
-                    return await inner(request, context)
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    _finish_span(span, _code_of(context, error))
-                    span.end()
-                    otel_context.detach(token)
+        def end(state, context, exc):
+            span = state[0]
+            _finish_span(span, status_of(context, exc))
+            span.end()
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
-
-            async def unary_stream(request, context):
-                span = start(method, metadata)
-                span_context = trace.set_span_in_context(span)
-                error: BaseException | None = None
-                try:
-                    result = inner_stream(request, context)
-                    if not inspect.isasyncgen(result):
-                        token = otel_context.attach(span_context)
-                        try:
-                            await result
-                        finally:
-                            otel_context.detach(token)
-                        return
-                    # The span is current only while the handler runs (each step), never across
-                    # our own yield: a generator closed later from another task must not detach
-                    # a context it did not attach.
-                    try:
-                        while True:
-                            token = otel_context.attach(span_context)
-                            try:
-                                item = await result.__anext__()
-                            except StopAsyncIteration:
-                                break
-                            finally:
-                                otel_context.detach(token)
-                            yield item
-                    finally:
-                        await result.aclose()  # close the handler now, not whenever GC gets to it
-                except BaseException as exc:
-                    error = exc
-                    raise
-                finally:
-                    _finish_span(span, _code_of(context, error))
-                    span.end()
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer
-            )
-        return handler  # client/bidi streaming: none in Tandem's protos
+        return wrap_handler(handler, start=start, around=around, end=end)
 
 
 def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:

@@ -2,29 +2,29 @@
 
 What it proves, per worker and for the shared trie:
 
-* conservation: free + cached + in use = total; counters match block states; the free queue holds
-  exactly the free blocks, once each; every evictable leaf has a live heap entry;
-* refcounts = live pins: each block's reference count equals the number of live reservations
-  whose table holds it (so nothing is leaked or double-freed), and no table holds a block twice;
-* residency: a published block's node names it as the worker's copy and vice versa; a node
-  resident on w has its parent resident on w, held by the block's ``parent`` link;
-  ``resident_children`` counts are exact;
-* trie: every non-root node is resident somewhere and reachable from its namespace's root; keys
-  chain correctly; the node counter is right;
+* conservation: every block is in exactly one place (free queue, one run, or one reservation's
+  own blocks), so free + cached + in use = total; the counters match; every cached leaf run has a
+  live eviction-heap entry;
+* refcounts = live pins: each run's pin count equals the number of live reservations whose
+  published prefix runs through it (so nothing is leaked or double-freed);
+* residency: a run names its node and the node names it; a run's parent is the worker's run of
+  the parent node (residency prefix-closed); ``resident_children`` counts are exact;
+* trie: every non-root node is resident somewhere, holds ``size`` blocks of the right length,
+  is reachable from its namespace's root under its first block; each worker's run has one id per
+  block; keys (when kept) chain correctly; the node and block counters are right;
 * reservations: published blocks spell the reservation's own key stream from the root; the
-  unpublished ones are private (ref 1, no node); the request index agrees.
+  request index agrees.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING
 
-from .block_pool import BlockState
-from .keys import DIGEST_SIZE, chain_key
+from .block_pool import chain
+from .keys import chain_key, first_block_material
 
 if TYPE_CHECKING:
-    from .radix_trie import RadixTrie
+    from .radix_trie import Node, RadixTrie
     from .records import ReservationRecord, WorkerRecord
 
 
@@ -35,101 +35,94 @@ def check(
     by_request: dict[str, ReservationRecord],
 ) -> list[str]:
     out: list[str] = []
+    nodes = list(trie.iter_nodes())
     for wid, worker in workers.items():
-        out += worker.pool.audit(f"worker {wid}")
-        out += _check_pins(wid, worker)
-        out += _check_residency(wid, worker)
-    out += _check_trie(workers, trie)
+        runs = [n.residency[wid] for n in nodes if wid in n.residency]
+        own = [r.own for r in worker.reservations.values()]
+        out += worker.pool.audit(f"worker {wid}", runs, own)
+        out += _check_pins(wid, worker, runs)
+    out += _check_trie(workers, trie, nodes)
     out += _check_reservations(workers, trie, reservations, by_request)
     return out
 
 
-def _check_pins(wid: str, worker: WorkerRecord) -> list[str]:
+def _check_pins(wid: str, worker: WorkerRecord, runs: list) -> list[str]:
     out = []
-    pins = [0] * worker.pool.num_blocks
+    pins: dict[int, int] = {}
     for record in worker.reservations.values():
-        ids = [b.block_id for b in record.blocks]
-        if len(set(ids)) != len(ids):
-            out.append(f"worker {wid}: reservation {record.reservation_id} holds a block twice")
-        for block in record.blocks:
-            if worker.pool.blocks[block.block_id] is not block:
-                out.append(f"worker {wid}: reservation {record.reservation_id} holds a foreign block")
-            else:
-                pins[block.block_id] += 1
-    for block in worker.pool.blocks:
-        if block.ref_count != pins[block.block_id]:
-            out.append(f"worker {wid}: block {block.block_id} ref {block.ref_count} != {pins[block.block_id]} live pins")
-        if (block.state is BlockState.IN_USE) != (pins[block.block_id] > 0):
-            out.append(f"worker {wid}: block {block.block_id} is {block.state.name} with {pins[block.block_id]} pins")
+        published = 0
+        for run in chain(record.last):
+            pins[id(run)] = pins.get(id(run), 0) + 1
+            published += len(run.ids)
+            if run.node is None or run.node.residency.get(wid) is not run:
+                out.append(f"worker {wid}: reservation {record.reservation_id} pins a run that is not resident")
+        if published != record.published:
+            out.append(f"worker {wid}: reservation {record.reservation_id} pins {published} blocks, says {record.published}")
+    for run in runs:
+        if run.ref != pins.get(id(run), 0):
+            out.append(f"worker {wid}: run ending in block {run.ids[-1]} has ref {run.ref} != {pins.get(id(run), 0)} live pins")
     return out
 
 
-def _check_residency(wid: str, worker: WorkerRecord) -> list[str]:
+def _check_trie(workers: dict[str, WorkerRecord], trie: RadixTrie, nodes: list[Node]) -> list[str]:
     out = []
-    for block in worker.pool.blocks:
-        node = block.node
-        if node is None:
-            if block.resident_children:
-                out.append(f"worker {wid}: unpublished block {block.block_id} counts resident children")
-            continue
-        if node.residency.get(wid) is not block:
-            out.append(f"worker {wid}: block {block.block_id}'s node does not name it as resident")
-        if node.parent is None:
-            out.append(f"worker {wid}: block {block.block_id} holds a detached or root node")
-            continue
-        if node.parent.parent is not None and wid not in node.parent.residency:
-            out.append(f"worker {wid}: block {block.block_id} resident but its parent node is not")
-        elif block.parent is not (node.parent.residency[wid] if node.parent.parent is not None else None):
-            out.append(f"worker {wid}: block {block.block_id} does not link the block of its parent node")
-        children = sum(1 for c in node.children.values() if wid in c.residency)
-        if children != block.resident_children:
-            out.append(f"worker {wid}: block {block.block_id} counts {block.resident_children} resident children, has {children}")
-    return out
-
-
-def _check_trie(workers: dict[str, WorkerRecord], trie: RadixTrie) -> list[str]:
-    out = []
-    count = 0
+    blocks = 0
     for namespace, root in trie.roots.items():
-        if root.namespace != namespace or root.key != namespace.root_key() or root.depth != 0:
+        if root.namespace != namespace or root.depth != 0 or root.keys != [namespace.root_key()]:
             out.append(f"trie: root of {namespace} is inconsistent")
         if not root.children:
             out.append(f"trie: root of {namespace} has no children")
-    for node in trie.iter_nodes():
-        count += 1
+    for node in nodes:
+        blocks += node.size
         parent = node.parent
-        if parent is None or parent.children.get(node.content) is not node or node.depth != parent.depth + 1:
-            out.append(f"trie: node at depth {node.depth} is not linked to its parent")
+        where = f"trie: node at depth {node.depth}"
+        if parent is None or parent.children.get(node.content[: node.head]) is not node:
+            out.append(f"{where} is not linked to its parent")
             continue
+        if node.depth != (1 if parent.parent is None else parent.depth + parent.size):
+            out.append(f"{where} does not follow its parent's last block")
+        bs, span = node.namespace.block_size, node.namespace.span
+        head = (bs + span) * 4 if node.depth == 1 else bs * 4
+        if node.size < 1 or node.head != head or len(node.content) != head + (node.size - 1) * bs * 4:
+            out.append(f"{where} has {len(node.content)} content bytes for {node.size} blocks")
         if not node.residency:
-            out.append(f"trie: node at depth {node.depth} is resident nowhere")
-        for wid, block in node.residency.items():
+            out.append(f"{where} is resident nowhere")
+        for wid, run in node.residency.items():
             worker = workers.get(wid)
-            if worker is None or worker.pool.blocks[block.block_id] is not block:
-                out.append(f"trie: node at depth {node.depth} resident on a dropped worker {wid}")
-            elif block.node is not node or block.state is BlockState.FREE:
-                out.append(f"trie: worker {wid} block {block.block_id} does not hold the node naming it")
-            elif worker.namespace(node.namespace.cache_salt) != node.namespace:
-                out.append(f"trie: worker {wid} holds a node of a foreign namespace")
-        span = node.namespace.span
-        if node.depth == 1:
-            head = (span + 1) * 4
-            material = _blake(node.content[:head]) + node.content[head:]
-        else:
-            material = node.content
-        bs = node.namespace.block_size
-        expected_len = (bs + span if node.depth == 1 else bs) * 4
-        if len(node.content) != expected_len:
-            out.append(f"trie: node at depth {node.depth} has content of {len(node.content)} bytes")
-        if node.key != chain_key(parent.key, material):
-            out.append(f"trie: node at depth {node.depth} has a key that does not chain from its parent")
-    if count != trie.num_nodes:
-        out.append(f"trie: counter says {trie.num_nodes} nodes, found {count}")
+            if worker is None:
+                out.append(f"{where} resident on a dropped worker {wid}")
+                continue
+            if run.node is not node or len(run.ids) != node.size:
+                out.append(f"{where}: worker {wid}'s run does not hold it block for block")
+            expected_parent = parent.residency.get(wid) if parent.parent is not None else None
+            if parent.parent is not None and expected_parent is None:
+                out.append(f"{where} resident on {wid} but its parent is not")
+            elif run.parent is not expected_parent:
+                out.append(f"{where}: worker {wid}'s run does not link the run of its parent node")
+            children = sum(1 for c in node.children.values() if wid in c.residency)
+            if children != run.resident_children:
+                out.append(f"{where}: worker {wid}'s run counts {run.resident_children} resident children, has {children}")
+            if worker.namespace(node.namespace.cache_salt) != node.namespace:
+                out.append(f"{where}: worker {wid} holds a node of a foreign namespace")
+        if node.keys is not None:
+            out += _check_keys(node, where)
+    if blocks != trie.num_blocks or len(nodes) != trie.num_nodes:
+        out.append(f"trie: counters say {trie.num_nodes} nodes / {trie.num_blocks} blocks, found {len(nodes)} / {blocks}")
     return out
 
 
-def _blake(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
+def _check_keys(node: Node, where: str) -> list[str]:
+    key = node.parent.keys[-1]
+    if len(node.keys) != node.size:
+        return [f"{where} keeps {len(node.keys)} keys for {node.size} blocks"]
+    for i in range(node.size):
+        material = node.content[node.end_of(i) : node.end_of(i + 1)]
+        if node.depth == 1 and i == 0:
+            material = first_block_material(material, node.namespace.span)
+        key = chain_key(key, material)
+        if node.keys[i] != key:
+            return [f"{where} has a key that does not chain from its parent"]
+    return []
 
 
 def _check_reservations(
@@ -150,17 +143,31 @@ def _check_reservations(
         if by_request.get(record.request_id) is not record:
             out.append(f"reservation {rid}: request index disagrees")
         stream = record.stream
-        if record.published > min(len(record.blocks), stream.num_keyed_blocks):
-            out.append(f"reservation {rid}: {record.published} published blocks exceed table/keyed blocks")
+        if record.published > stream.num_keyed_blocks:
+            out.append(f"reservation {rid}: {record.published} published blocks exceed its keyed blocks")
             continue
         node = trie.root(record.namespace) if record.published else None
-        for j, block in enumerate(record.blocks):
-            if j < record.published:
-                expected = node.children.get(stream.block_content(j)) if node is not None else None
-                if expected is None or block.node is not expected:
-                    out.append(f"reservation {rid}: published block {j} does not spell its key stream")
-                    break
-                node = expected
-            elif block.node is not None or block.ref_count != 1:
-                out.append(f"reservation {rid}: own block {j} (id {block.block_id}) is shared or published")
+        for j in range(record.published):
+            # Walk block by block, as a from-scratch reader of the key scheme would.
+            child = _block_child(node, stream.block_content(j), j)
+            if child is None:
+                out.append(f"reservation {rid}: published block {j} does not spell its key stream")
+                break
+            node = child
+        else:
+            if record.last is not None and node != (record.last.node, record.last.node.size):
+                out.append(f"reservation {rid}: its published prefix does not end at its last run")
     return out
+
+
+def _block_child(at: tuple | Node | None, content: bytes, j: int):
+    """One block further down from ``at`` = (node, blocks of it consumed) or a root node."""
+    if at is None:
+        return None
+    node, used = at if isinstance(at, tuple) else (at, at.size)
+    if used < node.size:
+        if node.content[node.end_of(used) : node.end_of(used + 1)] != content:
+            return None
+        return node, used + 1
+    child = node.children.get(content)
+    return None if child is None else (child, 1)

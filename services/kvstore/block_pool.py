@@ -1,262 +1,286 @@
-"""One worker's pool of paired blocks: block states, the free queue and the eviction order.
+"""One worker's pool of paired blocks: the free queue, the pin counts of its runs and the eviction
+order. Block ``b`` names page ``b`` of the worker's target KV pool *and* page ``b`` of its draft KV
+pool, so the two pools cannot disagree about which prefix they hold.
 
-Block ``b`` names page ``b`` of the worker's target KV pool *and* page ``b`` of its draft KV pool,
-so the two pools cannot disagree about which prefix they hold. Every block is in exactly one state::
+Blocks are plain ints. Published blocks live in **runs**: a ``Run`` is one worker's copy of one
+trie node (a node holds a run of consecutive blocks, see ``radix_trie``), with one pin count and
+one logical tick for all its blocks, because reservations pin and unpin whole prefixes. Every
+block is in exactly one place, and its state follows from the place::
 
-        allocate                pin (reuse / dedup)
-    FREE ─────────▶ IN_USE ◀───────────────────── CACHED
-      ▲  unpin to 0,               │  unpin to 0,           │
-      │  unpublished               └──── published ────────▶│
-      └─────────────────────────────────────────────────────┘ evict (leaf, LRU)
+        take_free               pin_chain (reuse / dedup)
+    FREE ─────────▶ own block ───publish──▶ run, ref > 0 (IN_USE) ◀─────────── run, ref 0 (CACHED)
+      ▲  of a reservation (IN_USE)                │ unpin_chain to 0                ▲       │
+      │                                            └────────────────────────────────┘       │
+      └──────────── release_own (trim / release / dedup copy) ◀── evict (leaf run, LRU) ◀───┘
 
-* The **free queue** is FIFO: ids ``0 .. N-1`` initially, allocation pops the head, freed blocks go
-  to the tail. Only this class touches it. Eviction happens only when the queue is empty, and the
-  victim is handed out directly.
-* **Evictable** blocks are cached (published, ref 0) *leaves*: a block whose trie node has children
-  resident on this worker is pinned by them. Order: least recently used on the store's logical
-  clock, then deeper first, then lower block id. They sit in a heap of integer keys with lazy
-  invalidation: an entry is live only while the block is still a cached leaf whose ``heap_key``
+* The **free queue** is FIFO: ids ``0 .. N-1`` initially; allocation pops the head, freed blocks go
+  to the tail. Eviction happens only when the queue is empty, and victims are handed out directly.
+* **Evictable** runs are cached (ref 0) *leaves*: no child node is resident on this worker. The
+  order is exact at block granularity: a block's key is (tick of its run, deeper first, lower
+  id); a leaf run's only evictable block is its last one, and once it is gone the one before is
+  next. ``evict`` takes as many tail blocks of the best run as come before the next-best run's
+  key, so whole runs go in one step and the order is the per-block one.
+* Heap entries are ints ``tick << 56 | (DEPTH_MAX - depth of last block) << 24 | last id`` with
+  lazy invalidation: an entry is live while its run is still a cached leaf whose ``heap_key``
   equals it.
 
-All methods mutate the pool unless they say otherwise. The store checks capacity
-(``available_for``) *before* mutating anything, so these calls never fail halfway.
+Field owners: this module writes ``Run.ref``, ``Run.tick`` and ``Run.heap_key``; the trie writes
+``Run.ids``, ``Run.node``, ``Run.parent`` and ``Run.resident_children``. The store checks capacity
+(``available``) before mutating anything, so nothing here fails halfway. Every method mutates the
+pool unless it says it is read-only.
 """
 
 from __future__ import annotations
 
-import enum
 import heapq
 from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .radix_trie import Node
+    from .radix_trie import Node, RadixTrie
 
-# Heap key = tick << 56 | (DEPTH_MAX - depth) << 24 | block_id: one int compare orders entries
-# by (LRU tick, deeper first, lower id). num_blocks <= 2**24 is enforced at registration.
 _ID_BITS = 24
 _DEPTH_MAX = (1 << 32) - 1
 _ID_MASK = (1 << _ID_BITS) - 1
+_NO_KEY = 1 << 120  # above every real key: "nothing else is evictable"
 
 
-class BlockState(enum.IntEnum):
-    FREE = 0
-    CACHED = 1  # published, unreferenced: evictable once it is a leaf
-    IN_USE = 2  # referenced by at least one live reservation
+class Run:
+    """One worker's copy of one trie node: block ``ids[i]`` holds the node's block ``i``."""
 
+    __slots__ = ("ids", "node", "parent", "resident_children", "ref", "tick", "heap_key")
 
-_FREE, _CACHED, _IN_USE = BlockState.FREE, BlockState.CACHED, BlockState.IN_USE
-
-
-class Block:
-    """One paired block (target page + draft page with the same id)."""
-
-    __slots__ = ("block_id", "state", "ref_count", "node", "parent", "last_used", "resident_children", "heap_key")
-
-    def __init__(self, block_id: int):
-        self.block_id = block_id
-        self.state = _FREE
-        self.ref_count = 0
-        self.node: Node | None = None  # trie node it holds (published blocks only)
-        self.parent: Block | None = None  # block holding node.parent here (meaningful while node is set)
-        self.last_used = 0  # logical tick of the last pin/unpin
-        self.resident_children = 0  # children of ``node`` resident on this worker (pin the block)
+    def __init__(self, ids: list[int], node: Node, parent: Run | None, ref: int, tick: int):
+        self.ids = ids
+        self.node = node  # None once evicted or dropped
+        self.parent = parent  # this worker's run of node.parent (None below a root)
+        self.resident_children = 0  # child runs on this worker: while > 0 the run is no leaf
+        self.ref = ref  # live reservations whose published prefix runs through this run
+        self.tick = tick  # logical time of the last pin or unpin
         self.heap_key = -1  # key of its live eviction-heap entry, -1 if none
 
+    def last_depth(self) -> int:
+        node = self.node
+        return node.depth + len(self.ids) - 1
+
     def __repr__(self) -> str:
-        return f"Block({self.block_id}, {self.state.name}, ref={self.ref_count})"
+        return f"Run({self.ids}, ref={self.ref}, tick={self.tick})"
+
+
+def chain(run: Run | None) -> list[Run]:
+    """The runs from the root down to ``run`` (read-only): a reservation's published prefix."""
+    out = []
+    while run is not None:
+        out.append(run)
+        run = run.parent
+    out.reverse()
+    return out
 
 
 class BlockPool:
-    """Blocks ``0 .. num_blocks-1`` of one worker with their counters."""
+    """Blocks ``0 .. num_blocks-1`` of one worker: free queue, counters and eviction heap."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, worker_id: str = ""):
         if not 1 <= num_blocks <= 1 << _ID_BITS:
             raise ValueError(f"num_blocks must be in [1, 2**{_ID_BITS}]")
         self.num_blocks = num_blocks
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: deque[Block] = deque(self.blocks)
-        self.num_cached = 0
-        self.num_in_use = 0
+        self.worker_id = worker_id
+        self._free: deque[int] = deque(range(num_blocks))
+        self.num_cached = 0  # blocks in runs with ref 0
+        self.num_in_use = 0  # blocks in pinned runs + own blocks of reservations
         self._heap: list[int] = []
+        self._heap_runs: dict[int, Run] = {}
 
     # -- read-only ---------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def available_for(self, pins_of_cached: int) -> int:
+    def available(self, pins_of_cached: int) -> int:
         """Blocks an allocation could obtain after pinning ``pins_of_cached`` cached blocks: free
         plus cached ones (read-only). Every cached block is evictable eventually, leaves first,
-        because a pinned block's ancestors are pinned too (reservations pin whole prefixes)."""
+        because a pinned run's ancestors are pinned too (reservations pin whole prefixes)."""
         return len(self._free) + self.num_cached - pins_of_cached
 
     def free_ids(self) -> list[int]:
-        """Free queue in allocation order (read-only; for tests and audits)."""
-        return [b.block_id for b in self._free]
-
-    @staticmethod
-    def is_evictable(block: Block) -> bool:
-        return block.state is _CACHED and block.resident_children == 0
+        """Free queue in allocation order (read-only)."""
+        return list(self._free)
 
     def eviction_order(self) -> list[int]:
-        """Ids of the current evictable leaves in the order they would go now (read-only; the
-        parents they expose would follow later)."""
-        return [key & _ID_MASK for key in sorted(k for k in self._heap if self._live(k))]
+        """Last block ids of the current evictable leaf runs in the order they would go now
+        (read-only; the blocks before them and the parents they expose follow later)."""
+        return [k & _ID_MASK for k in sorted(k for k in self._heap if self._live(k))]
 
     def _live(self, key: int) -> bool:
-        block = self.blocks[key & _ID_MASK]
-        return block.heap_key == key and block.state is _CACHED and block.resident_children == 0
+        run = self._heap_runs.get(key)
+        return run is not None and run.heap_key == key and run.ref == 0 and run.resident_children == 0
+
+    @staticmethod
+    def key_of(run: Run) -> int:
+        """Eviction key of a leaf run's last block (read-only)."""
+        return (run.tick << 56) | ((_DEPTH_MAX - run.last_depth()) << _ID_BITS) | run.ids[-1]
 
     # -- transitions -------------------------------------------------------------------------
-    def allocate(self, count: int, evicted: list[Node] | None = None) -> list[Block]:
-        """Hand out ``count`` blocks (-> IN_USE, one reference each): the free queue's head
-        first; once it is empty, LRU leaves are evicted, so the victims are the last
-        ``len(evicted)`` blocks returned, in eviction order. Each victim's trie node is appended
-        to ``evicted`` and its ``node`` cleared: the caller must then drop those nodes' residency
-        on this worker (in that order, deepest first). The caller has checked ``available_for``;
-        running out anyway is a bug (LookupError)."""
-        free, heap, blocks = self._free, self._heap, self.blocks
-        take = min(count, len(free))
-        out = [free.popleft() for _ in range(take)]
-        for block in out:
-            block.state = _IN_USE
-            block.ref_count = 1
-        if take < count:
-            if evicted is None:
-                evicted = []
-            append_node, append = evicted.append, out.append
-            heappop, heappushpop = heapq.heappop, heapq.heappushpop
-            # A parent exposed by an eviction is usually the next victim: keep its key aside and
-            # let heappushpop return it without a round trip through the heap.
-            pending = -1
-            for _ in range(count - take):
-                while True:
-                    if pending >= 0:
-                        key = heappushpop(heap, pending)
-                        pending = -1
-                    elif heap:
-                        key = heappop(heap)
-                    else:
-                        raise LookupError("no evictable block left")
-                    block = blocks[key & _ID_MASK]
-                    if block.heap_key == key and block.state is _CACHED and block.resident_children == 0:
-                        break
-                append_node(block.node)
-                block.node = None
-                block.heap_key = -1
-                block.state = _IN_USE
-                block.ref_count = 1
-                append(block)
-                parent = block.parent
-                if parent is not None:
-                    left = parent.resident_children = parent.resident_children - 1
-                    if left == 0 and parent.state is _CACHED:
-                        pending = parent.heap_key = (
-                            (parent.last_used << 56) | ((_DEPTH_MAX - parent.node.depth) << _ID_BITS) | parent.block_id
-                        )  # == self._key(parent), inlined: this is the eviction hot loop
-            if pending >= 0:
-                self._push_key(pending)
-            self.num_cached -= count - take
-        self.num_in_use += count
+    def take_free(self, count: int) -> list[int]:
+        """Pop up to ``count`` ids from the head of the free queue (they become own blocks)."""
+        free = self._free
+        if count >= len(free):
+            out = list(free)
+            free.clear()
+        else:
+            popleft = free.popleft
+            out = [popleft() for _ in range(count)]
+        self.num_in_use += len(out)
         return out
 
-    def pin(self, block: Block, tick: int) -> None:
-        """Add a reference to a published block (CACHED -> IN_USE on the first one)."""
-        self.pin_many((block,), tick)
+    def release_own(self, ids: list[int]) -> None:
+        """Own (unpublished) blocks go back to the tail of the free queue, in order."""
+        self._free.extend(ids)
+        self.num_in_use -= len(ids)
 
-    def pin_many(self, blocks, tick: int) -> None:
-        """Add a reference to each published block (one call per prefix: Reserve's hot path)."""
+    def pin_chain(self, run: Run | None, tick: int) -> None:
+        """Add one reference to ``run`` and every run above it (a reservation's new prefix)."""
         moved = 0
-        for block in blocks:
-            if block.state is _CACHED:
-                block.state = _IN_USE
-                moved += 1
-            block.ref_count += 1
-            block.last_used = tick
+        while run is not None:
+            if not run.ref:
+                moved += len(run.ids)
+            run.ref += 1
+            run.tick = tick
+            run = run.parent
         self.num_cached -= moved
         self.num_in_use += moved
 
-    def unpin_many(self, blocks, tick: int) -> int:
-        """Drop one reference from each block. At zero, a published block becomes CACHED
-        (evictable if a leaf) and an unpublished one FREE (tail of the free queue, in the given
-        order). Returns how many were freed."""
-        released = freed = 0
-        free = self._free
-        for block in blocks:
-            block.ref_count -= 1
-            block.last_used = tick
-            if block.ref_count:
-                continue
-            released += 1
-            if block.node is None:
-                block.state = _FREE
-                free.append(block)
-                freed += 1
-            else:
-                block.state = _CACHED
-                if block.resident_children == 0:
-                    self._push(block)
-        self.num_in_use -= released
-        self.num_cached += released - freed
-        return freed
+    def pin_one(self, run: Run, tick: int) -> None:
+        """Add one reference to ``run`` alone (its parents are pinned by the same reservation)."""
+        if not run.ref:
+            self.num_cached -= len(run.ids)
+            self.num_in_use += len(run.ids)
+        run.ref += 1
+        run.tick = tick
 
-    def chain_published(self, parent: Block | None, blocks) -> None:
-        """``blocks`` now hold a chain of trie nodes below ``parent``'s node (None: below the
-        root): link each to its parent block and count it as a resident child there (a parent
-        is no longer a leaf; any heap entry of it dies by the live-check)."""
-        for block in blocks:
-            block.parent = parent
-            if parent is not None:
-                parent.resident_children += 1
-            parent = block
+    def unpin_chain(self, run: Run | None, tick: int) -> int:
+        """Drop one reference from ``run`` and every run above it; runs reaching 0 become cached
+        (evictable if leaves). Returns how many blocks were unpinned."""
+        unpinned = moved = 0
+        while run is not None:
+            n = len(run.ids)
+            unpinned += n
+            run.ref -= 1
+            run.tick = tick
+            if not run.ref:
+                moved += n
+                if not run.resident_children:
+                    self.push(run)
+            run = run.parent
+        self.num_in_use -= moved
+        self.num_cached += moved
+        return unpinned
 
-    @staticmethod
-    def _key(block: Block) -> int:
-        return (block.last_used << 56) | ((_DEPTH_MAX - block.node.depth) << _ID_BITS) | block.block_id
-
-    def _push(self, block: Block) -> None:
-        block.heap_key = key = self._key(block)
-        self._push_key(key)
-
-    def _push_key(self, key: int) -> None:
+    def push(self, run: Run) -> None:
+        """(Re)enter a cached leaf run into the eviction heap under its current key."""
+        run.heap_key = key = self.key_of(run)
+        self._heap_runs[key] = run
         heap = self._heap
         heapq.heappush(heap, key)
         if len(heap) > 2 * self.num_blocks + 64:
             # Dead entries pile up under churn; rebuild from the live ones to bound memory.
-            self._heap = [k for k in heap if self._live(k)]
-            heapq.heapify(self._heap)
+            live = [k for k in heap if self._live(k)]
+            heapq.heapify(live)
+            self._heap = live
+            self._heap_runs = {k: self._heap_runs[k] for k in live}
+
+    def _pop_live(self) -> Run:
+        heap, runs = self._heap, self._heap_runs
+        heappop = heapq.heappop
+        while heap:
+            key = heappop(heap)
+            run = runs.pop(key, None)
+            if run is not None and run.heap_key == key and run.ref == 0 and run.resident_children == 0:
+                run.heap_key = -1
+                return run
+        raise LookupError("no evictable block left")
+
+    def _peek_live(self) -> int:
+        heap, runs = self._heap, self._heap_runs
+        while heap:
+            key = heap[0]
+            run = runs.get(key)
+            if run is not None and run.heap_key == key and run.ref == 0 and run.resident_children == 0:
+                return key
+            heapq.heappop(heap)  # dead: its run was pinned, re-keyed, grew a child or left
+            if run is not None:
+                del runs[key]
+                if run.heap_key == key:
+                    run.heap_key = -1
+        return _NO_KEY
+
+    def evict(self, count: int, trie: RadixTrie, victims: list[int], keys: list | None) -> None:
+        """Evict ``count`` cached blocks in exact LRU-leaf order into ``victims`` (then own blocks
+        of the caller: in use). Their keys go to ``keys`` when events are on. The caller checked
+        ``available``; running out anyway is a bug (LookupError)."""
+        while count:
+            run = self._pop_live()
+            size = len(run.ids)
+            nxt = self._peek_live()
+            if run.tick < nxt >> 56:
+                take = size  # older than every other leaf: the whole run goes first
+            else:
+                # Same tick as the next-best leaf: blocks deeper than its block go first, then at
+                # equal depth the lower id (the per-block order, computed in one step).
+                depth = run.last_depth()
+                other = _DEPTH_MAX - ((nxt >> _ID_BITS) & _DEPTH_MAX)
+                take = max(depth - other, 0)
+                if take < size and run.ids[size - 1 - take] < (nxt & _ID_MASK):
+                    take += 1
+                take = max(take, 1)  # run's own last block is the minimum
+            take = min(take, size, count)
+            rest = trie.evict_tail(run, take, self.worker_id, victims, keys)
+            count -= take
+            self.num_cached -= take
+            self.num_in_use += take
+            if rest is not None:
+                self.push(rest)  # a shorter leaf: its next block competes again
+            else:
+                parent = run.parent
+                if parent is not None and not parent.resident_children and not parent.ref:
+                    self.push(parent)
 
     # -- audit -------------------------------------------------------------------------------
-    def audit(self, prefix: str) -> list[str]:
-        """Check the pool's own bookkeeping (read-only): counters match states, the free queue
-        holds exactly the free blocks once each, and every evictable leaf has a live heap entry."""
+    def audit(self, prefix: str, runs: list[Run], own: list[list[int]]) -> list[str]:
+        """Check the pool against the runs resident on the worker and the reservations' own
+        blocks (read-only): every block in exactly one place, counters right, every cached leaf
+        run in the heap."""
         out: list[str] = []
-        by_state = {s: 0 for s in BlockState}
-        for b in self.blocks:
-            by_state[b.state] += 1
-            if b.state is _FREE and (b.ref_count or b.node is not None):
-                out.append(f"{prefix}: free block {b.block_id} has ref {b.ref_count} / node")
-            if b.state is _CACHED and (b.ref_count or b.node is None):
-                out.append(f"{prefix}: cached block {b.block_id} has ref {b.ref_count} / no node")
-            if b.state is _IN_USE and b.ref_count < 1:
-                out.append(f"{prefix}: in-use block {b.block_id} has ref {b.ref_count}")
-        free_ids = [b.block_id for b in self._free]
-        if len(set(free_ids)) != len(free_ids):
-            out.append(f"{prefix}: free queue holds a block twice")
-        if any(self.blocks[i].state is not _FREE for i in free_ids):
-            out.append(f"{prefix}: free queue holds a non-free block")
-        if len(free_ids) != by_state[_FREE]:
-            out.append(f"{prefix}: {by_state[_FREE]} free blocks but queue of {len(free_ids)}")
-        if by_state[_CACHED] != self.num_cached or by_state[_IN_USE] != self.num_in_use:
+        where = [0] * self.num_blocks
+        for i in self._free:
+            where[i] += 1
+        cached = in_use = 0
+        for run in runs:
+            for i in run.ids:
+                where[i] += 1
+            if run.ref:
+                in_use += len(run.ids)
+            else:
+                cached += len(run.ids)
+        for ids in own:
+            in_use += len(ids)
+            for i in ids:
+                where[i] += 1
+        lost = [i for i, n in enumerate(where) if n != 1]
+        if lost:
+            out.append(f"{prefix}: blocks {lost[:8]} are held {[where[i] for i in lost[:8]]} times (free/run/own)")
+        if cached != self.num_cached or in_use != self.num_in_use:
             out.append(
-                f"{prefix}: counters cached={self.num_cached} in_use={self.num_in_use} but states "
-                f"cached={by_state[_CACHED]} in_use={by_state[_IN_USE]}"
+                f"{prefix}: counters cached={self.num_cached} in_use={self.num_in_use} but runs and "
+                f"reservations hold cached={cached} in_use={in_use}"
             )
         if self.num_free + self.num_cached + self.num_in_use != self.num_blocks:
             out.append(f"{prefix}: free + cached + in_use != {self.num_blocks}")
-        live = {k & _ID_MASK for k in self._heap if self._live(k)}
-        leaves = {b.block_id for b in self.blocks if self.is_evictable(b)}
+        live = {self._heap_runs[k].ids[-1] for k in self._heap if self._live(k)}
+        leaves = {r.ids[-1] for r in runs if not r.ref and not r.resident_children}
         if live != leaves:
-            out.append(f"{prefix}: evictable leaves {sorted(leaves)} but live heap entries {sorted(live)}")
+            out.append(f"{prefix}: evictable leaf runs end in {sorted(leaves)} but live heap entries {sorted(live)}")
+        for run in runs:
+            if run.heap_key >= 0 and self._live(run.heap_key) and run.heap_key != self.key_of(run):
+                out.append(f"{prefix}: run ending in {run.ids[-1]} sits in the heap under a stale key")
         return out

@@ -17,8 +17,8 @@ Two equivalent views of the same stream:
   serve another prompt's KV).
 * **digest view**: ``position_keys()`` spells out ``[k0, t[1+D], ...]``; the 256-bit ``BlockKey``
   of a block is ``blake2b-256(parent key || k0-or-nothing || the block's uint32 keys)``, chained
-  from the namespace root ``blake2b-256(encoded namespace)``. Trie nodes derive it lazily, on the
-  first read (events, audits); the content view alone serves Match/Reserve/Publish.
+  from the namespace root ``blake2b-256(encoded namespace)``. The trie computes it at publish
+  only when block events are on; the content view alone serves Match/Reserve/Publish.
 
 Nothing here mutates shared state; ``KeyStream`` is immutable (``appended`` returns a new one).
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NewType
 
 import numpy as np
@@ -56,6 +56,15 @@ class Namespace:
     spec_mode: SpecMode
     span: int
     cache_salt: bytes = b""
+
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Looked up on every Match/Reserve (trie roots, per-call walks): hash the fields once.
+        object.__setattr__(self, "_hash", hash((self.model_id, self.block_size, self.spec_mode, self.span, self.cache_salt)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def encode(self) -> bytes:
         """Unambiguous byte encoding (length-prefixed strings), the input of the root key."""

@@ -81,6 +81,6 @@ class KVStoreCollector(Collector):
         yield from counters
         yield GaugeMetricFamily("tandem_kvstore_workers", "Registered workers with a live lease", value=len(stats.workers))
         yield GaugeMetricFamily("tandem_kvstore_live_reservations", "Live reservations, all workers", value=stats.live_reservations)
-        yield GaugeMetricFamily("tandem_kvstore_trie_nodes", "Nodes of the radix index", value=stats.trie_nodes)
+        yield GaugeMetricFamily("tandem_kvstore_trie_nodes", "Distinct published blocks in the radix index", value=stats.trie_nodes)
         yield CounterMetricFamily("tandem_kvstore_matches", "Match calls answered", value=stats.matches)
         yield CounterMetricFamily("tandem_kvstore_reservations_created", "Reservations created", value=stats.reservations_created)

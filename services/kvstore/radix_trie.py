@@ -1,141 +1,97 @@
-"""The radix trie of published blocks, shared by all workers.
+"""The radix trie of published blocks, shared by all workers, path-compressed into runs.
 
-One root per ``Namespace``; below it every edge is one block, labelled by the block's exact
-content bytes (see ``keys``), so a path from the root spells a prefix of the key stream::
+One root per ``Namespace``. Below it every node holds a **run** of consecutive blocks: its
+``content`` is the exact bytes of their key-stream positions (see ``keys``), which is one
+contiguous slice of any prompt that spells it, so a walk compares a whole run in one slice
+compare. A child is filed under the content of its first block::
 
-    root(ns) ──content(b0)──▶ N1 ──content(b1)──▶ N2 ──...
-                               │ residency {gpu0: block 7, gpu1: block 3}
-                               └─content(b1')──▶ N2'   residency {gpu1: block 9}
+    root(ns) ──[b0 b1 b2 b3]──▶ A ──[b4 b5]──▶ B         A.residency {gpu0: Run(ids [7, 2, 9, 4]),
+                                 │                                   gpu1: Run(ids [3, 5, 1, 8])}
+                                 └──[b4' b5' b6']──▶ C    C.residency {gpu1: Run(ids [6, 0, 11])}
 
-A node records on which workers it is resident and under which ``Block``. Residency is
-prefix-closed per worker (resident on w ⇒ parent resident on w), which the store keeps by
-publishing in order and evicting leaves only. A node with no residency has no children either
-and is pruned at once, so every non-root node is resident somewhere. Roots without children are
-dropped too. Keys are derived lazily from ``Chain`` records, which events keep alive instead of
-the (short-lived) nodes.
+A node's ``residency`` maps each worker holding it to that worker's ``Run`` (block ids + pin
+count, see ``block_pool``). Residency is whole-node and prefix-closed per worker (resident on w
+⇒ parent resident on w). Where a walk, a reservation or an eviction needs a boundary inside a
+node, the node is **split** there, for every worker at once (the old ``Run`` objects keep the
+lower part, so reservations pointing at them stay right)::
 
-Evictions prune ~one node per evicted block and the next Publish creates as many: pruned nodes
-go to a small spare list and ``attach_chain`` refills them (allocation and teardown of a node and
-its two dicts cost more than the rest of its bookkeeping). Only nodes nobody can still name are
-refilled: not ``anchor`` nodes (some ``Chain`` or STORED event derives keys from them), and not
-nodes pruned by ``remove_resident`` (worker drops), which are simply released.
+    before:  P ──[b0 .. b5]──▶ N          N.residency {w: Run(ids [a0 .. a5])}
+    split(N, 2):
+             P ──[b0 b1]──▶ U ──[b2 .. b5]──▶ N
+                            U.residency {w: Run(ids [a0 a1])}  (new, parent of the old one)
+                                               N.residency {w: Run(ids [a2 .. a5])}  (same object)
 
-Lookups (``root``, ``walk``) are read-only; ``attach_chain`` and ``remove_resident`` mutate.
+A node with no residency has no children either and is pruned at once; roots without children
+are dropped too. With ``keyed`` (events on) every node keeps the 256-bit ``BlockKey`` of each of
+its blocks, computed when it is published; otherwise keys are never computed.
+
+``root`` and ``walk`` are read-only; everything else mutates.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .keys import BlockKey, Namespace, chain_key, first_block_material
-
-if TYPE_CHECKING:
-    from .block_pool import Block
-
-
-class Chain:
-    """The nodes one ``attach_chain`` call created, as key material: the node they hang below
-    and their contents in order. Keys are derived from it on first read and memoized, so
-    publishing hashes nothing; events keep the chain (not its nodes) to name evicted blocks.
-
-    ``nodes`` are those of the chain's nodes still in the trie. Each is the parent of the next,
-    so only a childless tail can be pruned and the ones left are always a prefix: a walk that
-    reaches ``nodes[i]`` may compare the next ``m`` blocks of its prompt with ``joined`` in one
-    slice compare and jump to ``nodes[i + m]``::
-
-        parent ── nodes[0] ── nodes[1] ── ... ── nodes[-1]      (pruned tail: gone from nodes)
-                  |content 0|content 1| ... |       joined = content 0 + content 1 + ...
-    """
-
-    __slots__ = ("parent", "contents", "keys", "nodes", "first_len", "joined")
-
-    def __init__(self, parent: Node, contents: list[bytes]):
-        self.parent = parent
-        self.contents = contents  # never mutated
-        self.keys: list[BlockKey] = []  # memo: keys of contents[: len(keys)]
-        self.nodes: list[Node] = []  # the chain's nodes still in the trie (a prefix)
-        self.first_len = len(contents[0])  # block 0 below a root is D positions longer
-        self.joined: bytes | None = None  # b"".join(contents), made by the first walk that needs it
-
-    def join(self) -> bytes:
-        """``joined``, built and kept on first use (mutates the memo only)."""
-        joined = self.joined = b"".join(self.contents)
-        return joined
-
-    def pruned(self, index: int) -> None:
-        """Node ``index`` (and so every later one) left the trie (mutates): forget them, and the
-        joined contents once none is left (events keep pruned chains alive)."""
-        nodes = self.nodes
-        del nodes[index:]
-        if not nodes:
-            self.joined = None
-
-    def key_at(self, index: int) -> BlockKey:
-        """``blake2b-256(previous key || material)`` chained from ``parent.key`` (read-only apart
-        from the memo); material is the content, or ``first_block_material`` below a root."""
-        keys = self.keys
-        if index < len(keys):
-            return keys[index]
-        parent, contents = self.parent, self.contents
-        key = keys[-1] if keys else parent.key
-        for k in range(len(keys), index + 1):
-            content = contents[k]
-            if k == 0 and parent.depth == 0:
-                content = first_block_material(content, parent.namespace.span)
-            key = chain_key(key, content)
-            keys.append(key)
-        return key
+from .block_pool import Run
+from .keys import BlockKey, KeyStream, Namespace, chain_key, first_block_material
 
 
 class Node:
-    """A published block key: the chain of block contents from its namespace root.
+    """A run of published blocks: ``size`` blocks starting at depth ``depth`` (root 0, the first
+    block below a root 1), ``content`` their key-stream bytes; the first block is ``head`` bytes
+    long (D positions longer below a root), the others ``step``."""
 
-    ``key`` (the 256-bit ``BlockKey``) is derived on first read from the node's ``Chain``; roots
-    get theirs at creation.
-    """
+    __slots__ = ("content", "parent", "children", "depth", "size", "head", "step", "residency", "namespace", "keys")
 
-    __slots__ = ("content", "parent", "children", "depth", "residency", "namespace", "chain", "index", "_key", "anchor")
-
-    def __init__(self, content: bytes, parent: Node | None, namespace: Namespace, chain: Chain | None, index: int,
-                 depth: int, residency: dict[str, Block], key: BlockKey | None = None):
-        # Positional and precomputed (depth, residency): attach_chain creates ~one node per
-        # published block, so this constructor is on the Publish hot path.
+    def __init__(self, content: bytes, parent: Node | None, depth: int, size: int, head: int, step: int,
+                 namespace: Namespace, keys: list[BlockKey] | None):
         self.content = content
         self.parent = parent
         self.children: dict[bytes, Node] = {}
-        self.depth = depth  # root 0, block j at depth j+1
-        self.residency = residency  # worker id -> block holding this node there
+        self.depth = depth
+        self.size = size
+        self.head = head
+        self.step = step
+        self.residency: dict[str, Run] = {}
         self.namespace = namespace
-        self.chain = chain  # where its key comes from (None for a root)
-        self.index = index
-        self._key = key
-        self.anchor = False  # a Chain (or an event) derives keys from this node: never recycle it
+        self.keys = keys  # one per block when the trie is keyed; a root holds [namespace root key]
 
     @property
     def is_root(self) -> bool:
         return self.parent is None
 
-    @property
-    def key(self) -> BlockKey:
-        """The node's ``BlockKey`` (read-only apart from the memo)."""
-        key = self._key
-        if key is None:
-            key = self._key = self.chain.key_at(self.index)
-        return key
+    def end_of(self, blocks: int) -> int:
+        """Byte length of the node's first ``blocks`` blocks (read-only)."""
+        return self.head + (blocks - 1) * self.step if blocks else 0
 
-    @key.setter
-    def key(self, value: BlockKey) -> None:  # tests corrupt keys to exercise the audit
-        self._key = value
+    def last_key(self) -> BlockKey:
+        """Key of the node's last block (keyed tries only; read-only)."""
+        return self.keys[-1]
+
+
+def common_blocks(node: Node, buf: bytes, pos: int, limit: int) -> int:
+    """How many of the node's first ``limit`` blocks equal ``buf`` from byte ``pos`` (read-only).
+    The first block is known to be equal (the caller found the node by it)."""
+    content = node.content
+    # bytes.startswith(x, pos) compares in place: one copy (of the node's part) per compare.
+    if buf.startswith(content if limit == node.size else content[: node.end_of(limit)], pos):
+        return limit
+    lo, hi = 1, limit  # [0, lo) equal, hi not: bisect on slice compares
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if buf.startswith(content[: node.end_of(mid)], pos):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class RadixTrie:
-    """All namespaces' roots and the node count."""
+    """All namespaces' roots; ``num_nodes`` runs and ``num_blocks`` distinct published blocks."""
 
-    def __init__(self) -> None:
+    def __init__(self, keyed: bool = False) -> None:
         self.roots: dict[Namespace, Node] = {}
-        self.num_nodes = 0  # non-root nodes
-        self._spare: list[Node] = []  # pruned nodes for attach_chain to refill (no stale holders)
-        self.version = 0  # bumped whenever a node or root is added or removed (paths may change)
+        self.keyed = keyed
+        self.num_nodes = 0  # non-root nodes (runs)
+        self.num_blocks = 0  # blocks over all non-root nodes (distinct published block keys)
 
     def root(self, namespace: Namespace) -> Node | None:
         """The namespace's root, or None if nothing is published in it (read-only)."""
@@ -144,124 +100,172 @@ class RadixTrie:
     def root_or_create(self, namespace: Namespace) -> Node:
         root = self.roots.get(namespace)
         if root is None:
-            root = self.roots[namespace] = Node(b"", None, namespace, None, 0, 0, {}, namespace.root_key())
-            self.version += 1
+            step = namespace.block_size << 2
+            root = self.roots[namespace] = Node(b"", None, 0, 0, 0, step, namespace, [namespace.root_key()])
         return root
 
+    # -- lookup ------------------------------------------------------------------------------
     @staticmethod
-    def walk(root: Node | None, contents: list[bytes]) -> list[Node]:
-        """Nodes along the longest path from ``root`` spelled by ``contents`` (read-only)."""
+    def walk(root: Node | None, stream: KeyStream) -> tuple[list[Node], list[int]]:
+        """Nodes along the stream's reusable blocks and, per node, the blocks matched through it
+        (read-only). Only the last node may be matched partly. The hot loop of Match/Reserve:
+        one dict lookup and one slice compare per node."""
         path: list[Node] = []
-        node = root
-        if node is None:
-            return path
-        for content in contents:
-            node = node.children.get(content)
-            if node is None:
-                break
+        ends: list[int] = []
+        cap = stream.reusable_block_cap
+        if root is None or cap <= 0:
+            return path, ends
+        buf, step = stream.buf, stream.block_size << 2
+        pos = 0
+        node = root.children.get(buf[: step + (stream.span << 2)])
+        blocks = 0
+        while node is not None:
+            size = node.size
+            left = cap - blocks
+            if size <= left:
+                end = pos + len(node.content)
+                m = size if buf.startswith(node.content, pos) else common_blocks(node, buf, pos, size)
+            else:
+                m = common_blocks(node, buf, pos, left)
+            blocks += m
             path.append(node)
-        return path
-
-    def attach_chain(self, parent: Node, contents: list[bytes], worker_id: str, blocks: list[Block]) -> list[Node]:
-        """Make ``blocks[k]`` the copy of the node spelled by ``contents[:k+1]`` below ``parent``
-        on ``worker_id``, creating missing nodes (mutates; sets ``block.node``). The worker must
-        hold none of these nodes yet. New nodes share one ``Chain`` (no hashing here). Returns
-        the nodes in chain order; ``contents`` must not change afterwards."""
-        out: list[Node] = []
-        append = out.append
-        parent.anchor = True  # the STORED event names it as the parent
-        k, n = 0, len(contents)
-        while k < n:  # nodes that exist already (published on another worker)
-            child = parent.children.get(contents[k])
-            if child is None:
+            ends.append(blocks)
+            if m < size or blocks >= cap:
                 break
-            child.residency[worker_id] = blocks[k]
-            blocks[k].node = child
-            append(child)
-            parent = child
-            k += 1
-        if k < n:  # the rest is new: a fresh node has no children, so no lookups
-            namespace = parent.namespace
-            parent.anchor = True
-            chain = Chain(parent, contents[k:] if k else contents)
-            depth = parent.depth
-            index = 0
-            spare = self._spare
-            for content, block in zip(chain.contents, blocks[k:] if k else blocks):
-                depth += 1
-                if spare:  # a node pruned by an eviction: refill it instead of allocating
-                    child = parent.children[content] = spare.pop()
-                    child.content = content
-                    child.parent = parent
-                    child.depth = depth
-                    child.residency[worker_id] = block
-                    child.namespace = namespace
-                    child.chain = chain
-                    child.index = index
-                    child._key = None
-                else:
-                    child = parent.children[content] = Node(
-                        content, parent, namespace, chain, index, depth, {worker_id: block}
-                    )
-                block.node = child
-                append(child)
-                parent = child
-                index += 1
-            chain.nodes = out[k:]
-            self.num_nodes += n - k
-            self.version += 1
+            pos = end
+            node = node.children.get(buf[pos : pos + step])
+        return path, ends
+
+    # -- structure ---------------------------------------------------------------------------
+    def split(self, node: Node, k: int) -> Node:
+        """Cut ``node`` after its first ``k`` blocks (0 < k < size); return the new upper node.
+        Each worker's run is cut likewise: a new ``Run`` for the upper part becomes the parent
+        of the old one, which keeps the lower part, its pins and its heap entry (its last block
+        is unchanged)."""
+        end = node.end_of(k)
+        content = node.content
+        keys = node.keys
+        upper = Node(content[:end], node.parent, node.depth, k, node.head, node.step, node.namespace,
+                     None if keys is None else keys[:k])
+        node.parent.children[content[: node.head]] = upper
+        node.content = content[end:]
+        node.parent = upper
+        node.depth += k
+        node.size -= k
+        node.head = node.step
+        if keys is not None:
+            del keys[:k]
+        upper.children[node.content[: node.step]] = node
+        residency = upper.residency
+        for wid, run in node.residency.items():
+            ids = run.ids
+            up = Run(ids[:k], upper, run.parent, run.ref, run.tick)
+            up.resident_children = 1
+            del ids[:k]
+            run.parent = up
+            residency[wid] = up
+        self.num_nodes += 1
+        return upper
+
+    def _keys(self, parent: Node, content: bytes, size: int, head: int, step: int) -> list[BlockKey] | None:
+        if not self.keyed:
+            return None
+        key = parent.keys[-1]
+        out = []
+        if parent.parent is None:
+            key = chain_key(key, first_block_material(content[:head], parent.namespace.span))
+            out.append(key)
+            start = head
+        else:
+            start = 0
+        for at in range(start, len(content), step):
+            key = chain_key(key, content[at : at + step])
+            out.append(key)
         return out
 
-    def remove_residents(self, nodes: list[Node], worker_id: str) -> None:
-        """``remove_resident`` for each node in order (mutates): the batch form for evictions,
-        whose victims come deepest first."""
-        self.version += 1
-        pruned = 0
-        spare = self._spare
-        for node in nodes:
-            residency = node.residency
-            del residency[worker_id]
-            if residency or node.children:
-                continue
-            parent = node.parent
-            del parent.children[node.content]
-            node.parent = None  # detached: a stale reference can no longer reach the trie
-            chain = node.chain  # Chain.pruned, inlined: this is the eviction hot loop
-            chain_nodes = chain.nodes
-            del chain_nodes[node.index :]
-            if not chain_nodes:
-                chain.joined = None
-            if not node.anchor:
-                spare.append(node)
-            pruned += 1
-            if not parent.children and not parent.residency:  # else the usual case: still resident
-                self._prune(parent)
-        self.num_nodes -= pruned
-        if len(spare) > 1024:  # bound what is kept for reuse
-            del spare[1024:]
+    def attach(self, parent: Node, parent_run: Run | None, content: bytes, ids: list[int], worker_id: str,
+               tick: int) -> Run:
+        """A new child of ``parent`` holding ``len(ids)`` blocks spelled by ``content`` (whose
+        first block must be new below ``parent``), resident on ``worker_id`` in ``ids``, pinned
+        once by the publishing reservation. Returns the new run."""
+        step = parent.step
+        head = step + (parent.namespace.span << 2) if parent.parent is None else step
+        size = len(ids)
+        node = Node(content, parent, parent.depth + parent.size if parent.parent is not None else 1, size, head,
+                    step, parent.namespace, self._keys(parent, content, size, head, step))
+        parent.children[content[:head]] = node
+        run = node.residency[worker_id] = Run(ids, node, parent_run, 1, tick)
+        if parent_run is not None:
+            parent_run.resident_children += 1
+        self.num_nodes += 1
+        self.num_blocks += size
+        return run
 
-    def remove_resident(self, node: Node, worker_id: str) -> None:
-        """Forget that ``worker_id`` holds ``node``; prune it (and childless roots) once nothing
-        holds it (mutates). Callers remove deeper nodes first, keeping residency prefix-closed."""
+    @staticmethod
+    def add_residency(node: Node, parent_run: Run | None, ids: list[int], worker_id: str, tick: int) -> Run:
+        """``worker_id`` now holds ``node`` (published by another worker) in ``ids``, pinned once."""
+        run = node.residency[worker_id] = Run(ids, node, parent_run, 1, tick)
+        if parent_run is not None:
+            parent_run.resident_children += 1
+        return run
+
+    def evict_tail(self, run: Run, take: int, worker_id: str, victims: list[int], keys: list | None) -> Run | None:
+        """Remove the last ``take`` blocks of a cached leaf ``run`` from the worker, deepest first,
+        appending their ids (and keys, if ``keys`` is a list) to the outputs. Returns the run
+        left holding the blocks before them, or None if the whole run went."""
+        node = run.node
+        ids = run.ids
+        cut = len(ids) - take
+        if cut:
+            if len(node.residency) == 1 and not node.children:  # nobody else sees it: shorten in place
+                victims.extend(ids[: cut - 1 : -1])
+                if keys is not None:
+                    keys.extend(node.keys[: cut - 1 : -1])
+                    del node.keys[cut:]
+                del ids[cut:]
+                node.content = node.content[: node.end_of(cut)]
+                node.size = cut
+                self.num_blocks -= take
+                return run
+            rest = self.split(node, cut).residency[worker_id]
+            self.remove_run(run, worker_id, victims, keys)
+            return rest
+        self.remove_run(run, worker_id, victims, keys)
+        return None
+
+    def remove_run(self, run: Run, worker_id: str, victims: list[int] | None = None, keys: list | None = None) -> None:
+        """Forget the worker's copy of ``run.node`` (it must have no resident children there);
+        prune the node (and a childless root) once nobody holds it."""
+        node = run.node
+        if victims is not None:
+            victims.extend(reversed(run.ids))
+            if keys is not None:
+                keys.extend(reversed(node.keys))
         del node.residency[worker_id]
-        self.version += 1
-        self._prune(node)
+        run.node = None
+        run.heap_key = -1
+        parent = run.parent
+        if parent is not None:
+            parent.resident_children -= 1
+        if node.residency or node.children:
+            return
+        up = node.parent
+        del up.children[node.content[: node.head]]
+        node.parent = None  # detached: a stale reference can no longer reach the trie
+        self.num_nodes -= 1
+        self.num_blocks -= node.size
+        if up.parent is None and not up.children:
+            del self.roots[up.namespace]
 
-    def _prune(self, node: Node) -> None:
-        """Drop ``node`` and its ancestors while they are resident nowhere and childless, then
-        the root if it is left childless (mutates)."""
-        while not node.residency and not node.children and node.parent is not None:
-            parent = node.parent
-            del parent.children[node.content]
-            node.parent = None  # detached: a stale reference can no longer reach the trie
-            node.chain.pruned(node.index)
-            self.num_nodes -= 1
-            node = parent
-        if node.parent is None and not node.children and self.roots.get(node.namespace) is node:
-            del self.roots[node.namespace]
+    def drop_worker(self, worker_id: str) -> None:
+        """Remove every run of ``worker_id`` (deepest first keeps residency prefix-closed)."""
+        runs = [n.residency[worker_id] for n in self.iter_nodes() if worker_id in n.residency]
+        runs.sort(key=lambda r: -r.node.depth)
+        for run in runs:
+            self.remove_run(run, worker_id)
 
     def iter_nodes(self):
-        """Every non-root node, parents before children (read-only; for audits)."""
+        """Every non-root node, parents before children (read-only)."""
         stack = [child for root in self.roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()

@@ -1,7 +1,8 @@
 """The store's mutable records of live workers and live reservations (internal to the package).
 
-A reservation's block table covers its capacity; the leading ``published`` blocks hold trie nodes
-(shared, read-only), the rest are its own unpublished blocks (reference count 1)::
+A reservation's block table covers its capacity; the leading ``published`` blocks are the runs from
+the root down to ``last`` (shared, read-only, pinned once by this reservation), the rest are its
+``own`` unpublished blocks::
 
     block_size 4, D = 1, prompt n = 11, headroom 3  ->  capacity 14, rounded up to 16 positions
     positions   0..3    4..7  |  8..11   12..15
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from services.common.spec import lookahead_span
 
-from .block_pool import Block, BlockPool
+from .block_pool import BlockPool, Run, chain
 from .keys import KeyStream, Namespace
 from .types import PoolUsage, Reservation, WorkerSpec
 
@@ -34,7 +35,7 @@ class WorkerRecord:
         self.spec = spec
         self.incarnation = incarnation
         self.span = lookahead_span(spec.spec_mode, spec.mtp_depth)
-        self.pool = BlockPool(spec.num_blocks)
+        self.pool = BlockPool(spec.num_blocks, spec.worker_id)
         self.lease_deadline = lease_deadline
         self.reservations: dict[str, ReservationRecord] = {}
         self.requested_positions = 0
@@ -50,8 +51,7 @@ class WorkerRecord:
 
     def namespace(self, cache_salt: bytes) -> Namespace:
         """The worker's namespace under ``cache_salt`` (read-only apart from a small memo: Match
-        and Reserve ask on every call, and one shared object lets the walk cache compare by
-        identity instead of hashing five fields)."""
+        and Reserve ask on every call, for the trie's root lookup)."""
         memo = self._namespaces
         namespace = memo.get(cache_salt)
         if namespace is None:
@@ -71,7 +71,7 @@ class ReservationRecord:
 
     __slots__ = (
         "reservation_id", "request_id", "worker", "stream", "prompt", "cache_salt",
-        "headroom", "namespace", "blocks", "published", "reused_positions",
+        "headroom", "namespace", "last", "own", "published", "reused_positions",
     )
 
     def __init__(
@@ -82,7 +82,8 @@ class ReservationRecord:
         stream: KeyStream,
         cache_salt: bytes,
         headroom: int,
-        blocks: list[Block],
+        last: Run | None,
+        own: list[int],
         reused_blocks: int,
     ):
         self.reservation_id = reservation_id
@@ -93,13 +94,22 @@ class ReservationRecord:
         self.cache_salt = cache_salt
         self.headroom = headroom
         self.namespace = worker.namespace(cache_salt)
-        self.blocks = blocks
-        self.published = reused_blocks  # leading blocks that hold trie nodes
+        self.last = last  # deepest pinned run: the published prefix is chain(last)
+        self.own = own  # unpublished blocks, in table order
+        self.published = reused_blocks  # blocks in chain(last)
         self.reused_positions = reused_blocks * worker.spec.block_size
 
     @property
     def capacity_positions(self) -> int:
-        return len(self.blocks) * self.worker.spec.block_size
+        return (self.published + len(self.own)) * self.worker.spec.block_size
+
+    def block_table(self) -> tuple[int, ...]:
+        """Block ids in position order (read-only)."""
+        table: list[int] = []
+        for run in chain(self.last):
+            table += run.ids
+        table += self.own
+        return tuple(table)
 
     def snapshot(self) -> Reservation:
         return Reservation(
@@ -107,7 +117,7 @@ class ReservationRecord:
             request_id=self.request_id,
             worker_id=self.worker.worker_id,
             incarnation=self.worker.incarnation,
-            block_table=tuple([b.block_id for b in self.blocks]),
+            block_table=self.block_table(),
             reused_positions=self.reused_positions,
             capacity_positions=self.capacity_positions,
             published_blocks=self.published,

@@ -31,9 +31,16 @@ async def start_kvstore(
     With ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
     :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
     """
-    store = store or KVStore(lease_ttl_s=settings.lease_ttl_s, max_tokens=settings.max_tokens)
+    store = store or KVStore(
+        lease_ttl_s=settings.lease_ttl_s, max_tokens=settings.max_tokens, events_per_worker=settings.events_per_worker
+    )
     servicer = KVStoreServicer(store, event_queue=settings.event_queue)
-    interceptors: list = [ServerTracingInterceptor(tracer_provider)]
+    interceptors: list = []
+    provider = tracer_provider or trace.get_tracer_provider()
+    if not isinstance(provider, (trace.NoOpTracerProvider, trace.ProxyTracerProvider)):
+        # Only a recording provider gets the interceptor: the kvstore calls nobody, so without
+        # one a span and the carried trace context serve no one (30-60 µs of CPU per RPC).
+        interceptors.append(ServerTracingInterceptor(provider))
     if settings.metrics_port is not None:
         metrics = metrics or ServiceMetrics("kvstore")
         metrics.registry.register(KVStoreCollector(store, asyncio.get_running_loop()))

@@ -22,7 +22,7 @@ from tandem.kvstore.v1 import kvstore_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_CODE_NUMBERS = {c.name: c.value[0] for c in grpc.StatusCode}  # google.rpc.Code numbers
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 
 
 def _pool(p) -> pb.PoolUsage:
@@ -70,11 +70,11 @@ def _capacity_result(item_id: str, result: core.ItemResult) -> pb.CapacityResult
             capacity_positions=result.capacity_positions,
         )
     err = result.error
-    code = err.code.value if isinstance(err, TandemError) else "INTERNAL"
+    code = err.code.number if isinstance(err, TandemError) else _INTERNAL
     message = err.message if isinstance(err, TandemError) else "internal error"
     return pb.CapacityResult(
         reservation_id=item_id,
-        code=_CODE_NUMBERS[code],
+        code=code,
         message=message,
         block_table=result.block_table,
         capacity_positions=result.capacity_positions,
@@ -153,14 +153,18 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         )
 
     async def Reserve(self, request, context):
-        r = self.store.reserve(
-            worker_id=request.worker_id,
-            incarnation=request.incarnation,
+        common = dict(
             request_id=request.request_id,
             tokens=tokens_from_proto(request.tokens),
             cache_salt=request.cache_salt,
             headroom_positions=request.headroom_positions,
         )
+        if request.candidates:
+            if request.worker_id or request.incarnation:
+                raise InvalidArgument("set either worker_id/incarnation or candidates, not both")
+            r = self.store.reserve_first(candidates=[(c.worker_id, c.incarnation) for c in request.candidates], **common)
+        else:
+            r = self.store.reserve(worker_id=request.worker_id, incarnation=request.incarnation, **common)
         return pb.ReserveResponse(reservation=_reservation(r))
 
     async def Extend(self, request, context):
@@ -195,7 +199,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             new_tokens=tokens_from_proto(request.new_tokens, field="new_tokens"),
             final_positions=request.final_positions,
         )
-        return pb.ReleaseResponse(newly_published=result.newly_published, freed_blocks=result.freed_blocks)
+        return pb.ReleaseResponse(
+            newly_published=result.newly_published, freed_blocks=result.freed_blocks, deduplicated=result.deduplicated
+        )
 
     async def Release(self, request, context):
         return self._end(self.store.release, request)

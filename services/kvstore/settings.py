@@ -17,4 +17,7 @@ class KVStoreSettings(BaseSettings):
     max_concurrent_rpcs: int = Field(1024, ge=1, description="RPCs handled at once; more are refused")
     grace_s: float = Field(5.0, ge=0, description="seconds in-flight RPCs get on shutdown")
     event_queue: int = Field(4096, ge=16, description="events buffered per WatchEvents stream")
+    events_per_worker: int = Field(
+        0, ge=0, description="block events kept per worker for WatchEvents (0 = events off: no keys hashed)"
+    )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port on host (unset = off, 0 = any free port)")

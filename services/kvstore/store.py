@@ -26,10 +26,10 @@ from typing import Callable
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, TandemError
 
 from . import audit, validation
-from .block_pool import Block
-from .events import EventLog
+from .block_pool import Run, chain
+from .events import MAX_BLOCKS_PER_EVENT, EventLog
 from .keys import KeyStream
-from .radix_trie import Node, RadixTrie
+from .radix_trie import Node, RadixTrie, common_blocks
 from .records import ReservationRecord, WorkerRecord
 from .types import (
     Event,
@@ -46,6 +46,8 @@ from .types import (
     WorkerSpec,
     WorkerStats,
 )
+from .view import StoreView
+
 
 class KVStore:
     """The kvstore core. See the module docstring; each verb's docstring says if it mutates."""
@@ -57,12 +59,16 @@ class KVStore:
         clock: Callable[[], float] = time.monotonic,
         max_tokens: int = 1 << 20,
         tombstones: int = 65536,
-        events_per_worker: int = 4096,
+        events_per_worker: int = 0,
+        max_blocks_per_event: int = MAX_BLOCKS_PER_EVENT,
         epoch: int | None = None,
     ):
         """``epoch`` tells this store's life apart from earlier ones (default: wall-clock µs):
         incarnations count up from ``epoch + 1`` and reservation ids embed it, so ids handed out
-        by a previous, non-durable store are never mistaken for live ones."""
+        by a previous, non-durable store are never mistaken for live ones. Block events are
+        opt-in: ``events_per_worker`` > 0 buffers that many per worker and makes the trie keep
+        every block's 256-bit key (hashed at publish); 0 records none and hashes nothing. Larger
+        publishes and evictions are cut into events of at most ``max_blocks_per_event`` blocks."""
         if not lease_ttl_s > 0:
             raise InvalidArgument("lease_ttl_s must be > 0")
         self.lease_ttl_s = float(lease_ttl_s)
@@ -71,9 +77,11 @@ class KVStore:
         self._max_tombstones = validation.count("tombstones", tombstones)
         self.epoch = time.time_ns() // 1000 if epoch is None else validation.count("epoch", epoch)
         self._workers: dict[str, WorkerRecord] = {}
-        self._trie = RadixTrie()
-        self._last_walk: tuple | None = None  # (namespace, token buffer, trie version, path)
-        self._events = EventLog(validation.count("events_per_worker", events_per_worker, minimum=1))
+        self._events = EventLog(
+            validation.count("events_per_worker", events_per_worker),
+            validation.count("max_blocks_per_event", max_blocks_per_event, minimum=1),
+        )
+        self._trie = RadixTrie(keyed=self._events.enabled)
         self._reservations: dict[str, ReservationRecord] = {}
         self._by_request: dict[str, ReservationRecord] = {}
         self._tombstones: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (worker, incarnation)
@@ -136,7 +144,7 @@ class KVStore:
         n = len(arr)
         self._matches += 1
         max_id = -1
-        paths: dict[object, list[Node]] = {}
+        walks: dict[object, tuple[list[Node], list[int]]] = {}
         results = []
         for wid in sorted(self._workers):
             worker = self._workers[wid]
@@ -148,11 +156,13 @@ class KVStore:
             if max_id >= spec.vocab_size:
                 continue
             namespace = worker.namespace(salt)
-            path = paths.get(namespace)
-            if path is None:
+            walk = walks.get(namespace)
+            if walk is None:
                 stream = KeyStream(buf, worker.span, spec.block_size)
-                path = paths[namespace] = self._walk_cached(namespace, stream)
-            blocks = self._resident_prefix(path, wid)
+                walk = walks[namespace] = self._trie.walk(self._trie.root(namespace), stream)
+            path, ends = walk
+            k = self._resident_prefix(path, wid)
+            blocks = ends[k - 1] if k else 0
             results.append(
                 MatchResult(
                     worker_id=wid,
@@ -165,78 +175,10 @@ class KVStore:
             )
         return results
 
-    def _walk_cached(self, namespace, stream: KeyStream) -> list[Node]:
-        """``_walk`` from the namespace's root, remembering the last answer (read-only for the
-        store's state): a router's Reserve repeats the Match it just made, and the path cannot
-        have changed while the trie's ``version`` did not. The list is shared: never mutate it."""
-        trie = self._trie
-        last = self._last_walk
-        if (
-            last is not None
-            and last[2] == trie.version
-            and (last[0] is namespace or last[0] == namespace)
-            and (last[1] is stream.buf or last[1] == stream.buf)
-        ):
-            return last[3]
-        path = self._walk(trie.root(namespace), stream)
-        self._last_walk = (namespace, stream.buf, trie.version, path)
-        return path
-
-    @staticmethod
-    def _walk(root: Node | None, stream: KeyStream) -> list[Node]:
-        """Trie nodes along the stream's reusable blocks (read-only). Slices block contents
-        lazily, stopping at the first miss: this is the hot loop of Match and Reserve. Along a
-        ``Chain`` (the nodes one Publish created) it compares many blocks in one slice compare
-        and takes the nodes from the chain (bisecting for the equal part when the run differs
-        somewhere), then leaves the chain by a dict lookup."""
-        path: list[Node] = []
-        if root is None:
-            return path
-        cap = stream.reusable_block_cap
-        if cap <= 0:
-            return path
-        buf, step, d4 = stream.buf, stream.block_size << 2, stream.span << 2
-        node = root.children.get(buf[: step + d4])
-        end = step + d4
-        stop = cap * step + d4  # end of the last reusable block
-        append = path.append
-        stepped = None  # the chain whose run we just left: its next block is not ours
-        while node is not None:
-            append(node)
-            if end >= stop:
-                break
-            chain = node.chain
-            if chain is not stepped:
-                nxt = node.index + 1
-                nodes = chain.nodes
-                m = min(len(nodes) - nxt, (stop - end) // step)
-                if m > 1:
-                    at = chain.first_len + (nxt - 1) * step
-                    joined = chain.joined or chain.join()
-                    if buf[end : end + m * step] != joined[at : at + m * step]:
-                        # Longest run of equal blocks, by bisection: [0, lo) equal, [hi, m] not.
-                        lo, hi = 0, m
-                        while hi - lo > 1:
-                            mid = (lo + hi) >> 1
-                            if buf[end : end + mid * step] == joined[at : at + mid * step]:
-                                lo = mid
-                            else:
-                                hi = mid
-                        m = lo
-                        stepped = chain
-                    if m:
-                        path.extend(nodes[nxt : nxt + m - 1])
-                        node = nodes[nxt + m - 1]
-                        end += m * step
-                        continue
-            node = node.children.get(buf[end : end + step])
-            end += step
-        return path
-
     @staticmethod
     def _resident_prefix(path: list[Node], worker_id: str) -> int:
-        """Length of the leading part of ``path`` resident on ``worker_id``. Residency is
-        prefix-closed per worker, so a binary search suffices."""
+        """How many leading nodes of ``path`` are resident on ``worker_id`` (read-only).
+        Residency is prefix-closed per worker, so a binary search suffices."""
         lo, hi = 0, len(path)
         while lo < hi:
             mid = (lo + hi + 1) >> 1
@@ -284,14 +226,20 @@ class KVStore:
         spec, pool = worker.spec, worker.pool
         n = len(arr)
         stream = KeyStream(buf, worker.span, spec.block_size)
-        path = self._walk_cached(worker.namespace(salt), stream)
+        trie = self._trie
+        path, ends = trie.walk(trie.root(worker.namespace(salt)), stream)
         wid = worker.worker_id
-        reused = self._resident_prefix(path, wid)
-        pinned = [node.residency[wid] for node in path[:reused]]
+        k = self._resident_prefix(path, wid)
+        reused = ends[k - 1] if k else 0
         capacity = min(n + headroom, spec.max_seq_len)
         fresh = -(-capacity // spec.block_size) - reused
-        cached_pins = [b.ref_count for b in pinned].count(0)
-        available = pool.available_for(cached_pins)
+        cached_pins = 0  # blocks of the prefix that are cached now: pinning takes them off the table
+        start = 0
+        for node, end in zip(path[:k], ends):
+            if not node.residency[wid].ref:
+                cached_pins += end - start
+            start = end
+        available = pool.available(cached_pins)
         if available < fresh:
             raise ResourceExhausted(
                 f"worker {worker.worker_id!r} needs {fresh} free blocks for {capacity} positions "
@@ -299,17 +247,59 @@ class KVStore:
             )
 
         self.tick += 1
-        pool.pin_many(pinned, self.tick)
-        blocks = pinned + self._allocate(worker, fresh)
+        last: Run | None = None
+        if k:
+            node = path[k - 1]
+            used = reused - (ends[k - 2] if k > 1 else 0)
+            if used < node.size:  # the prefix ends inside a run: cut it there, runs pin whole
+                node = trie.split(node, used)
+            last = node.residency[wid]
+            pool.pin_chain(last, self.tick)
+        own = self._allocate(worker, fresh)
         self._reservation_seq += 1
         rid = f"r-{self.epoch:x}-{self._reservation_seq}"
-        record = ReservationRecord(rid, request_id, worker, stream, salt, headroom, blocks, reused)
+        record = ReservationRecord(rid, request_id, worker, stream, salt, headroom, last, own, reused)
         self._reservations[rid] = worker.reservations[rid] = self._by_request[request_id] = record
         self._reservations_created += 1
         worker.requested_positions += n
         worker.reused_positions += record.reused_positions
         self._events.flush()
         return record.snapshot()
+
+    def reserve_first(
+        self,
+        *,
+        candidates,
+        request_id: str,
+        tokens,
+        cache_salt: bytes = b"",
+        headroom_positions: int = 0,
+    ) -> Reservation:
+        """``reserve`` on the first of ``candidates`` ((worker id, incarnation) pairs, in order
+        of preference) that is live at that incarnation and has room (mutates: one reservation
+        or nothing). Saves a router the round trip per full worker. A retry with the same
+        request id returns the live reservation wherever it landed. ResourceExhausted if every
+        live candidate is full, FailedPrecondition if none is live; other errors (bad input) are
+        raised at once."""
+        candidates = list(candidates)
+        if not candidates:
+            raise InvalidArgument("candidates must name at least one worker")
+        live = self._by_request.get(request_id) if isinstance(request_id, str) else None
+        if live is not None and (live.worker.worker_id, live.worker.incarnation) in candidates:
+            candidates = [(live.worker.worker_id, live.worker.incarnation)]  # idempotent retry
+        full: list[str] = []
+        gone: list[str] = []
+        for worker_id, incarnation in candidates:
+            try:
+                return self.reserve(worker_id=worker_id, incarnation=incarnation, request_id=request_id, tokens=tokens,
+                                    cache_salt=cache_salt, headroom_positions=headroom_positions)
+            except ResourceExhausted as err:
+                full.append(err.message)
+            except (NotFound, FailedPrecondition) as err:
+                gone.append(err.message)
+        if full:
+            raise ResourceExhausted("; ".join(full))
+        raise FailedPrecondition("no candidate worker is live: " + "; ".join(gone))
 
     def get_reservation(self, reservation_id: str) -> Reservation:
         """Snapshot of a live reservation (read-only). NotFound / FailedPrecondition if ended."""
@@ -334,18 +324,18 @@ class KVStore:
         wanted = -(-capacity // spec.block_size)
         if wanted > -(-spec.max_seq_len // spec.block_size):
             raise InvalidArgument(f"capacity {capacity} exceeds max_seq_len {spec.max_seq_len}")
-        need = wanted - len(record.blocks)
+        need = wanted - record.published - len(record.own)
         added: tuple[int, ...] = ()
         if need > 0:
-            available = worker.pool.available_for(0)
+            available = worker.pool.available(0)
             if available < need:
                 raise ResourceExhausted(
                     f"worker {worker.worker_id!r} needs {need} more blocks for {capacity} positions "
                     f"but only {available} can be had"
                 )
             new = self._allocate(worker, need)
-            record.blocks.extend(new)
-            added = tuple(b.block_id for b in new)
+            record.own += new
+            added = tuple(new)
         return self._item_result(record, added_blocks=added)
 
     def trim(self, items: list[TrimItem]) -> list[ItemResult]:
@@ -370,10 +360,12 @@ class KVStore:
             raise InvalidArgument(
                 f"capacity {capacity} is below the current length {record.stream.n} of {record.reservation_id}"
             )
-        tail = record.blocks[keep:]
-        del record.blocks[keep:]
-        record.worker.pool.unpin_many(tail, self.tick)  # own, unpublished: all freed
-        return self._item_result(record, freed_blocks=tuple(b.block_id for b in tail))
+        own = record.own
+        cut = keep - record.published
+        tail = own[cut:]
+        del own[cut:]
+        record.worker.pool.release_own(tail)
+        return self._item_result(record, freed_blocks=tuple(tail))
 
     def _apply_item(self, item, apply) -> ItemResult:
         rid = getattr(item, "reservation_id", None)
@@ -389,13 +381,7 @@ class KVStore:
 
     @staticmethod
     def _item_result(record: ReservationRecord, **changes) -> ItemResult:
-        return ItemResult(
-            record.reservation_id,
-            None,
-            tuple([b.block_id for b in record.blocks]),
-            record.capacity_positions,
-            **changes,
-        )
+        return ItemResult(record.reservation_id, None, record.block_table(), record.capacity_positions, **changes)
 
     def publish(self, *, reservation_id: str, incarnation: int, new_tokens=(), final_positions: int) -> PublishResult:
         """Append ``new_tokens`` (accepted since the last call) to the reservation's sequence and
@@ -440,7 +426,8 @@ class KVStore:
         freed, unpinned = self._unpin_all(record)
         self._end(record)
         self._events.flush()
-        return ReleaseResult(record.reservation_id, newly, dedup, freed, unpinned)
+        # Deduplicated copies went back to the free queue too: freed counts them.
+        return ReleaseResult(record.reservation_id, newly, dedup, freed + dedup, unpinned)
 
     def abort(self, *, reservation_id: str, incarnation: int) -> bool:
         """End the reservation publishing nothing new (mutates). Returns True if it was live,
@@ -495,7 +482,8 @@ class KVStore:
             matches=self._matches,
             reservations_created=self._reservations_created,
             live_reservations=len(self._reservations),
-            trie_nodes=self._trie.num_nodes,
+            trie_nodes=self._trie.num_blocks,
+            trie_runs=self._trie.num_nodes,
         )
 
     def check_invariants(self) -> list[str]:
@@ -511,6 +499,10 @@ class KVStore:
         if not self._events.knows(worker_id) and worker_id not in self._workers:
             raise NotFound(f"unknown worker {worker_id!r}")
         return self._events.since(worker_id, after_seq)
+
+    def view(self) -> StoreView:
+        """A read-only window on the live state (see ``view``)."""
+        return StoreView(self)
 
     def subscribe(self, callback: Callable[[str, Event], None]) -> Callable[[], None]:
         """Call ``callback(worker_id, event)`` for every future event, after the verb that caused
@@ -555,63 +547,116 @@ class KVStore:
             raise FailedPrecondition(f"reservation {reservation_id!r} has ended")
         raise NotFound(f"unknown reservation {reservation_id!r}")
 
-    def _allocate(self, worker: WorkerRecord, count: int) -> list[Block]:
+    def _allocate(self, worker: WorkerRecord, count: int) -> list[int]:
         """Take ``count`` blocks from the free queue, evicting LRU cached leaves when it runs dry
-        (mutates; the caller checked ``available_for``). Evictions make one REMOVED event."""
-        evicted: list[Node] = []
-        out = worker.pool.allocate(count, evicted)
-        if evicted:
-            wid, n = worker.worker_id, len(evicted)
-            self._trie.remove_residents(evicted, wid)
-            worker.evictions += n
-            ids = tuple([b.block_id for b in out[count - n :]])  # the victims come last
-            self._events.record(wid, worker.incarnation, EventKind.REMOVED, evicted, ids)
+        (mutates; the caller checked ``available``). Evictions make one REMOVED event."""
+        pool = worker.pool
+        out = pool.take_free(count)
+        need = count - len(out)
+        if need:
+            keys: list | None = [] if self._events.enabled else None
+            victims: list[int] = []
+            pool.evict(need, self._trie, victims, keys)
+            worker.evictions += need
+            self._events.record(worker.worker_id, worker.incarnation, EventKind.REMOVED, victims, keys or ())
+            out += victims
         return out
 
     def _publish_blocks(self, record: ReservationRecord, final: int) -> tuple[int, int]:
         """Insert the reservation's blocks up to ``final`` positions into the trie (mutates).
         Returns (newly published, deduplicated).
 
-        Residency is prefix-closed, so the blocks already resident on the worker (published by
-        a concurrent twin request) come first: each is shared and our copy freed (dedup). The
-        rest are attached as one chain with one STORED event."""
+        Walks down from the reservation's last run, run by run, splitting a node where our
+        blocks part from it. Residency is prefix-closed, so runs already resident on the worker
+        (published by a concurrent twin request) come first: each is pinned and our copies are
+        freed (dedup). Then runs published only by other workers get our blocks as this
+        worker's copy, and the rest becomes one new node. One STORED event covers the blocks
+        that were not deduplicated::
+
+            published   dedup (pinned, ours freed)   other workers' nodes   new node
+            [........] [..........................] [....................] [.........]
+            0      start                                                          target
+        """
         worker = record.worker
         stream = record.stream
-        target = min(final // worker.spec.block_size, stream.num_keyed_blocks)
+        bs = worker.spec.block_size
+        target = min(final // bs, stream.num_keyed_blocks)
         start = record.published
         if target <= start:
             return 0, 0
-        pool, wid, blocks = worker.pool, worker.worker_id, record.blocks
-        parent = blocks[start - 1].node if start else self._trie.root_or_create(record.namespace)
-        contents = stream.block_contents(start, target)
+        pool, wid, trie, tick = worker.pool, worker.worker_id, self._trie, self.tick
+        last = record.last
+        node = last.node if last is not None else trie.root_or_create(record.namespace)
+        buf, d4 = stream.buf, worker.span << 2
+        pos = 0 if start == 0 else (start * bs << 2) + d4
+        end = (target * bs << 2) + d4
+        own = record.own
         j = start
-        for content in contents:  # dedup phase
-            child = parent.children.get(content)
-            existing = None if child is None else child.residency.get(wid)
-            if existing is None:
+        dedup = 0
+        first_new = -1  # index in the table of the first block not deduplicated
+        while j < target:
+            head = (bs << 2) + (d4 if node.parent is None else 0)
+            child = node.children.get(buf[pos : pos + head])
+            if child is None:
                 break
-            pool.pin(existing, self.tick)
-            pool.unpin_many((blocks[j],), self.tick)  # our unpublished copy: freed
-            blocks[j] = existing
-            parent = child
-            j += 1
-        dedup = j - start
+            m = common_blocks(child, buf, pos, min(child.size, target - j))
+            if m < child.size:
+                child = trie.split(child, m)
+            run = child.residency.get(wid)
+            taken = own[:m]
+            del own[:m]
+            if run is not None:  # our copy of a block the worker already holds: share it
+                pool.pin_one(run, tick)
+                pool.release_own(taken)
+                dedup += m
+            else:
+                if first_new < 0:
+                    first_new = j
+                run = trie.add_residency(child, last, taken, wid, tick)
+            last = run
+            node = child
+            j += m
+            pos += child.end_of(m)
         if j < target:
-            nodes = self._trie.attach_chain(parent, contents[dedup:], wid, blocks[j:target])
-            pool.chain_published(blocks[j - 1] if j else None, blocks[j:target])
-            self._events.record(
-                wid, worker.incarnation, EventKind.STORED, nodes, tuple([b.block_id for b in blocks[j:target]]), parent
-            )
+            if first_new < 0:
+                first_new = j
+            taken = own[: target - j]
+            del own[: target - j]
+            last = trie.attach(node, last, buf[pos:end], taken, wid, tick)
+        record.last = last
         record.published = target
-        worker.published_blocks += target - j
+        newly = target - start - dedup
+        if newly and self._events.enabled:
+            self._stored_event(worker, last, first_new, target)
+        worker.published_blocks += newly
         worker.deduplicated_blocks += dedup
-        return target - j, dedup
+        return newly, dedup
+
+    def _stored_event(self, worker: WorkerRecord, last: Run, first: int, target: int) -> None:
+        """One STORED event for table blocks ``first .. target-1`` (keys read off the trie)."""
+        ids: list[int] = []
+        keys: list = []
+        parent_key = None
+        for run in chain(last):
+            node = run.node
+            lo = node.depth - 1  # table index of the run's first block
+            if lo + len(run.ids) <= first:
+                continue
+            skip = max(first - lo, 0)
+            if parent_key is None:
+                parent_key = node.keys[skip - 1] if skip else (node.parent.keys[-1])
+            ids += run.ids[skip:]
+            keys += node.keys[skip:]
+        self._events.record(worker.worker_id, worker.incarnation, EventKind.STORED, ids, keys, parent_key)
 
     def _unpin_all(self, record: ReservationRecord) -> tuple[int, int]:
-        """Drop the reservation's references (mutates): (blocks freed, published blocks unpinned)."""
-        freed = record.worker.pool.unpin_many(record.blocks, self.tick)
-        unpinned = len(record.blocks) - freed
-        record.blocks = []
+        """Drop the reservation's references (mutates): (own blocks freed, published blocks unpinned)."""
+        pool = record.worker.pool
+        unpinned = pool.unpin_chain(record.last, self.tick)
+        freed = len(record.own)
+        pool.release_own(record.own)
+        record.last = None
+        record.own = []
         return freed, unpinned
 
     def _end(self, record: ReservationRecord) -> None:
@@ -629,12 +674,8 @@ class KVStore:
         """Drop every reservation and trie residency of a worker incarnation and emit CLEARED
         (mutates). The caller removes or replaces the record itself."""
         for record in list(worker.reservations.values()):
-            record.blocks = []
+            record.last = None
+            record.own = []
             self._end(record)
-        wid = worker.worker_id
-        resident = [b for b in worker.pool.blocks if b.node is not None]
-        resident.sort(key=lambda b: -b.node.depth)  # deepest first keeps residency prefix-closed
-        for block in resident:
-            node, block.node = block.node, None
-            self._trie.remove_resident(node, wid)
-        self._events.record(wid, worker.incarnation, EventKind.CLEARED)
+        self._trie.drop_worker(worker.worker_id)
+        self._events.record(worker.worker_id, worker.incarnation, EventKind.CLEARED)

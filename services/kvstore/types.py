@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable
-
 from services.common.errors import TandemError
 from services.common.spec import SpecMode
 
@@ -145,7 +143,7 @@ class ReleaseResult:
     reservation_id: str
     newly_published: int
     deduplicated: int
-    freed_blocks: int  # unpublished blocks returned to the free queue
+    freed_blocks: int  # blocks returned to the free queue: unpublished ones and deduplicated copies
     unpinned_blocks: int  # published blocks whose reference this reservation dropped
 
 
@@ -172,7 +170,8 @@ class StoreStats:
     matches: int
     reservations_created: int
     live_reservations: int
-    trie_nodes: int
+    trie_nodes: int  # distinct published blocks in the index (one per block key)
+    trie_runs: int = 0  # trie nodes proper: runs of blocks (path compression)
 
 
 class EventKind(enum.Enum):
@@ -183,79 +182,19 @@ class EventKind(enum.Enum):
     CLEARED = 3  # everything of the worker dropped (re-registration or lease lapse)
 
 
+@dataclass(frozen=True, slots=True)
 class Event:
-    """One change of a worker's cached blocks (immutable). ``seq`` counts from 1 per worker id and
-    keeps counting across incarnations. STORED lists a chain (parent of the first = ``parent_key``,
-    the namespace root key for a first block); REMOVED lists evicted blocks; CLEARED lists none.
+    """One change of a worker's cached blocks. ``seq`` counts from 1 per worker id and keeps
+    counting across incarnations. STORED lists a chain of published blocks (parent of the first =
+    ``parent_key``, the namespace root key for a first block); REMOVED lists evicted blocks,
+    deepest first; CLEARED lists none. Keys are computed when the event is recorded. One publish
+    or eviction larger than ``EventLog.max_blocks`` becomes several events (consecutive seqs,
+    each STORED part chained to the previous one by ``parent_key``)."""
 
-    The store records ``block_keys``/``parent_key`` as a ``source``: a callable returning both,
-    called once on the first read (hashing only for events someone reads). It may read only
-    immutable data (the store passes pruned-or-not trie nodes, whose keys never change).
-    """
-
-    __slots__ = ("seq", "kind", "worker_id", "incarnation", "block_ids", "_block_keys", "_parent_key", "_source")
-
-    def __init__(
-        self,
-        seq: int,
-        kind: EventKind,
-        worker_id: str,
-        incarnation: int,
-        block_keys: tuple[BlockKey, ...] = (),
-        block_ids: tuple[int, ...] = (),
-        parent_key: BlockKey | None = None,
-        *,
-        source: Callable[[], tuple[tuple[BlockKey, ...], BlockKey | None]] | None = None,
-    ):
-        init = object.__setattr__
-        init(self, "seq", seq)
-        init(self, "kind", kind)
-        init(self, "worker_id", worker_id)
-        init(self, "incarnation", incarnation)
-        init(self, "block_ids", block_ids)
-        init(self, "_block_keys", block_keys)
-        init(self, "_parent_key", parent_key)
-        init(self, "_source", source)
-
-    @property
-    def block_keys(self) -> tuple[BlockKey, ...]:
-        if self._source is not None:
-            self._resolve()
-        return self._block_keys
-
-    @property
-    def parent_key(self) -> BlockKey | None:
-        if self._source is not None:
-            self._resolve()
-        return self._parent_key
-
-    def _resolve(self) -> None:
-        source = self._source
-        if source is not None:  # two racing readers both compute the same keys: harmless
-            keys, parent = source()
-            object.__setattr__(self, "_block_keys", keys)
-            object.__setattr__(self, "_parent_key", parent)
-            object.__setattr__(self, "_source", None)  # last: drops the node references
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"Event is immutable (cannot set {name})")
-
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"Event is immutable (cannot delete {name})")
-
-    def _fields(self) -> tuple:
-        return (self.seq, self.kind, self.worker_id, self.incarnation, self.block_keys, self.block_ids, self.parent_key)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Event):
-            return NotImplemented
-        return self._fields() == other._fields()
-
-    def __hash__(self) -> int:
-        return hash(self._fields())
-
-    def __repr__(self) -> str:
-        return (
-            f"Event(seq={self.seq}, kind={self.kind}, worker_id={self.worker_id!r}, incarnation={self.incarnation}, "
-            f"block_keys={self.block_keys!r}, block_ids={self.block_ids!r}, parent_key={self.parent_key!r})"
-        )
+    seq: int
+    kind: EventKind
+    worker_id: str
+    incarnation: int
+    block_keys: tuple[BlockKey, ...] = ()
+    block_ids: tuple[int, ...] = ()
+    parent_key: BlockKey | None = None

@@ -98,6 +98,8 @@ def fits_worker(spec: WorkerSpec, arr: np.ndarray, total: int) -> None:
 def appended(stream: KeyStream, new_tokens: object, spec: WorkerSpec, max_tokens: int) -> KeyStream:
     """``stream`` with ``new_tokens`` appended. The sequence may run one token past
     ``max_seq_len``: the last sampled token, which never gets a KV position."""
+    if type(new_tokens) in (tuple, list, bytes) and not new_tokens:
+        return stream  # the usual Release/Publish without new tokens: skip the array round trip
     arr = token_array(new_tokens)
     if not len(arr):
         return stream

@@ -1,8 +1,8 @@
 """Serving one request end to end over the network: the router's orchestration.
 
-    Match ──▶ rank (policy) ──▶ Reserve on the first choice ──▶ Worker.Generate(reservation) ──▶ deltas
-      ▲         RESOURCE_EXHAUSTED: next choice; none left:          │
-      │         wait in the bounded queue and plan again             │ fails before the first message
+    Match ──▶ rank (policy) ──▶ Reserve(candidates in rank order) ──▶ Worker.Generate(reservation) ──▶ deltas
+      ▲         the kvstore takes the first with room; all full:           │
+      │         wait in the bounded queue and plan again                   │ fails before the first message
       └──────────────────────────────────────────────────────────────┘ (retry.AttemptState decides)
 
 Who ends a reservation (DESIGN §4 "nothing leaks"):
@@ -296,34 +296,32 @@ class Dispatcher:
         queued_until: float | None = None
         try:
             while True:
-                last = ""
-                for entry in await self._plan(job, tenant, prompt_pb, state, deadline):
-                    request = kv_pb.ReserveRequest(
-                        worker_id=entry.worker_id,
-                        incarnation=entry.incarnation,
-                        request_id=state.reservation_request_id(),
-                        tokens=prompt_pb,
-                        cache_salt=tenant.cache_salt,
-                        headroom_positions=job.headroom_positions,
-                    )
-                    try:
-                        resp = await self._kv.Reserve(
-                            request, timeout=self._timeout(deadline, self.config.kvstore_timeout_s)
-                        )
-                        return entry, resp.reservation
-                    except asyncio.CancelledError:
-                        self._reclaim_later(request)  # the kvstore may have reserved all the same
-                        raise
-                    except grpc.aio.AioRpcError as err:
-                        if err.code() in _NO_ANSWER:
-                            self._reclaim_later(request)
-                        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                            last = err.details() or ""
-                            continue  # fall through to the next choice
-                        if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
-                            self.directory.invalidate()  # the worker re-registered or left
-                            last = f"{entry.worker_id} changed: {err.details()}"
-                            continue
+                ranked = await self._plan(job, tenant, prompt_pb, state, deadline)
+                # One Reserve for the whole preference order: the kvstore takes the first worker
+                # with room, so a full first choice costs no extra round trip.
+                request = kv_pb.ReserveRequest(
+                    candidates=[kv_pb.WorkerRef(worker_id=e.worker_id, incarnation=e.incarnation) for e in ranked],
+                    request_id=state.reservation_request_id(),
+                    tokens=prompt_pb,
+                    cache_salt=tenant.cache_salt,
+                    headroom_positions=job.headroom_positions,
+                )
+                try:
+                    resp = await self._kv.Reserve(request, timeout=self._timeout(deadline, self.config.kvstore_timeout_s))
+                    entry = next(e for e in ranked if e.worker_id == resp.reservation.worker_id)
+                    return entry, resp.reservation
+                except asyncio.CancelledError:
+                    self._reclaim_later(request)  # the kvstore may have reserved all the same
+                    raise
+                except grpc.aio.AioRpcError as err:
+                    if err.code() in _NO_ANSWER:
+                        self._reclaim_later(request)
+                    if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        last = err.details() or ""
+                    elif err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                        self.directory.invalidate()  # a worker re-registered or left
+                        last = f"the workers changed: {err.details()}"
+                    else:
                         raise _kv_error("Reserve", err) from None
                 # nothing fits right now: wait (bounded queue) and plan again
                 now = self._clock()

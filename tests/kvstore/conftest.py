@@ -38,16 +38,20 @@ def _make_spec(worker_id: str = "w0", **fields) -> WorkerSpec:
 
 
 def _fingerprint(store: KVStore) -> tuple:
-    """Everything observable about a store's state (read-only): stats, each worker's free queue,
-    eviction order and info, live reservations, trie size and event sequence numbers."""
-    workers = store._workers
+    """Everything observable about a store's state (read-only, through ``store.view()``): stats,
+    each worker's lease, free queue, eviction order, pins and runs, live reservations, event
+    sequence numbers and the logical clock."""
+    view = store.view()
     return (
         store.stats(),
-        [(w.spec, w.incarnation, w.lease_deadline) for w in workers.values()],
-        {wid: (w.pool.free_ids(), w.pool.eviction_order()) for wid, w in workers.items()},
-        sorted((rid, r.snapshot()) for rid, r in store._reservations.items()),
-        {wid: store._events.last_seq(wid) for wid in workers},
-        store.tick,
+        [(w.spec, w.incarnation) for w in store.list_workers()],
+        {
+            wid: (view.lease_deadline(wid), view.free_ids(wid), view.eviction_order(wid), view.pins(wid), view.runs(wid))
+            for wid in view.worker_ids()
+        },
+        view.reservations(),
+        {wid: view.last_seq(wid) for wid in view.worker_ids()},
+        view.tick(),
     )
 
 
@@ -58,7 +62,7 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def store(clock) -> KVStore:
-    return KVStore(clock=clock, lease_ttl_s=10.0, epoch=0)
+    return KVStore(clock=clock, lease_ttl_s=10.0, epoch=0, events_per_worker=64)
 
 
 @pytest.fixture
@@ -71,3 +75,9 @@ def make_spec():
 def fingerprint():
     """``fingerprint(store) -> tuple``: compare before/after a call that must change nothing."""
     return _fingerprint
+
+
+@pytest.fixture
+def kvstore_service(start_kvstore_service):
+    """A fresh kvstore on port 0 with block events on (they are opt-in; WatchEvents is tested)."""
+    return start_kvstore_service(events_per_worker=256)

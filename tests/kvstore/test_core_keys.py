@@ -189,9 +189,10 @@ def test_block_keys_chain_from_the_namespace_root(store, make_spec):
 
 @pytest.mark.parametrize("read_early", [True, False])
 def test_event_keys_are_the_design_keys_even_when_read_after_eviction_and_drop(make_spec, clock, read_early):
-    """Nodes derive their keys on first read: reading every event right away, or only after its
-    nodes were evicted, pruned and the worker re-registered, gives the same design keys."""
-    store = KVStore(clock=clock, lease_ttl_s=10.0, epoch=0)
+    """Events carry keys computed when they were recorded: reading every event right away, or
+    only after its blocks were evicted, pruned and the worker re-registered, gives the same
+    design keys."""
+    store = KVStore(clock=clock, lease_ttl_s=10.0, epoch=0, events_per_worker=64)
     w = store.register_worker(make_spec(spec_mode=SpecMode.EAGLE3, model_id="llama-x"))
     seen = []
 

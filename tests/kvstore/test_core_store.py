@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import pytest
 
@@ -12,6 +10,8 @@ from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.spec import SpecMode
 from services.kvstore import EventKind, ExtendItem, KVStore, TrimItem
 from services.kvstore.block_pool import BlockPool
+from services.kvstore.keys import KeyStream, Namespace, chain_key
+from services.kvstore.radix_trie import RadixTrie
 
 
 def reserve(store, w, request_id, tokens, **kw):
@@ -22,8 +22,20 @@ def release(store, r, final=None, new=()):
     return store.release(reservation_id=r.reservation_id, incarnation=r.incarnation, new_tokens=new, final_positions=final)
 
 
-def pool_of(store, worker_id="w0"):
-    return store._workers[worker_id].pool
+class pool_of:
+    """The worker's pool as the read-only view shows it."""
+
+    def __init__(self, store, worker_id="w0"):
+        self.view, self.worker_id = store.view(), worker_id
+
+    def free_ids(self):
+        return self.view.free_ids(self.worker_id)
+
+    def eviction_order(self):
+        return self.view.eviction_order(self.worker_id)
+
+    def pins(self):
+        return self.view.pins(self.worker_id)
 
 
 def usage(store, worker_id="w0"):
@@ -62,10 +74,10 @@ def test_eviction_takes_lru_leaves_first_and_match_does_not_touch_the_clock(stor
     assert pool.free_ids() == [7, 4, 6]
     # Leaves now: x2 (oldest), y0, z1. x1 and x0 are pinned by their resident children.
     assert pool.eviction_order() == [2, 3, 5]
-    before = (pool.eviction_order(), pool.free_ids(), store.tick)
+    before = (pool.eviction_order(), pool.free_ids(), store.view().tick())
     for prompt in ([1, 2, 3, 4, 5, 6, 7, 8, 9], [20, 21, 22, 23, 24], [1, 2, 3, 4, 30, 31, 32, 33, 34]):
         assert store.match(prompt)[0].reusable_positions > 0
-    assert (pool.eviction_order(), pool.free_ids(), store.tick) == before
+    assert (pool.eviction_order(), pool.free_ids(), store.view().tick()) == before
     # Needing all 8 blocks: the 3 free ones first, then x2, x1 (now a leaf, same old tick),
     # y0, z1 (deeper than x0, same tick), x0.
     big = reserve(store, w, "big", list(range(60, 92)))
@@ -76,21 +88,52 @@ def test_eviction_takes_lru_leaves_first_and_match_does_not_touch_the_clock(stor
     assert store.check_invariants() == []
 
 
-def test_pool_orders_evictable_leaves_by_tick_then_depth_then_id():
-    pool = BlockPool(5)
-    blocks = pool.allocate(5)
-    for block, depth in zip(blocks, [2, 5, 2, 1, 9]):
-        block.node = types.SimpleNamespace(depth=depth)
-    pool.unpin_many([blocks[3]], tick=6)
-    pool.unpin_many([blocks[0], blocks[1], blocks[2]], tick=7)
-    pool.unpin_many([blocks[4]], tick=8)
-    assert pool.eviction_order() == [3, 1, 0, 2, 4]
-    assert pool.available_for(0) == 5 and pool.num_free == 0
-    evicted = []
-    victims = pool.allocate(5, evicted)
-    assert [b.block_id for b in victims] == [3, 1, 0, 2, 4]
-    assert [node.depth for node in evicted] == [1, 5, 2, 2, 9]  # each victim's node, in order
-    assert pool.audit("pool") == []
+def test_pool_orders_evictable_blocks_by_tick_then_depth_then_id():
+    """Block-level LRU order (tick, deeper first, lower id) with whole runs evicted at once:
+    runs of equal tick interleave block by block, by depth and then id."""
+    pool, trie = BlockPool(11, "w"), RadixTrie()
+    root = trie.root_or_create(Namespace("m", 1, SpecMode.NONE, 0))
+    ids = pool.take_free(11)
+    assert ids == list(range(11))
+
+    def leaf(first_token, block_ids, tick):
+        content = np.arange(first_token, first_token + len(block_ids), dtype="<u4").tobytes()
+        run = trie.attach(root, None, content, block_ids, "w", tick=1)
+        pool.unpin_chain(run, tick)
+
+    leaf(100, [0, 1], 7)  # X: depths 1, 2
+    leaf(200, [5, 6, 7, 8, 2], 7)  # Y: depths 1..5
+    leaf(300, [3], 6)  # Z
+    leaf(400, [9, 10, 4], 8)  # W
+    assert pool.eviction_order() == [3, 2, 1, 4]  # last blocks of the leaf runs
+    assert pool.available(0) == 11 and pool.num_free == 0
+    victims: list[int] = []
+    pool.evict(11, trie, victims, None)
+    # tick 6: Z; tick 7: Y5 Y4 Y3, then depth 2: X (id 1) before Y (6), depth 1: X (0) before Y (5)
+    assert victims == [3, 2, 8, 7, 1, 6, 0, 5, 4, 10, 9]
+    assert (trie.num_nodes, trie.num_blocks, pool.num_in_use, pool.num_cached) == (0, 0, 11, 0)
+    assert pool.audit("pool", [], [victims]) == []
+
+
+def test_partial_eviction_splits_a_run_other_workers_share(store, make_spec):
+    """Evicting only the tail of a run that another worker also holds cuts the node in two:
+    the other worker keeps all its blocks, this one keeps the head."""
+    a = store.register_worker(make_spec("a", num_blocks=6))
+    b = store.register_worker(make_spec("b", num_blocks=6))
+    prompt = list(range(1, 18))  # 4 keyed blocks of 4
+    for w in (a, b):
+        release(store, reserve(store, w, f"p-{w.worker_id}", prompt), final=16)
+    assert store.view().runs("a") == [(1, (0, 1, 2, 3))] and store.stats().trie_runs == 1
+    r = reserve(store, a, "big", list(range(40, 51)))  # 3 blocks: 2 free + the deepest cached one
+    assert r.block_table == (5, 4, 3)  # the free queue (5, then 4 freed by the release), then the LRU block
+    assert store.view().runs("a") == [(1, (0, 1, 2))]
+    assert store.view().runs("b") == [(1, (0, 1, 2)), (4, (3,))]
+    assert (store.stats().trie_runs, store.stats().trie_nodes) == (2, 4)
+    found = {m.worker_id: m.reusable_blocks for m in store.match(prompt)}
+    assert found == {"a": 3, "b": 4}
+    removed = [e for e in store.events_since("a", 0) if e.kind is EventKind.REMOVED]
+    assert [e.block_ids for e in removed] == [(3,)]
+    assert store.check_invariants() == []
 
 
 def test_reserve_is_idempotent_per_request_id(store, make_spec, fingerprint):
@@ -129,6 +172,30 @@ def test_resource_exhausted_is_all_or_nothing_and_counts_pins(store, make_spec, 
         reserve(store, w, "c", prompt + [13], headroom_positions=4)
     assert fingerprint(store) == before
     assert store.check_invariants() == []
+
+
+def test_reserve_first_takes_the_first_live_candidate_with_room(store, make_spec, fingerprint):
+    a = store.register_worker(make_spec("a", num_blocks=2))
+    b = store.register_worker(make_spec("b", num_blocks=8))
+    prompt = list(range(1, 10))  # 3 blocks: more than a has
+    stale = ("b", b.incarnation + 7)
+    before = fingerprint(store)
+    with pytest.raises(ResourceExhausted, match="'a' needs 3"):
+        store.reserve_first(candidates=[stale, ("a", a.incarnation), ("nobody", 1)], request_id="q", tokens=prompt)
+    with pytest.raises(FailedPrecondition, match="no candidate worker is live"):
+        store.reserve_first(candidates=[stale, ("nobody", 1)], request_id="q", tokens=prompt)
+    with pytest.raises(InvalidArgument):
+        store.reserve_first(candidates=[], request_id="q", tokens=prompt)
+    assert fingerprint(store) == before
+    cands = [stale, ("a", a.incarnation), ("b", b.incarnation)]
+    r = store.reserve_first(candidates=cands, request_id="q", tokens=prompt)
+    assert (r.worker_id, r.block_table) == ("b", (0, 1, 2))
+    # A retry (e.g. after a lost answer) returns the same reservation, even though a has room now.
+    store.register_worker(make_spec("a", num_blocks=8))
+    a2 = store.list_workers()[0]
+    assert store.reserve_first(candidates=[("a", a2.incarnation), ("b", b.incarnation)], request_id="q",
+                               tokens=prompt) == r
+    assert store.stats().reservations_created == 1 and store.check_invariants() == []
 
 
 def test_extend_and_trim_apply_each_item_atomically(store, make_spec, fingerprint):
@@ -178,7 +245,7 @@ def test_publish_dedups_against_the_copy_already_on_the_worker(store, make_spec)
     p = store.publish(reservation_id=a.reservation_id, incarnation=a.incarnation, final_positions=9)
     assert (p.reservation.block_table, p.deduplicated, p.newly_published) == ((0, 4, 2), 1, 0)
     assert pool_of(store).free_ids() == [6, 7, 3, 1]
-    assert pool_of(store).blocks[0].ref_count == 2 and pool_of(store).blocks[4].ref_count == 2
+    assert pool_of(store).pins()[0] == 2 and pool_of(store).pins()[4] == 2
     stored = [e for e in store.events_since("w0", 0) if e.kind is EventKind.STORED]
     assert [(e.block_ids, e.parent_key) for e in stored] == [((0,), stored[0].parent_key), ((4,), stored[0].block_keys[0])]
     release(store, a)
@@ -394,6 +461,34 @@ def test_events_are_sequenced_buffered_and_pushed(clock, make_spec):
         store.events_since("nobody", 0)
 
 
+def test_large_publishes_and_evictions_become_bounded_events(clock, make_spec):
+    """No event lists more than ``max_blocks`` blocks: a big publish is several STORED events,
+    each chained to the previous one by its parent key, and the keys are those of one event."""
+    store = KVStore(clock=clock, epoch=0, events_per_worker=64, max_blocks_per_event=3)  # default 1,024
+    w = store.register_worker(make_spec(num_blocks=8, max_seq_len=64))
+    r = reserve(store, w, "a", list(range(1, 30)))  # 8 blocks, 7 keyed
+    release(store, r, final=28)
+    stored = store.events_since("w0", 0)
+    assert [(e.kind, len(e.block_ids)) for e in stored] == [(EventKind.STORED, 3), (EventKind.STORED, 3), (EventKind.STORED, 1)]
+    assert [e.seq for e in stored] == [1, 2, 3]
+    assert stored[1].parent_key == stored[0].block_keys[-1] and stored[2].parent_key == stored[1].block_keys[-1]
+    assert sum((e.block_ids for e in stored), ()) == tuple(range(7))
+    reserve(store, w, "b", list(range(40, 72)))  # all 8 blocks: evicts the 7 published ones
+    removed = store.events_since("w0", 3)
+    assert [len(e.block_ids) for e in removed] == [3, 3, 1] and all(e.kind is EventKind.REMOVED for e in removed)
+    assert sum((e.block_keys for e in removed), ()) == sum((e.block_keys for e in stored), ())[::-1]
+    assert store.check_invariants() == []
+
+
+def test_events_are_off_unless_asked_for(clock, make_spec):
+    store = KVStore(clock=clock, epoch=0)
+    w = store.register_worker(make_spec())
+    release(store, reserve(store, w, "a", list(range(1, 10))), final=9)
+    with pytest.raises(FailedPrecondition, match="events are off"):
+        store.events_since("w0", 0)
+    assert store.view().last_seq("w0") == 0 and store.check_invariants() == []
+
+
 def test_stats_count_requests_hits_and_evictions(store, make_spec):
     w = store.register_worker(make_spec(num_blocks=4))
     r = reserve(store, w, "a", list(range(1, 10)))
@@ -409,32 +504,41 @@ def test_stats_count_requests_hits_and_evictions(store, make_spec):
         store.stats("nobody")
 
 
+def _runs(store, worker_id="w0"):
+    """The worker's runs, shallowest first (white box: the corruption test needs the objects)."""
+    trie = store._trie
+    return sorted((n.residency[worker_id] for n in trie.iter_nodes() if worker_id in n.residency),
+                  key=lambda r: r.node.depth)
+
+
 @pytest.mark.parametrize(
     "corrupt, expected",
     [
-        (lambda s, p: setattr(p.blocks[0], "ref_count", 2), "live pins"),
-        (lambda s, p: p._free.append(p.blocks[5]), "free queue holds a block twice"),
-        (lambda s, p: setattr(p, "num_cached", p.num_cached + 1), "counters"),
-        (lambda s, p: p.blocks[1].node.residency.clear(), "does not name it"),
-        (lambda s, p: setattr(p.blocks[0], "resident_children", 0), "resident children"),
-        (lambda s, p: setattr(p.blocks[1], "parent", None), "does not link the block of its parent"),
-        (lambda s, p: setattr(p.blocks[1].node, "key", b"\0" * 32), "does not chain"),
-        (lambda s, p: s._reservations.popitem(), "index sizes"),
+        (lambda s, p, r: setattr(r[0], "ref", 2), "live pins"),
+        (lambda s, p, r: p._free.append(5), "held [2] times"),
+        (lambda s, p, r: setattr(p, "num_cached", p.num_cached + 1), "counters"),
+        (lambda s, p, r: r[1].node.residency.clear(), "resident nowhere"),
+        (lambda s, p, r: setattr(r[0], "resident_children", 0), "resident children"),
+        (lambda s, p, r: setattr(r[1], "parent", None), "does not link the run of its parent"),
+        (lambda s, p, r: r[1].node.keys.__setitem__(0, b"\0" * 32), "does not chain"),
+        (lambda s, p, r: r[1].ids.append(6), "block for block"),
+        (lambda s, p, r: s._reservations.popitem(), "index sizes"),
     ],
 )
 def test_audit_reports_corruption(store, make_spec, corrupt, expected):
     w = store.register_worker(make_spec())
     r = reserve(store, w, "a", list(range(1, 10)))
+    store.publish(reservation_id=r.reservation_id, incarnation=r.incarnation, final_positions=4)
     store.publish(reservation_id=r.reservation_id, incarnation=r.incarnation, final_positions=9)
-    assert store.check_invariants() == []
-    corrupt(store, pool_of(store))
+    assert store.check_invariants() == [] and len(_runs(store)) == 2
+    corrupt(store, store._workers["w0"].pool, _runs(store))
     violations = store.check_invariants()
     assert any(expected in v for v in violations), violations
 
 
-def test_a_remembered_match_walk_never_outlives_a_trie_change(store, make_spec):
-    """Reserve reuses the walk of the Match just before it; any node added or pruned in between
-    must show up in the answer."""
+def test_match_sees_every_trie_change_between_calls(store, make_spec):
+    """Match and Reserve answer from the trie as it is now: any node added or pruned since the
+    previous Match must show up in the answer."""
     w = store.register_worker(make_spec())
     prompt = list(range(1, 10))  # 2 keyed blocks of 4 at D = 0
     a = reserve(store, w, "a", prompt)
@@ -453,25 +557,32 @@ def test_a_remembered_match_walk_never_outlives_a_trie_change(store, make_spec):
 
 
 def _reference_reusable(store, tokens, worker_id="w0"):
-    """Reusable positions by a plain block-by-block dict walk (no chain skipping)."""
-    from services.kvstore.keys import KeyStream
-
-    worker = store._workers[worker_id]
-    stream = KeyStream.from_tokens(tokens, worker.span, worker.spec.block_size)
-    node = store._trie.root(worker.namespace(b""))
+    """Reusable positions by a plain block-by-block walk (one block per step, inside runs too)."""
+    view = store.view()
+    namespace = view.namespace(worker_id)
+    stream = KeyStream.from_tokens(tokens, namespace.span, namespace.block_size)
+    node, used = store._trie.root(namespace), 0
     reused = 0
     for j in range(stream.reusable_block_cap):
-        node = None if node is None else node.children.get(stream.block_content(j))
-        if node is None or worker_id not in node.residency:
+        if node is None:
+            break
+        content = stream.block_content(j)
+        if used < node.size:
+            ok = node.content[node.end_of(used) : node.end_of(used + 1)] == content
+            used += 1
+        else:
+            node, used = node.children.get(content), 1
+            ok = node is not None
+        if not ok or worker_id not in node.residency:
             break
         reused += 1
-    return reused * worker.spec.block_size
+    return reused * namespace.block_size
 
 
 def test_walk_along_chains_matches_a_block_by_block_walk(store, make_spec):
-    """Match skips along the chain one Publish created with one slice compare; prompts that
-    leave a chain mid-way, branch into another chain, or run into a chain whose tail was
-    evicted must get exactly what a block-by-block walk finds."""
+    """Match compares a whole run with one slice compare; prompts that leave a run mid-way,
+    branch into another run, or run into a run whose tail was evicted must get exactly what a
+    block-by-block walk finds."""
     w = store.register_worker(make_spec(num_blocks=16, max_seq_len=128))
     a = list(range(1, 33))  # 8 blocks of 4
     r = reserve(store, w, "a", a + [99])
@@ -495,16 +606,14 @@ def test_walk_along_chains_matches_a_block_by_block_walk(store, make_spec):
     assert store.check_invariants() == []
 
 
-def test_event_keys_stay_right_after_evicted_nodes_are_reused(store, make_spec):
-    """Events derive keys lazily from the trie's chains; the trie refills pruned nodes for new
-    publishes. Keys read only after that reuse must still be those of the original prompts."""
-    from services.kvstore.keys import KeyStream, chain_key
-
+def test_event_keys_stay_right_after_evicted_blocks_are_reused(store, make_spec):
+    """Events carry keys computed when they were recorded; blocks evicted and published again
+    under other prompts must not change what earlier events say."""
     w = store.register_worker(make_spec())  # 8 blocks of 4, D = 0
 
     def expected_keys(tokens, count):
         stream = KeyStream.from_tokens(tokens, 0, 4)
-        key = store._workers["w0"].namespace(b"").root_key()
+        key = store.view().namespace("w0").root_key()
         out = []
         for j in range(count):
             key = chain_key(key, stream.block_key_material(j))
@@ -521,7 +630,7 @@ def test_event_keys_stay_right_after_evicted_nodes_are_reused(store, make_spec):
     r = reserve(store, w, "c", c)  # 5 blocks: evicts b's leaves, their nodes refilled again
     release(store, r, final=16)
     ka, kb, kc = expected_keys(a, 4), expected_keys(b, 7), expected_keys(c, 4)
-    root = store._workers["w0"].namespace(b"").root_key()
+    root = store.view().namespace("w0").root_key()
     got = [(e.kind, list(e.block_keys), e.parent_key) for e in store.events_since("w0", 0)]
     assert got[:4] == [
         (EventKind.STORED, ka[:2], root),

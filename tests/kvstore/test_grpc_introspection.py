@@ -86,6 +86,15 @@ def test_check_invariants_reports_ok_and_violations(kv, monkeypatch):
 # ------------------------------------------------------------------------------------ WatchEvents
 
 
+def test_watch_fails_precondition_when_events_are_off(start_kvstore_service):
+    kv = start_kvstore_service().kv  # default settings: events are opt-in
+    w = kv.register("a")
+    cycle(kv, w, "r1", P)
+    with pytest.raises(grpc.RpcError) as info:
+        next(watch(kv, "a"))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "events are off" in info.value.details()
+
+
 def test_watch_streams_stored_removed_cleared_with_increasing_seq(kv):
     w = kv.register("a", num_blocks=8)
     r1 = cycle(kv, w, "r1", P)  # STORED 4 blocks

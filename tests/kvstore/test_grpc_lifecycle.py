@@ -163,6 +163,16 @@ def test_release_publishes_what_is_final_and_frees_the_rest(kv):
     assert (stats.workers[0].pool.cached, stats.workers[0].pool.free, stats.workers[0].pool.in_use) == (4, 60, 0)
 
 
+def test_release_counts_deduplicated_copies_among_freed_blocks(kv):
+    w = kv.register("a")
+    first, second = kv.reserve(w, "r1", P), kv.reserve(w, "r2", P, headroom_positions=3)  # 5 + 5 blocks
+    kv.publish(first, 17)
+    free_before = kv.stats().workers[0].pool.free
+    resp = kv.release(second, 17)  # its 4 keyed blocks are already on the worker: dedup
+    assert (resp.newly_published, resp.deduplicated, resp.freed_blocks) == (0, 4, 5)
+    assert kv.stats().workers[0].pool.free == free_before + resp.freed_blocks
+
+
 def test_release_with_zero_final_positions_publishes_nothing(kv):
     w = kv.register("a")
     resp = kv.release(kv.reserve(w, "r", P))

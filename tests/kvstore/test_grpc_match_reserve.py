@@ -212,3 +212,18 @@ def test_reserve_evicts_cached_blocks_least_recently_used_first(kv):
     assert kv.match(P)["a"].reusable_positions == 4  # "old" lost its 3 deepest blocks
     assert kv.match([500 + t for t in P])["a"].reusable_positions == 16  # "new" was used last
     assert kv.invariants().ok
+
+
+def test_reserve_with_candidates_lands_on_the_first_with_room(kv):
+    a, b = kv.register("a", num_blocks=4), kv.register("b")
+    ids = list(range(1, 41))  # 10 blocks: more than a has
+    refs = [kv.pb.WorkerRef(worker_id=w.worker_id, incarnation=w.incarnation) for w in (a, b)]
+    req = kv.pb.ReserveRequest(candidates=refs, request_id="r", tokens=kv.tokens(ids))
+    r = kv.stub.Reserve(req, timeout=5).reservation
+    assert r.worker_id == "b" and len(r.block_table) == 10
+    assert kv.stub.Reserve(req, timeout=5).reservation == r  # idempotent retry
+    both = kv.pb.ReserveRequest(worker_id="a", incarnation=a.incarnation, candidates=refs, request_id="s",
+                                tokens=kv.tokens(ids))
+    kv.expect_error(grpc.StatusCode.INVALID_ARGUMENT, kv.stub.Reserve, both, timeout=5)
+    full = kv.pb.ReserveRequest(candidates=refs[:1], request_id="t", tokens=kv.tokens(ids))
+    kv.expect_error(grpc.StatusCode.RESOURCE_EXHAUSTED, kv.stub.Reserve, full, timeout=5)

@@ -107,13 +107,16 @@ class MRes:
 
 
 def fingerprint(store: KVStore) -> tuple:
-    workers = store._workers
+    view = store.view()
     return (
         store.stats(),
-        {wid: (w.incarnation, w.lease_deadline, w.pool.free_ids(), w.pool.eviction_order()) for wid, w in workers.items()},
-        sorted((rid, r.snapshot()) for rid, r in store._reservations.items()),
-        {wid: store._events.last_seq(wid) for wid in workers},
-        store.tick,
+        {
+            wid: (view.lease_deadline(wid), view.free_ids(wid), view.eviction_order(wid), view.pins(wid), view.runs(wid))
+            for wid in view.worker_ids()
+        },
+        view.reservations(),
+        {wid: view.last_seq(wid) for wid in view.worker_ids()},
+        view.tick(),
     )
 
 
@@ -407,7 +410,8 @@ class KVStoreMachine(RuleBasedStateMachine):
             res = call()
             assert res.newly_published + res.deduplicated == published - r.published
             self._published(r, new, published)
-            assert (res.freed_blocks, res.unpinned_blocks) == (r.nblocks - published, published)
+            # Freed: the unpublished blocks and the copies that dedup replaced.
+            assert (res.freed_blocks, res.unpinned_blocks) == (r.nblocks - published + res.deduplicated, published)
         del self.live[r.rid]
         self.ended[r.rid] = r.incarnation
 

@@ -135,20 +135,30 @@ class WorkerMatch(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., reusable_positions: _Optional[int] = ..., reusable_blocks: _Optional[int] = ..., pool: _Optional[_Union[PoolUsage, _Mapping]] = ..., live_reservations: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "request_id", "tokens", "cache_salt", "headroom_positions")
+    __slots__ = ("worker_id", "incarnation", "request_id", "tokens", "cache_salt", "headroom_positions", "candidates")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: int
     request_id: str
     tokens: _common_pb2.TokenIds
     cache_salt: bytes
     headroom_positions: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., request_id: _Optional[str] = ..., tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., headroom_positions: _Optional[int] = ...) -> None: ...
+    candidates: _containers.RepeatedCompositeFieldContainer[WorkerRef]
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., request_id: _Optional[str] = ..., tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., cache_salt: _Optional[bytes] = ..., headroom_positions: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[WorkerRef, _Mapping]]] = ...) -> None: ...
+
+class WorkerRef(_message.Message):
+    __slots__ = ("worker_id", "incarnation")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("reservation_id", "request_id", "worker_id", "incarnation", "block_table", "reused_positions", "capacity_positions", "published_blocks")
@@ -259,12 +269,14 @@ class ReleaseRequest(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., new_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., final_positions: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("newly_published", "freed_blocks")
+    __slots__ = ("newly_published", "freed_blocks", "deduplicated")
     NEWLY_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
     newly_published: int
     freed_blocks: int
-    def __init__(self, newly_published: _Optional[int] = ..., freed_blocks: _Optional[int] = ...) -> None: ...
+    deduplicated: int
+    def __init__(self, newly_published: _Optional[int] = ..., freed_blocks: _Optional[int] = ..., deduplicated: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("reservation_id", "incarnation")
