@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +17,7 @@ from services.common.errors import FailedPrecondition, NotFound, TandemError
 from services.common.metrics import ServiceMetrics
 from services.common.server import GrpcServer, ServiceBinding
 from services.common.spec import SpecMode
+from services.common.startup import StartupError, wait_for
 from services.common.telemetry import ServerTracingInterceptor
 from services.gpuworker.attention.base import AttentionGeometry, get_backend
 from services.gpuworker.engine.engine import Engine, EngineConfig
@@ -66,17 +69,40 @@ class WorkerIdentity:
         )
 
 
-def pool_blocks(settings: WorkerSettings, target, draft, dtype: torch.dtype) -> int:
-    """``num_blocks`` as given, or as many paired blocks as ``kv_memory_mb`` holds: one block is
-    a page in every target layer plus a page in every draft layer."""
+DEFAULT_CUDA_KV_FRACTION = 0.9  # of the memory left free after the model loaded (vLLM, SGLang: ~0.9)
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Memory free on ``device`` now: CUDA's own count, or the machine's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_budget_bytes(settings: WorkerSettings, device_type: str, free_bytes: Callable[[], int]) -> int:
+    """Bytes for the target + draft KV pools: ``kv_memory_fraction`` of ``free_bytes()`` (0.9 by
+    default on CUDA), else ``kv_memory_mb``."""
+    fraction = settings.kv_memory_fraction
+    if fraction is None and device_type == "cuda":
+        fraction = DEFAULT_CUDA_KV_FRACTION
+    if fraction is None:
+        return int(settings.kv_memory_mb * 2**20)
+    return int(free_bytes() * fraction)
+
+
+def pool_blocks(settings: WorkerSettings, target, draft, dtype: torch.dtype, budget_bytes: int | None = None) -> int:
+    """``num_blocks`` as given, or as many paired blocks as ``budget_bytes`` (default
+    ``kv_memory_mb``) holds: one block is a page in every target layer plus a page in every draft layer."""
     if settings.num_blocks:
         return settings.num_blocks
+    if budget_bytes is None:
+        budget_bytes = int(settings.kv_memory_mb * 2**20)
     c = target.config
     layers = c.num_layers + (draft.num_kv_layers if draft is not None else 0)
     per_block = layers * 2 * settings.block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
-    blocks = int(settings.kv_memory_mb * 2**20 // per_block)
+    blocks = int(budget_bytes // per_block)
     if blocks < 1:
-        raise ValueError(f"kv_memory_mb={settings.kv_memory_mb} holds no block of {per_block} bytes")
+        raise StartupError(f"the KV memory budget ({budget_bytes} bytes) holds no block of {per_block} bytes; raise --kv-memory-mb or --kv-memory-fraction")
     return blocks
 
 
@@ -94,10 +120,13 @@ async def start_worker(
     spec_mode = _SPEC_MODES[settings.spec_mode]
     dtype = _DTYPES[settings.dtype]
     device = torch.device(settings.device)
-    target, draft, _tokenizer = await asyncio.to_thread(
-        load_model, settings.model, spec_mode=spec_mode, mtp_depth=settings.mtp_depth, dtype=dtype, device=device, seed=settings.seed
-    )
-    num_blocks = pool_blocks(settings, target, draft, dtype)
+    try:
+        target, draft, _tokenizer = await asyncio.to_thread(
+            load_model, settings.model, spec_mode=spec_mode, mtp_depth=settings.mtp_depth, dtype=dtype, device=device, seed=settings.seed
+        )
+    except TandemError as exc:  # a missing or unusable model folder: one line, not a traceback
+        raise StartupError(f"cannot load model {settings.model!r}: {exc.message}") from None
+    num_blocks = pool_blocks(settings, target, draft, dtype, kv_budget_bytes(settings, device.type, lambda: free_device_bytes(device)))
     c = target.config
     target_pool = target.new_kv_pool(num_blocks, settings.block_size)
     draft_pool = draft.new_kv_pool(num_blocks, settings.block_size) if draft is not None else None
@@ -124,7 +153,9 @@ async def start_worker(
     if settings.metrics_port is not None:
         metrics = metrics or ServiceMetrics("gpuworker")
         interceptors.append(metrics.interceptor())
-        worker_metrics = WorkerMetrics(metrics, running=lambda: runner.running)  # read at scrape time
+        worker_metrics = WorkerMetrics(metrics, running=lambda: runner.running,  # read at scrape time
+                                       model_name=settings.model, kv_usage=_kv_usage_probe(settings))
+        interceptors.append(worker_metrics.interceptor())
     runner = EngineRunner(
         engine, link, source, max_running=settings.max_running,
         on_step=worker_metrics.on_step if worker_metrics is not None else None,
@@ -157,17 +188,39 @@ async def start_worker(
     )
     server.add_binding(ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(runner, identity, tracer_provider=tracer_provider), SERVICE_NAME))
     if settings.metrics_port is not None:
+        metrics.ready = lambda: server.serving  # /ready follows gRPC health
         metrics.serve(settings.host, settings.metrics_port)  # a taken port fails before gRPC binds
         server.on_stop(metrics.stop)
     port = await server.start()
     identity.address = settings.advertise or f"{settings.host}:{port}"
     runner.start()
-    await asyncio.to_thread(identity.register)
+    # The kvstore may come up after us (compose, Kubernetes): wait with bounded backoff, NOT_SERVING.
+    await wait_for(lambda: asyncio.to_thread(identity.register), what=f"the kvstore at {settings.kvstore}", logger=log)
     server.run_in_background(_heartbeat(identity, runner, settings.heartbeat_s))
     server.on_stop(lambda: runner.stop())
     await server.set_serving()
     log.info("worker %s serving on %s (incarnation %d, %d blocks)", identity.worker_id, identity.address, link.incarnation, num_blocks)
     return server, runner, identity
+
+
+def _kv_usage_probe(settings: WorkerSettings) -> Callable[[], float]:
+    """``in_use / total`` of this worker's blocks as the kvstore counts them (called at scrape
+    time from the metrics thread, on a channel of its own); NaN when the kvstore does not answer."""
+    import grpc
+
+    from tandem.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+    stub = kvstore_pb2_grpc.KVStoreStub(grpc.insecure_channel(settings.kvstore))
+
+    def usage() -> float:
+        try:
+            stats = stub.Stats(kvstore_pb2.StatsRequest(worker_id=settings.worker_id), timeout=1.0)
+        except grpc.RpcError:
+            return float("nan")
+        pools = [w.pool for w in stats.workers if w.worker_id == settings.worker_id and w.pool.total]
+        return pools[0].in_use / pools[0].total if pools else float("nan")
+
+    return usage
 
 
 async def _heartbeat(identity: WorkerIdentity, runner: EngineRunner, period_s: float) -> None:

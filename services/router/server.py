@@ -1,6 +1,7 @@
 """Assemble a running router: tokenizer, tenants, channels, dispatcher, servicer, gRPC server.
 
-Health turns SERVING once the kvstore answers (the router can do nothing useful before); the
+Health turns SERVING once the kvstore answers and lists a registered worker (the router can do
+nothing useful before), and NOT_SERVING again while no worker is registered; the
 server's interceptors are, outermost first: tracing (a span per RPC), metrics (when enabled),
 bearer-token auth, then the common error mapping.
 """
@@ -16,9 +17,10 @@ from opentelemetry import trace
 
 from services.common.auth import BearerAuthInterceptor, load_channel_credentials, load_server_credentials
 from services.common.channels import ChannelPool, open_channel
-from services.common.errors import TandemError
+from services.common.errors import TandemError, Unavailable
 from services.common.metrics import ServiceMetrics
 from services.common.server import GrpcServer, ServiceBinding
+from services.common.startup import RETRYABLE, StartupError, wait_for
 from services.common.telemetry import ServerTracingInterceptor
 from services.common.tokenizer import load_tokenizer
 from services.router.directory import WorkerDirectory
@@ -35,7 +37,7 @@ from tandem.router.v1 import router_pb2, router_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
-KVSTORE_PROBE_S = 0.2  # how often readiness retries the kvstore
+WORKERS_PROBE_S = 1.0  # how often readiness re-reads the registry once the kvstore answered
 
 
 @dataclass
@@ -45,7 +47,7 @@ class Router:
     servicer: RouterServicer
     dispatcher: Dispatcher
     tenants: TenantRegistry
-    ready: asyncio.Event  # set once the kvstore answered (health SERVING)
+    ready: asyncio.Event  # set once the kvstore answered and a worker is registered (health SERVING)
 
 
 def dispatch_config(settings: RouterSettings) -> DispatchConfig:
@@ -76,7 +78,10 @@ async def start_router(
     ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
     :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
     """
-    tokenizer = load_tokenizer(settings.model)
+    try:
+        tokenizer = load_tokenizer(settings.model)
+    except TandemError as exc:
+        raise StartupError(f"cannot load the tokenizer of model {settings.model!r}: {exc.message}") from None
     tenants = TenantRegistry.from_settings(settings.tenants, settings.shared_tenants)
     upstream = (
         load_channel_credentials(settings.upstream_ca_file, settings.upstream_cert_file, settings.upstream_key_file)
@@ -118,7 +123,7 @@ async def start_router(
     if settings.metrics_port is not None:
         metrics = metrics or ServiceMetrics("router")
         # before auth, so that rejected tokens are counted too
-        interceptors += [metrics.interceptor(), RouterMetrics(metrics).interceptor()]
+        interceptors += [metrics.interceptor(), RouterMetrics(metrics, settings.model).interceptor()]
     interceptors.append(BearerAuthInterceptor(tenants.authenticate))
     server = GrpcServer(
         [ServiceBinding(router_pb2_grpc.add_RouterServicer_to_server, servicer, SERVICE_NAME)],
@@ -132,26 +137,41 @@ async def start_router(
     )
     router = Router(servicer, dispatcher, tenants, asyncio.Event())
     if settings.metrics_port is not None:
+        metrics.ready = lambda: server.serving  # /ready follows gRPC health
         metrics.serve(settings.host, settings.metrics_port)  # a taken port fails before gRPC binds
         server.on_stop(metrics.stop)
     await server.start()
-    server.run_in_background(_lifetime(server, router, kv_channel, channels))
+    server.run_in_background(_lifetime(server, router, kv_channel, channels, settings.kvstore))
     return server, router
 
 
-async def _lifetime(server: GrpcServer, router: Router, kv_channel, channels: ChannelPool) -> None:
-    """Turn SERVING once the kvstore answers; on shutdown (cancelled) close every channel."""
+async def _lifetime(server: GrpcServer, router: Router, kv_channel, channels: ChannelPool, kvstore: str) -> None:
+    """SERVING while the kvstore answers and lists at least one worker (a router without workers
+    can only fail requests); on shutdown (cancelled) close every channel."""
+    dispatcher = router.dispatcher
+
+    async def workers_registered():
+        entries = await dispatcher.refresh_directory()
+        if not entries:
+            raise Unavailable("no worker is registered yet")
+        return entries
+
     try:
         while True:
-            try:
-                await router.dispatcher.refresh_directory()
-                break
-            except TandemError as err:
-                log.info("waiting for the kvstore: %s", err.message)
-                await asyncio.sleep(KVSTORE_PROBE_S)
-        await server.set_serving()
-        router.ready.set()
-        await asyncio.Event().wait()  # until the server stops and cancels us
+            await wait_for(workers_registered, what=f"a worker registered with the kvstore at {kvstore}", logger=log)
+            await server.set_serving()
+            router.ready.set()
+            while True:  # watch: NOT_SERVING again when the last worker is gone
+                await asyncio.sleep(WORKERS_PROBE_S)
+                try:
+                    if not await dispatcher.refresh_directory():
+                        break
+                except TandemError as err:
+                    if err.code not in RETRYABLE:
+                        raise
+                    break
+            log.warning("no worker registered with the kvstore at %s any more: NOT_SERVING", kvstore)
+            await server.set_not_serving()
     finally:
         await router.dispatcher.close()
         await channels.close()

@@ -226,7 +226,7 @@ class Rig:
         return address
 
     # --- router
-    def router(self, **overrides):
+    def router(self, *, wait: bool = True, **overrides):
         from services.router.server import start_router
         from services.router.settings import RouterSettings
 
@@ -237,7 +237,8 @@ class Rig:
         })
         provider = self.tracer_provider
         svc = self.start_service(lambda: start_router(settings, tracer_provider=provider))
-        wait_serving(svc.channel)
+        if wait:
+            wait_serving(svc.channel)
         svc.stub = router_pb2_grpc.RouterStub(svc.channel)
         return svc
 

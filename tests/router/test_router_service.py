@@ -176,5 +176,6 @@ def test_bad_configuration_exits_with_a_clear_message():
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 2
-    assert "invalid RouterSettings configuration" in out.stderr and "policy-alpha" in out.stderr
+    assert out.stderr.startswith("tandem router: error: invalid configuration:") and "policy-alpha" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
     assert "Traceback" not in out.stderr
