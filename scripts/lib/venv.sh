@@ -54,20 +54,23 @@ install_torch() {
             echo "installing torch==$TORCH_VERSION (CUDA build, several GB)" >&2
             "$TANDEM_PY" -m pip install -q "torch==$TORCH_VERSION" ;;
         cpu)
-            if torch_index_reachable; then
-                echo "installing torch==$TORCH_VERSION (CPU build) from $TORCH_CPU_INDEX" >&2
-                # PyPI stays an extra index: torch's own dependencies (sympy, ...) live there.
-                # (pip prefers 2.13.0+cpu over PyPI's 2.13.0: a local version sorts higher)
-                "$TANDEM_PY" -m pip install -q "torch==$TORCH_VERSION" \
-                    --index-url "$TORCH_CPU_INDEX" --extra-index-url "$(default_index)"
-            else
-                # A machine that cannot reach PyTorch's index may still carry a CPU wheel in pip's
-                # find-links; otherwise PyPI serves its default (CUDA) build, which also runs on CPU.
-                echo "PyTorch's CPU index is unreachable: installing torch==$TORCH_VERSION from the default index (the CUDA build unless pip finds a local CPU wheel)" >&2
-                "$TANDEM_PY" -m pip install -q "torch==$TORCH_VERSION"
-            fi ;;
+            echo "installing torch==$TORCH_VERSION (CPU build)" >&2
+            # shellcheck disable=SC2046
+            "$TANDEM_PY" -m pip install -q "torch==$TORCH_VERSION" $(cpu_torch_index_args) ;;
         *) DIE_CODE=2 die "TANDEM_TORCH must be cpu, cuda or skip (got '$mode')" ;;
     esac || die "installing torch==$TORCH_VERSION failed (see above)"
+}
+
+cpu_torch_index_args() {  # pip arguments that make `torch==X` resolve to the CPU build
+    if torch_index_reachable; then
+        # PyPI stays an extra index: torch's own dependencies (sympy, ...) live there.
+        # (pip prefers 2.13.0+cpu over PyPI's 2.13.0: a local version sorts higher)
+        echo "--index-url $TORCH_CPU_INDEX --extra-index-url $(default_index)"
+    else
+        # A machine that cannot reach PyTorch's index may still carry a CPU wheel in pip's
+        # find-links; otherwise PyPI serves its default (CUDA) build, which also runs on CPU.
+        echo "PyTorch's CPU index is unreachable: torch comes from the default index (the CUDA build unless pip finds a local CPU wheel)" >&2
+    fi
 }
 
 default_index() {  # the index pip would use by default (PIP_INDEX_URL / pip.conf), else PyPI

@@ -54,6 +54,7 @@ class WorkerIdentity:
     device: str
     draft: object
     link: KVStoreLink
+    model_name: str = ""  # the --model it was started with (Info reports it to routers)
 
     def register(self) -> None:
         self.link.register(
@@ -185,6 +186,7 @@ async def start_worker(
         device=str(device),
         draft=draft,
         link=link,
+        model_name=settings.model,
     )
     server.add_binding(ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(runner, identity, tracer_provider=tracer_provider), SERVICE_NAME))
     if settings.metrics_port is not None:

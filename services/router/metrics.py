@@ -18,6 +18,7 @@ observes arrival to the last message of every request that ended ``OK``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -34,13 +35,14 @@ E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 12
 class RouterMetrics:
     """The router's request metrics, registered in ``metrics.registry``."""
 
-    def __init__(self, metrics: ServiceMetrics, model_name: str = ""):
+    def __init__(self, metrics: ServiceMetrics, model_name: Callable[[], str] = lambda: ""):
         r = metrics.registry
-        self.inter_token = Histogram("tandem_router_inter_token_latency_seconds",
-                                     "Gap between streamed messages per token they carry, after the first token",
-                                     ["model_name"], buckets=ITL_BUCKETS_S, registry=r).labels(model_name)
-        self.e2e = Histogram("tandem_router_e2e_request_latency_seconds", "Arrival to last message of requests that ended OK",
-                             ["model_name"], buckets=E2E_BUCKETS_S, registry=r).labels(model_name)
+        self._model_name = model_name  # read per observation: with --model auto it is learned later
+        self._inter_token = Histogram("tandem_router_inter_token_latency_seconds",
+                                      "Gap between streamed messages per token they carry, after the first token",
+                                      ["model_name"], buckets=ITL_BUCKETS_S, registry=r)
+        self._e2e = Histogram("tandem_router_e2e_request_latency_seconds", "Arrival to last message of requests that ended OK",
+                              ["model_name"], buckets=E2E_BUCKETS_S, registry=r)
         self.requests = Counter("tandem_router_requests", "Generate requests by outcome (status code name)", ["outcome"], registry=r)
         self.in_flight = Gauge("tandem_router_in_flight_requests", "Generate requests being served", registry=r)
         self.ttft = Histogram("tandem_router_ttft_seconds", "Time to first token from arrival at the router (completed requests)",
@@ -74,12 +76,12 @@ class RouterMetrics:
                 if msg.token_ids:
                     now = time.perf_counter()
                     if last[0]:
-                        self.inter_token.observe((now - last[0]) / len(msg.token_ids))
+                        self._inter_token.labels(self._model_name()).observe((now - last[0]) / len(msg.token_ids))
                     last[0] = now
 
             def on_end(code: grpc.StatusCode, elapsed_s: float) -> None:
                 if code == grpc.StatusCode.OK:
-                    self.e2e.observe(elapsed_s)
+                    self._e2e.labels(self._model_name()).observe(elapsed_s)
                 self.on_end(code, elapsed_s)
 
             return dict(on_start=self.in_flight.inc, on_message=on_message, on_end=on_end)
