@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/venv.sh
-ensure_venv ""
+# A GPU box (TANDEM_TORCH=cuda) gets the CUDA torch and the `gpu` extra (FlashInfer) too.
+ensure_venv "$([ "${TANDEM_TORCH:-cpu}" = cuda ] && echo gpu)"
 echo "ready: $(dirname "$TANDEM_PY")/tandem is the CLI (or: source .venv/bin/activate)" >&2
 exec "$TANDEM_PY" -m services.cli up --demo "$@"

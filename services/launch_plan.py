@@ -60,16 +60,31 @@ def plan_workers(
     kv_memory_fraction: float | None = None,
     dtype: str | None = None,
     min_free_bytes: int = MIN_FREE_BYTES,
+    cuda_torch: bool = True,
+    flashinfer: bool = True,
 ) -> tuple[list[WorkerPlan], list[str]]:
     """The workers to start and notes for the person (GPUs left out and why).
 
-    ``workers`` 0 means one per usable GPU (one on CPU). Raises :class:`StartupError` when
-    ``device='cuda'`` finds no usable GPU, or more workers are asked for than usable GPUs.
+    ``workers`` 0 means one per usable GPU (one on CPU). ``cuda_torch``: the installed torch is a
+    CUDA build (else ``auto`` stays on CPU); ``flashinfer``: FlashInfer is installed (else the
+    torch backend runs on the GPU). Raises :class:`StartupError` when ``device='cuda'`` finds no
+    usable GPU or no CUDA torch, or more workers are asked for than usable GPUs.
     """
+    notes: list[str] = []
+    if gpus and not cuda_torch:
+        if device == "cuda":
+            raise StartupError("--device cuda: the installed torch is a CPU build (TANDEM_TORCH=cuda bash scripts/up.sh installs the CUDA one)", EXIT_ENVIRONMENT)
+        if device == "auto":
+            notes.append("GPUs are visible but the installed torch is a CPU build: running on CPU "
+                         "(TANDEM_TORCH=cuda bash scripts/up.sh installs the CUDA one)")
+            gpus = []
     if device == "cpu" or (device == "auto" and not gpus):
         count = workers or 1
-        return [WorkerPlan(i, "cpu", "torch", dtype or "float32", kv_memory_fraction) for i in range(count)], []
-    notes: list[str] = []
+        return [WorkerPlan(i, "cpu", "torch", dtype or "float32", kv_memory_fraction) for i in range(count)], notes
+    backend = "flashinfer"
+    if not flashinfer:
+        backend = "torch"
+        notes.append("FlashInfer is not installed (pip install -e '.[gpu]'): the torch attention backend runs on the GPUs")
     usable = []
     for gpu in gpus:
         if gpu.free_bytes < min_free_bytes:
@@ -85,7 +100,7 @@ def plan_workers(
     chosen = sorted(usable, key=lambda g: -g.free_bytes)[: workers or len(usable)]
     fraction = DEFAULT_GPU_KV_FRACTION if kv_memory_fraction is None else kv_memory_fraction
     plans = [
-        WorkerPlan(i, "cuda:0", "flashinfer", dtype or "bfloat16", fraction, {"CUDA_VISIBLE_DEVICES": gpu.id})
+        WorkerPlan(i, "cuda:0", backend, dtype or "bfloat16", fraction, {"CUDA_VISIBLE_DEVICES": gpu.id})
         for i, gpu in enumerate(chosen)
     ]
     return plans, notes
@@ -108,6 +123,15 @@ def parse_nvidia_smi(text: str, visible: list[str] | None) -> list[Gpu]:
     if visible is None:
         return [g for k, g in rows.items() if k == g.id]
     return [Gpu(v, rows[v].free_bytes, rows[v].total_bytes) for v in visible if v in rows]
+
+
+def installed_capabilities() -> tuple[bool, bool]:
+    """(the installed torch is a CUDA build, FlashInfer is installed); imports torch, not CUDA."""
+    import importlib.util
+
+    import torch
+
+    return torch.version.cuda is not None, importlib.util.find_spec("flashinfer") is not None
 
 
 def detect_gpus(cuda_visible_devices: str | None) -> list[Gpu]:

@@ -31,7 +31,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from services.common.paths import distilled_tiny_dir
 from services.common.settings import add_settings_flags, report_startup_error, settings_from_args
 from services.common.startup import EXIT_FAILURE, PortInUse, StartupError, check_port_free
-from services.launch_plan import WorkerPlan, detect_gpus, plan_workers
+from services.launch_plan import WorkerPlan, detect_gpus, installed_capabilities, plan_workers
 
 DEMO_PROMPT = "Tandem pairs every target KV block with a draft KV block, so"
 CPU_NUM_BLOCKS = 1024
@@ -46,6 +46,7 @@ class UpSettings(BaseSettings):
     workers: int = Field(0, ge=0, description="gpuworkers to start (0 = one per usable GPU, 1 on CPU)")
     model: str = Field("tiny", min_length=1, description="model folder or 'tiny'")
     spec_mode: Literal["none", "eagle3", "mtp"] = Field("eagle3", description="draft kind of every worker")
+    draft_model: str = Field("", description="draft folder for every worker ('' = the model folder's)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when a GPU is visible")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="unset: bfloat16 on CUDA, float32 on CPU")
     kv_memory_fraction: float | None = Field(None, gt=0, le=1, description="KV share of free GPU memory per worker (unset: 0.9 on CUDA)")
@@ -169,6 +170,7 @@ def worker_argv(s: UpSettings, plan: WorkerPlan, port: int, kv_addr: str) -> lis
     num_blocks = s.num_blocks if s.num_blocks is not None else (CPU_NUM_BLOCKS if plan.device == "cpu" else 0)
     return ["worker", "--host", s.host, "--port", str(port), "--kvstore", kv_addr, "--worker-id", f"worker{plan.index}",
             "--model", s.model, "--spec-mode", s.spec_mode, "--num-blocks", str(num_blocks), *plan.flags(),
+            *(["--draft-model", s.draft_model] if s.draft_model else []),
             *_metrics(s, 2 + plan.index)]
 
 
@@ -223,7 +225,9 @@ def supervise_once(children: list[Child], now: float) -> str | None:
 
 def choose_workers(s: UpSettings) -> list[WorkerPlan]:
     gpus = [] if s.device == "cpu" else detect_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    plans, notes = plan_workers(device=s.device, gpus=gpus, workers=s.workers, kv_memory_fraction=s.kv_memory_fraction, dtype=s.dtype)
+    cuda_torch, flashinfer = installed_capabilities() if gpus or s.device == "cuda" else (False, False)
+    plans, notes = plan_workers(device=s.device, gpus=gpus, workers=s.workers, kv_memory_fraction=s.kv_memory_fraction,
+                                dtype=s.dtype, cuda_torch=cuda_torch, flashinfer=flashinfer)
     for note in notes:
         print(f"tandem up: {note}", file=sys.stderr)
     return plans

@@ -123,7 +123,8 @@ async def start_worker(
     device = torch.device(settings.device)
     try:
         target, draft, _tokenizer = await asyncio.to_thread(
-            load_model, settings.model, spec_mode=spec_mode, mtp_depth=settings.mtp_depth, dtype=dtype, device=device, seed=settings.seed
+            load_model, settings.model, spec_mode=spec_mode, mtp_depth=settings.mtp_depth, dtype=dtype, device=device,
+            seed=settings.seed, draft_dir=settings.draft_model or None,
         )
     except TandemError as exc:  # a missing or unusable model folder: one line, not a traceback
         raise StartupError(f"cannot load model {settings.model!r}: {exc.message}") from None

@@ -19,6 +19,7 @@ class WorkerSettings(TandemSettings):
     worker_id: str = Field("worker0", min_length=1, max_length=128, description="name in the kvstore registry")
     model: str = Field("tiny", description="model folder (config.json + *.safetensors) or 'tiny'")
     spec_mode: Literal["none", "eagle3", "mtp"] = Field("eagle3", description="draft kind")
+    draft_model: str = Field("", description="folder holding the draft (tandem_draft.json + weights) when it is not in the model folder ('' = the model folder's, else random)")
     mtp_depth: int = Field(1, ge=1, le=8, description="chained MTP modules K (mtp only)")
     block_size: int = Field(16, ge=1, le=1024, description="positions per KV block (power of two)")
     num_blocks: int = Field(0, ge=0, description="paired KV blocks; 0 = size from kv_memory_mb")

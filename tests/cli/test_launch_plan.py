@@ -79,3 +79,14 @@ def test_worker_kv_budget_from_fraction_of_free_memory():
     assert pool_blocks(WorkerSettings(num_blocks=7), target, draft, torch.float32, 1 << 30) == 7
     with pytest.raises(StartupError):
         pool_blocks(WorkerSettings(), target, draft, torch.float32, 10)
+
+
+def test_gpus_with_a_cpu_torch_stay_on_cpu_and_missing_flashinfer_falls_back_to_torch():
+    plans, notes = plan_workers(device="auto", gpus=gpus(70, 70), cuda_torch=False)
+    assert [p.device for p in plans] == ["cpu"] and "CPU build" in notes[0]
+    with pytest.raises(StartupError) as info:
+        plan_workers(device="cuda", gpus=gpus(70), cuda_torch=False)
+    assert info.value.exit_code == EXIT_ENVIRONMENT
+    plans, notes = plan_workers(device="auto", gpus=gpus(70, 70), flashinfer=False)
+    assert {(p.device, p.backend, p.dtype) for p in plans} == {("cuda:0", "torch", "bfloat16")} and len(plans) == 2
+    assert "FlashInfer is not installed" in notes[0]

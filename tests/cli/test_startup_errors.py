@@ -62,6 +62,9 @@ def test_missing_model_folder_for_worker_and_router(tmp_path):
     worker = tandem("worker", "--model", str(missing), "--port", "0", "--kvstore", f"127.0.0.1:{free_port()}")
     assert worker.returncode == 3
     assert one_error_line(worker) == f"tandem worker: error: cannot load model '{missing}': no config.json in {missing}"
+    draft = tandem("worker", "--draft-model", str(missing), "--port", "0", "--kvstore", f"127.0.0.1:{free_port()}")
+    assert draft.returncode == 3
+    assert f"cannot load model 'tiny': no draft in {missing}" in one_error_line(draft)
     router = tandem("router", "--model", str(missing), "--port", "0")
     assert router.returncode == 3
     assert f"cannot load the tokenizer of model '{missing}'" in one_error_line(router)

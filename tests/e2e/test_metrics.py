@@ -230,3 +230,17 @@ def test_ready_is_503_while_the_router_has_no_worker(start_service):
     time.sleep(0.3)
     assert http_get(metrics.port, "/ready") == (503, "not ready\n")
     assert http_get(metrics.port, "/health") == (200, "ok\n")
+
+
+def test_the_grafana_dashboard_queries_only_series_the_services_export(metered):
+    import json
+    import re
+    from pathlib import Path
+
+    suite, m = metered
+    suite.generate(LONG_PREFIX, max_new_tokens=4)
+    exported = {name for service in m.values() for name, _ in scrape(service)}
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/tandem.json").read_text())
+    queried = {name for panel in dashboard["panels"] for t in panel["targets"] for name in re.findall(r"tandem_\w+", t["expr"])}
+    assert len(queried) >= 15
+    assert queried <= exported, sorted(queried - exported)
