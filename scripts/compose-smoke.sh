@@ -5,12 +5,14 @@
 #   2. a Debian base image built from Debian packages (debootstrap -> docker import), because no
 #      image registry may be reachable; Tandem's image is built on it with --build-arg BASE_IMAGE,
 #      from wheels prepared here (CPU torch), and Redis / Prometheus images from Debian packages;
-#   3. `compose up`, wait until every healthcheck passes, run the contract tests against the
+#   3. the README's quickstart (scripts/up.sh) in a container of that plain Debian base;
+#   4. `compose up`, wait until every healthcheck passes, run the contract tests against the
 #      deployed stack (tests/contract, pointed at the published addresses), including a generate
 #      whose repeat reports cached tokens;
-#   4. `compose down -v`, and a check that no container of the project is left (a dockerd this
+#   5. `compose down -v`, and a check that no container of the project is left (a dockerd this
 #      script started is stopped again).
 # Needs root (apt-get, dockerd). Takes ~10 min the first time (the base image), less after.
+# Everything it installs into the repository (.venv, .whl) is git-ignored.
 #
 #   TANDEM_SMOKE_BASE     base image tag (default tandem-debian-base:bookworm; reused when present)
 #   TANDEM_SMOKE_FRESH=1  rebuild the base image and every image without cache
@@ -87,12 +89,27 @@ build_images() {
     fi
     log "building tandem:smoke on $BASE"
     docker build -q "${nocache[@]}" --network host -t tandem:smoke --build-arg BASE_IMAGE="$BASE" . >/dev/null
-    rm -rf .whl
     log "building Redis and Prometheus images from Debian packages"
     docker build -q "${nocache[@]}" --network host -t tandem-redis:smoke --build-arg BASE_IMAGE="$BASE" \
         --build-arg PACKAGES=redis-server -f deploy/apt.Dockerfile deploy >/dev/null
     docker build -q "${nocache[@]}" --network host -t tandem-prometheus:smoke --build-arg BASE_IMAGE="$BASE" \
         --build-arg PACKAGES=prometheus -f deploy/apt.Dockerfile deploy >/dev/null
+}
+
+quickstart_in_container() {
+    # The README's first command on a plain Debian (its python3 refuses system-wide installs):
+    # scripts/up.sh must make its own venv, install, and serve a cached repeat. pip may take torch
+    # from .whl (so no multi-GB download happens), everything else it resolves as a user's would.
+    log "quickstart (scripts/up.sh) in a container of $BASE"
+    local out="$WORK/quickstart.log"
+    docker run --rm --network host -v "$PWD:/mnt:ro" -e PIP_FIND_LINKS=/src/.whl "$BASE" bash -c '
+        mkdir /src && tar -C /mnt --exclude=./.venv --exclude=./.git -cf - . | tar -C /src -xf - && cd /src &&
+        ! python3 -m pip --version 2>/dev/null &&   # no system pip: nothing but the venv can install
+        bash scripts/up.sh --exit-after-demo --router-port 0 --kvstore-port 0 --worker-base-port 0 --num-blocks 256' \
+        >"$out" 2>&1 || { tail -30 "$out" >&2; log "error: quickstart failed in the container"; return 1; }
+    grep -q "creating the virtual environment" "$out" && grep -Eq "prompt [0-9]+ tokens \(cached [1-9]" "$out" \
+        || { tail -30 "$out" >&2; log "error: quickstart gave no cached repeat"; return 1; }
+    log "quickstart passed: venv created, demo repeat served from cache"
 }
 
 free_port() { "$TANDEM_PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -133,6 +150,8 @@ ensure_docker
 ensure_compose
 ensure_base
 build_images
+if [ -d .whl ]; then quickstart_in_container; fi
+rm -rf .whl
 export TANDEM_IMAGE=tandem:smoke TANDEM_REDIS_IMAGE=tandem-redis:smoke TANDEM_PROMETHEUS_IMAGE=tandem-prometheus:smoke
 export TANDEM_BASE_IMAGE="$BASE"
 router_port="$(free_port)"; prometheus_port="$(free_port)"
