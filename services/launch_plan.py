@@ -27,7 +27,7 @@ DEFAULT_GPU_KV_FRACTION = 0.9
 
 @dataclass(frozen=True)
 class Gpu:
-    """One visible GPU: ``id`` as CUDA_VISIBLE_DEVICES names it (index or UUID)."""
+    """One visible GPU: ``id`` is what CUDA_VISIBLE_DEVICES gets (its UUID from nvidia-smi)."""
 
     id: str
     free_bytes: int
@@ -116,13 +116,15 @@ def visible_ids(cuda_visible_devices: str | None) -> list[str] | None:
 def parse_nvidia_smi(text: str, visible: list[str] | None) -> list[Gpu]:
     """GPUs from ``nvidia-smi --query-gpu=index,uuid,memory.free,memory.total
     --format=csv,noheader,nounits`` (MiB), filtered and ordered by ``visible``."""
-    rows = {}
+    rows, order = {}, []
     for line in text.strip().splitlines():
         index, uuid, free_mib, total_mib = (x.strip() for x in line.split(","))
-        rows[index] = rows[uuid] = Gpu(index, int(float(free_mib)) << 20, int(float(total_mib)) << 20)
-    if visible is None:
-        return [g for k, g in rows.items() if k == g.id]
-    return [Gpu(v, rows[v].free_bytes, rows[v].total_bytes) for v in visible if v in rows]
+        # Pinned by UUID: an index means another GPU to CUDA than to nvidia-smi unless
+        # CUDA_DEVICE_ORDER=PCI_BUS_ID, a UUID never does.
+        rows[index] = rows[uuid] = Gpu(uuid, int(float(free_mib)) << 20, int(float(total_mib)) << 20)
+        order.append(index)
+    wanted = order if visible is None else visible
+    return [rows[v] for v in wanted if v in rows]
 
 
 def installed_capabilities() -> tuple[bool, bool]:

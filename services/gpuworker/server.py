@@ -102,6 +102,9 @@ def pool_blocks(settings: WorkerSettings, target, draft, dtype: torch.dtype, bud
     layers = c.num_layers + (draft.num_kv_layers if draft is not None else 0)
     per_block = layers * 2 * settings.block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
     blocks = int(budget_bytes // per_block)
+    if blocks > settings.max_num_blocks:
+        log.info("KV budget holds %d blocks; capped at max_num_blocks=%d", blocks, settings.max_num_blocks)
+        blocks = settings.max_num_blocks
     if blocks < 1:
         raise StartupError(f"the KV memory budget ({budget_bytes} bytes) holds no block of {per_block} bytes; raise --kv-memory-mb or --kv-memory-fraction")
     return blocks

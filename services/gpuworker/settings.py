@@ -24,6 +24,9 @@ class WorkerSettings(TandemSettings):
     block_size: int = Field(16, ge=1, le=1024, description="positions per KV block (power of two)")
     num_blocks: int = Field(0, ge=0, description="paired KV blocks; 0 = size from kv_memory_mb")
     kv_memory_mb: float = Field(256.0, gt=0, description="memory for target + draft KV pools when num_blocks = 0 (CPU default)")
+    max_num_blocks: int = Field(
+        1 << 18, ge=1, description="cap on blocks sized from memory (the kvstore keeps a record per block; a tiny model in 0.9 of a large GPU would make millions)"
+    )
     kv_memory_fraction: float | None = Field(
         None, gt=0, le=1, description="when num_blocks = 0: this fraction of the device memory free after the model loaded (unset: 0.9 on CUDA, kv_memory_mb on CPU)"
     )

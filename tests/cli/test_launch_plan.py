@@ -57,8 +57,10 @@ def test_impossible_plans_are_startup_errors(kw, code, fragment):
 
 def test_nvidia_smi_rows_filtered_by_cuda_visible_devices():
     text = "0, GPU-aaa, 81000, 81559\n1, GPU-bbb, 1000, 81559\n2, GPU-ccc, 40000, 81559\n"
-    assert [g.id for g in parse_nvidia_smi(text, None)] == ["0", "1", "2"]
-    assert parse_nvidia_smi(text, visible_ids("2,GPU-aaa")) == [Gpu("2", 40000 << 20, 81559 << 20), Gpu("GPU-aaa", 81000 << 20, 81559 << 20)]
+    assert [g.id for g in parse_nvidia_smi(text, None)] == ["GPU-aaa", "GPU-bbb", "GPU-ccc"]
+    assert parse_nvidia_smi(text, visible_ids("2,GPU-aaa")) == [Gpu("GPU-ccc", 40000 << 20, 81559 << 20), Gpu("GPU-aaa", 81000 << 20, 81559 << 20)]
+    plans, notes = plan_workers(device="auto", gpus=parse_nvidia_smi(text, None))
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["GPU-aaa", "GPU-ccc"] and "GPU GPU-bbb left out" in notes[0]
     assert parse_nvidia_smi(text, visible_ids("")) == []
 
 
@@ -77,6 +79,7 @@ def test_worker_kv_budget_from_fraction_of_free_memory():
     per_gib = pool_blocks(WorkerSettings(), target, draft, torch.float32, 1 << 30)
     assert pool_blocks(WorkerSettings(), target, draft, torch.float32, 2 << 30) in (2 * per_gib, 2 * per_gib + 1)
     assert pool_blocks(WorkerSettings(num_blocks=7), target, draft, torch.float32, 1 << 30) == 7
+    assert pool_blocks(WorkerSettings(max_num_blocks=100), target, draft, torch.float32, 1 << 30) == 100 < per_gib
     with pytest.raises(StartupError):
         pool_blocks(WorkerSettings(), target, draft, torch.float32, 10)
 
@@ -90,3 +93,16 @@ def test_gpus_with_a_cpu_torch_stay_on_cpu_and_missing_flashinfer_falls_back_to_
     plans, notes = plan_workers(device="auto", gpus=gpus(70, 70), flashinfer=False)
     assert {(p.device, p.backend, p.dtype) for p in plans} == {("cuda:0", "torch", "bfloat16")} and len(plans) == 2
     assert "FlashInfer is not installed" in notes[0]
+
+
+def test_worker_command_line_carries_the_plan_and_the_passthrough_flags():
+    from services.launcher import UpSettings, worker_argv
+
+    s = UpSettings(model="/models/m", draft_model="/models/d", spec_mode="mtp")
+    gpu_plan = plan_workers(device="auto", gpus=gpus(70, 70))[0][1]
+    argv = worker_argv(s, gpu_plan, 50062, "127.0.0.1:50051")
+    joined = " ".join(argv)
+    assert "--worker-id worker1 --model /models/m --spec-mode mtp --num-blocks 0" in joined  # pools sized by fraction
+    assert "--device cuda:0 --backend flashinfer --dtype bfloat16 --kv-memory-fraction 0.9 --draft-model /models/d" in joined
+    cpu_plan = plan_workers(device="cpu", gpus=[])[0][0]
+    assert "--num-blocks 1024 --device cpu --backend torch --dtype float32" in " ".join(worker_argv(UpSettings(), cpu_plan, 0, "x:1"))
