@@ -101,8 +101,11 @@ quickstart_in_container() {
     # scripts/up.sh must make its own venv, install, and serve a cached repeat. pip may take torch
     # from .whl (so no multi-GB download happens), everything else it resolves as a user's would.
     log "quickstart (scripts/up.sh) in a container of $BASE"
-    local out="$WORK/quickstart.log"
-    docker run --rm --network host -v "$PWD:/mnt:ro" -e PIP_FIND_LINKS=/src/.whl "$BASE" bash -c '
+    local out="$WORK/quickstart.log" ca=()
+    # Trust what this host trusts (a machine behind a TLS-inspecting proxy has its own CA).
+    local host_ca="${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}"
+    [ -f "$host_ca" ] && ca=(-v "$host_ca:/etc/host-ca.crt:ro" -e PIP_CERT=/etc/host-ca.crt)
+    docker run --rm --network host -v "$PWD:/mnt:ro" -e PIP_FIND_LINKS=/src/.whl "${ca[@]}" "$BASE" bash -c '
         mkdir /src && tar -C /mnt --exclude=./.venv --exclude=./.git -cf - . | tar -C /src -xf - && cd /src &&
         ! python3 -m pip --version 2>/dev/null &&   # no system pip: nothing but the venv can install
         bash scripts/up.sh --exit-after-demo --router-port 0 --kvstore-port 0 --worker-base-port 0 --num-blocks 256' \
