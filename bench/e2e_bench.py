@@ -43,20 +43,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import os
-import platform
 import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import zlib
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +60,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _common import Suite, machine  # noqa: E402
+from _common import start_suite as start_suite_processes  # noqa: E402
 from services.common.paths import distilled_tiny_dir  # noqa: E402
 from services.common.tokenizer import TINY_BOS_ID, TINY_EOS_ID  # noqa: E402
 
@@ -112,88 +110,14 @@ def turn_suffix(question: bytes) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------ processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Suite:
-    """The suite's child processes (kvstore, workers, router) and their addresses."""
-
-    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
-    kvstore: str = ""
-    router: str = ""
-
-    def spawn(self, name: str, argv: list[str], log_dir: Path, env_extra: dict | None = None) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-        log = open(log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING", *argv],
-                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append((name, proc))
-
-    def cpu_seconds(self) -> dict[str, float]:
-        """CPU time (user + system) each live child has used so far (Linux /proc; {} elsewhere)."""
-        tick = os.sysconf("SC_CLK_TCK")
-        out = {}
-        for name, proc in self.procs:
-            try:
-                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-                out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-            except (OSError, IndexError, ValueError):
-                pass
-        return out
-
-    def stop(self) -> None:
-        """SIGTERM in reverse start order (router first), then SIGKILL stragglers (mutates procs)."""
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        end = time.monotonic() + 10
-        for _, proc in reversed(self.procs):
-            try:
-                proc.wait(max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.procs.clear()
-
-
 def start_suite(policy: str, args, model: str, log_dir: Path) -> Suite:
     """kvstore + workers + router as processes, each SERVING (health) before this returns."""
-    from services.launcher import wait_serving
-
-    suite = Suite()
-    try:
-        kv_port = _free_port()
-        suite.kvstore = f"127.0.0.1:{kv_port}"
-        suite.spawn("kvstore", ["kvstore", "--port", str(kv_port)], log_dir)
-        deadline = time.monotonic() + 120
-        wait_serving(suite.kvstore, deadline, suite.procs[-1][1])
-        # one torch thread per worker: each worker owns a core, as a GPU worker owns its GPU
-        one_thread = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        addresses = []
-        for i in range(args.workers):
-            port = _free_port()
-            addresses.append(f"127.0.0.1:{port}")
-            suite.spawn(f"worker{i}", [
-                "worker", "--port", str(port), "--kvstore", suite.kvstore, "--worker-id", f"worker{i}",
-                "--model", model, "--spec-mode", "eagle3", "--num-blocks", str(args.num_blocks),
-                "--max-batch-tokens", str(args.max_batch_tokens),
-            ], log_dir, one_thread)
-        r_port = _free_port()
-        suite.router = f"127.0.0.1:{r_port}"
-        suite.spawn("router", [
-            "router", "--port", str(r_port), "--kvstore", suite.kvstore, "--model", model,
-            "--policy", policy, "--policy-seed", str(args.seed), "--num-draft-tokens", str(args.k),
-        ], log_dir)
-        for addr, (_, proc) in zip([*addresses, suite.router], suite.procs[1:]):
-            wait_serving(addr, deadline, proc)
-        return suite
-    except BaseException:
-        suite.stop()
-        raise
+    worker = ["--model", model, "--spec-mode", "eagle3", "--num-blocks", str(args.num_blocks),
+              "--max-batch-tokens", str(args.max_batch_tokens)]
+    router = ["--model", model, "--policy", policy, "--policy-seed", str(args.seed), "--num-draft-tokens", str(args.k)]
+    # one torch thread per worker: each worker owns a core, as a GPU worker owns its GPU
+    one_thread = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return start_suite_processes(log_dir, [worker] * args.workers, router, worker_env=one_thread)
 
 
 # --------------------------------------------------------------------------------------- client
@@ -460,23 +384,6 @@ def plot(results: list[dict], records: dict[str, list[Record]], path: Path, titl
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = float("nan")
-    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "load_1m": load,
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
 def distilled_model(out_dir: Path, k: int) -> str:

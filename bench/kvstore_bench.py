@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -50,6 +48,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _common import machine  # noqa: E402
 from services.common.spec import SpecMode  # noqa: E402
 from services.kvstore.server import tune_gc  # noqa: E402
 from services.kvstore import types as core  # noqa: E402
@@ -472,19 +471,6 @@ async def bench_kvstore_grpc(work: Workload, address: str, server_pid: int, num_
 
 # ------------------------------------------------------------------------------------------------
 # Driver
-
-
-def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
-            "date": dt.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 
 def _median_phase(runs: list[PhaseResult]) -> dict:

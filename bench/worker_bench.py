@@ -33,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import gpu_ms, grouped_bars  # noqa: E402
+
 BLOCK = 16
 
 
@@ -42,24 +44,6 @@ BLOCK = 16
 
 def rel_err(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
-
-
-def gpu_ms(fn, reps: int = 30, warmup: int = 3) -> float:
-    """Median GPU time of ``fn()`` in ms (CUDA events around each call)."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1))
-    return statistics.median(times)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -537,11 +521,7 @@ def plot(res: dict, png: Path) -> None:
     k = rows[0]["k"]
     for a in range(k + 1):
         series.append((f"k={k}, a={a}", [r["spec"][str(a)]["tokens_per_s"] for r in rows]))
-    width = 0.8 / len(series)
-    for i, (name, vals) in enumerate(series):
-        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]
-        ax1.bar(xs, vals, width, label=name)
-    ax1.set_xticks(range(len(rows)), labels)
+    grouped_bars(ax1, labels, series)
     ax1.set_xlabel("batch size")
     ax1.set_ylabel("decode tokens/s (log)")
     ax1.set_yscale("log")

@@ -3,7 +3,9 @@
 * :class:`KVStoreLink` — register (new incarnation), heartbeat, and the reservation verbs the
   engine thread calls between steps (Publish, Release, Abort). Every call has a deadline.
 * :class:`ReservationBlockSource` — the engine's ``BlockSource`` protocol mapped onto ONE batched
-  ``Extend`` and ONE batched ``Trim`` RPC per step (request id → reservation id).
+  ``Extend`` and ONE batched ``Trim`` RPC per step (request id → reservation id), both carried by
+  the worker's :class:`~services.gpuworker.kvstore_courier.KVStoreCourier`: the step waits for an
+  Extend (it needs the blocks now, and ahead-of-need Extends make that rare) but not for a Trim.
 
 Called from the engine thread (reservation verbs) and the heartbeat thread (lease); gRPC stubs
 are thread-safe and this module holds no other shared mutable state except the incarnation,
@@ -27,6 +29,7 @@ from services.common.errors import (
 )
 from services.common.spec import SpecMode
 from services.common.wire import spec_mode_to_proto, tokens_to_proto
+from services.gpuworker.kvstore_courier import KVStoreCourier
 from tandem.kvstore.v1 import kvstore_pb2 as kv
 from tandem.kvstore.v1 import kvstore_pb2_grpc
 
@@ -149,8 +152,9 @@ class ReservationBlockSource:
     calls ``extend``/``trim`` at most once each per step.
     """
 
-    def __init__(self, link: KVStoreLink):
+    def __init__(self, link: KVStoreLink, courier: KVStoreCourier):
         self._link = link
+        self._courier = courier
         self._bound: dict[str, tuple[str, int]] = {}
 
     def bind(self, request_id: str, reservation_id: str, incarnation: int) -> None:
@@ -170,27 +174,42 @@ class ReservationBlockSource:
             items.append(kv.CapacityItem(reservation_id=reservation_id, incarnation=incarnation, capacity_positions=wants[rid]))
         return rids, items
 
+    def extend_request(self, wants: dict[str, int]) -> tuple[list[str], list[kv.CapacityItem]]:
+        """The request ids and Extend items for ``wants`` (request id → capacity positions)."""
+        return self._items(wants)
+
     def extend(self, wants: dict[str, int]) -> dict[str, list[int] | Exception]:
+        """Blocking: after every kvstore call sent before it (see the courier)."""
         rids, items = self._items(wants)
         try:
-            results = self._link.extend(items)
+            results = self._courier.call(lambda: self._link.extend(items))
         except TandemError as exc:  # the whole call failed: every item failed, nothing changed
             return {rid: exc for rid in rids}
-        out: dict[str, list[int] | Exception] = {}
-        for rid, result in zip(rids, results):
-            if result.code == 0:
-                out[rid] = list(result.block_table)
-            else:
-                out[rid] = _ITEM_ERRORS.get(result.code, Unavailable)(f"kvstore: {result.message}")
-        return out
+        return capacity_answers(rids, results)
 
     def trim(self, keeps: dict[str, int]) -> dict[str, list[int]]:
+        """Sent, not waited for: the engine cuts its tables as asked (answers nothing). A failed
+        trim leaves the reservation as it was: keeping blocks is always safe."""
         rids, items = self._items(keeps)
-        results = self._link.trim(items)
-        out: dict[str, list[int]] = {}
-        for rid, result in zip(rids, results):
-            if result.code != 0:
-                # A failed trim leaves the reservation as it was: keeping blocks is always safe.
-                log.warning("trim of %s failed: %s", rid, result.message)
+
+        def done(results) -> None:
+            if isinstance(results, Exception):
+                log.warning("trim of %d reservations failed: %s", len(rids), results)
+                return
+            for rid, result in zip(rids, results):
+                if result.code != 0:
+                    log.warning("trim of %s failed: %s", rid, result.message)
+
+        self._courier.send(lambda: self._link.trim(items), done, kind="trim")
+        return {}
+
+
+def capacity_answers(rids: list[str], results) -> dict[str, list[int] | Exception]:
+    """Per request: its new block table, or the item's error as a typed domain error."""
+    out: dict[str, list[int] | Exception] = {}
+    for rid, result in zip(rids, results):
+        if result.code == 0:
             out[rid] = list(result.block_table)
-        return out
+        else:
+            out[rid] = _ITEM_ERRORS.get(result.code, Unavailable)(f"kvstore: {result.message}")
+    return out

@@ -5,10 +5,13 @@
          └───────── job.events (asyncio.Queue) ◀──────────┘  tokens / done / error
 
 The engine is not thread-safe, so exactly one thread owns it. Between two steps that thread admits
-new requests, applies aborts, and calls the kvstore: Publish as soon as blocks become final (so
-concurrent requests can reuse them early), Release when a request ends, Abort on failure or
-cancellation. Every kvstore verb that frees blocks runs after the step that last wrote them has
-completed on the device (``_sync``), as DESIGN §2 requires.
+new requests, applies aborts, and hands kvstore verbs to the courier (``kvstore_courier.py``),
+which sends them in order on its own thread while the engine keeps stepping: Publish as soon as
+blocks become final (so concurrent requests can reuse them early), Extend ahead of need (a
+watermark of headroom, in chunks), Release when a request ends, Abort on failure or cancellation.
+A step waits for the kvstore only when a request has truly run out of capacity. Every verb that
+frees blocks is sent after the step that last wrote them has completed on the device (``_sync``),
+as DESIGN §2 requires; answers are applied on this thread, in the order the verbs were sent.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.common.errors import AlreadyExists, Cancelled, ResourceExhausted, TandemError
+from services.common.errors import AlreadyExists, Cancelled, ResourceExhausted, TandemError, Unavailable
 from services.gpuworker.engine.engine import Engine
 from services.gpuworker.engine.report import StepReport
 from services.gpuworker.engine.request import FinishReason, RequestSpec
-from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource
+from services.gpuworker.kvstore_courier import KVStoreCourier
+from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource, capacity_answers
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +47,36 @@ class Job:
     events: asyncio.Queue
     arrived: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)  # prompt + generated, as streamed
-    known_tokens: int = 0  # tokens the kvstore has for this reservation (prompt at Reserve)
-    published_blocks: int = 0
+    known_tokens: int = 0  # tokens sent to the kvstore for this reservation (prompt at Reserve)
+    published_blocks: int = 0  # what the kvstore confirmed
+    publish_sent_blocks: int = 0  # what Publishes already sent will publish
     first_token_at: float | None = None
     decode_steps: int = 0
     accepted_drafts: int = 0
 
-    def post(self, *event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+class Outbox:
+    """Events for the asyncio handlers, delivered once per engine-loop turn: one
+    ``call_soon_threadsafe`` per event loop instead of one per request and step (each wakes the
+    loop; at 64 requests a step that is 64 wake-ups competing with the engine for the GIL)."""
+
+    def __init__(self):
+        self._events: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple]]] = {}
+
+    def post(self, job: Job, *event) -> None:
+        self._events.setdefault(job.loop, []).append((job.events, event))
+
+    def flush(self) -> None:
+        events, self._events = self._events, {}
+        for loop, batch in events.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the loop closed (server shut down): nobody is listening
+                pass
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for queue_, event in batch:
+        queue_.put_nowait(event)
 
 
 @dataclass(frozen=True)
@@ -75,14 +101,22 @@ class EngineRunner:
         engine: Engine,
         link: KVStoreLink,
         source: ReservationBlockSource,
+        courier: KVStoreCourier,
         *,
         max_running: int = 256,
+        extend_watermark_blocks: int = 2,
+        extend_chunk_blocks: int = 4,
         on_step: Callable[[StepReport, float], None] | None = None,
     ):
         self.engine = engine
         self.link = link
         self.source = source
+        self.courier = courier
         self.max_running = max_running
+        self.extend_watermark_blocks = extend_watermark_blocks
+        self.extend_chunk_blocks = extend_chunk_blocks
+        self._extending: set[str] = set()  # request ids with an ahead-of-need Extend in flight
+        self._outbox = Outbox()
         self._commands: queue.Queue = queue.Queue()
         self._jobs: dict[str, Job] = {}  # engine thread only: admitted, running requests
         # Any thread: every request from submit() until its reservation has been ended, so that
@@ -133,10 +167,18 @@ class EngineRunner:
     # -- engine thread ------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._outbox.flush()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
+            self._outbox.flush()
             self._drain_commands(block=not self.engine.has_work())
             if self._stop.is_set():
                 break
+            self.courier.drain()
             if not self.engine.has_work():
                 continue
             try:
@@ -157,8 +199,11 @@ class EngineRunner:
                 job = self._jobs.get(rid)
                 if job is not None:
                     self._on_result(job, result)
+            self._extend_ahead()
         for rid in list(self._jobs):
             self._fail(rid, Cancelled("worker is shutting down"))
+        self.courier.wait_idle(timeout_s=5.0)
+        self.courier.close()
 
     def _drain_commands(self, *, block: bool) -> None:
         try:
@@ -180,6 +225,10 @@ class EngineRunner:
 
     def _admit(self, job: Job) -> None:
         rid = job.spec.request_id
+        if self.courier.in_flight("publish"):
+            # a Publish may have freed a deduplicated block we still read; the new request's
+            # blocks may include it, so adopt every Publish answer before it can write anything
+            self.courier.wait_idle()
         try:
             if len(self._jobs) >= self.max_running:
                 raise ResourceExhausted(f"worker runs {self.max_running} requests already")
@@ -187,11 +236,8 @@ class EngineRunner:
             self.engine.add_request(job.spec)
         except Exception as exc:
             self.source.unbind(rid)
-            try:
-                self.link.abort(job.reservation_id, job.incarnation)
-            finally:
-                self._disown(rid)
-            job.post("error", exc)
+            self._send_abort(job)
+            self._outbox.post(job, "error", exc)
             return
         job.tokens = list(job.spec.prompt_ids)
         job.known_tokens = len(job.tokens)
@@ -203,7 +249,7 @@ class EngineRunner:
             if job.first_token_at is None:
                 job.first_token_at = time.monotonic()
             job.tokens.extend(result.new_token_ids)
-            job.post("tokens", list(result.new_token_ids))
+            self._outbox.post(job, "tokens", list(result.new_token_ids))
         if result.verified:  # a decode step: 1 target token + accepted drafts
             job.decode_steps += 1
             job.accepted_drafts += result.accepted_drafts
@@ -222,31 +268,72 @@ class EngineRunner:
 
     def _publish(self, job: Job, result) -> None:
         blocks = result.publishable_positions // result.block_size
-        if blocks <= job.published_blocks:
+        if blocks <= job.publish_sent_blocks:
             return
-        response = self.link.publish(
-            job.reservation_id, job.incarnation, job.tokens[job.known_tokens :], result.publishable_positions
-        )
+        new_tokens = job.tokens[job.known_tokens :]
         job.known_tokens = len(job.tokens)
+        job.publish_sent_blocks = blocks
+        rid, res_id, inc, final = job.spec.request_id, job.reservation_id, job.incarnation, result.publishable_positions
+        self.courier.send(lambda: self.link.publish(res_id, inc, new_tokens, final),
+                          lambda response: self._published(rid, response), kind="publish")
+
+    def _published(self, rid: str, response) -> None:
+        """A Publish answered (engine thread; possibly inside a step's blocking Extend, so
+        failures go through ``cancel``, which takes effect between steps)."""
+        job = self._jobs.get(rid)
+        if job is None:
+            return  # ended meanwhile: its Release or Abort follows in the queue
+        if isinstance(response, Exception):
+            log.warning("publish for %s failed: %s", rid, response)
+            self.cancel(rid, response if isinstance(response, TandemError) else Unavailable(str(response)))
+            return
         job.published_blocks = response.reservation.published_blocks
-        table = list(response.reservation.block_table)
-        if table != list(result.block_table):
-            # dedup: another request published the same blocks first; the kvstore freed our copy
-            # and pinned theirs (identical KV by the publish invariant), so read theirs from now on
-            self.engine.remap_blocks(job.spec.request_id, table)
+        # dedup: another request published the same blocks first; the kvstore freed our copy and
+        # pinned theirs (identical KV by the publish invariant), so read theirs from now on
+        try:
+            self.engine.remap_blocks(rid, list(response.reservation.block_table))
+        except TandemError as exc:
+            self.cancel(rid, exc)
+
+    def _extend_ahead(self) -> None:
+        """One Extend for every running request short of headroom (not waited for)."""
+        wants = self.engine.capacity_wants(self.extend_watermark_blocks, self.extend_chunk_blocks, skip=self._extending)
+        wants = {rid: n for rid, n in wants.items() if rid in self._jobs}
+        if not wants:
+            return
+        rids, items = self.source.extend_request(wants)
+        self._extending.update(rids)
+        self.courier.send(lambda: self.link.extend(items), lambda results: self._extended(rids, results), kind="extend")
+
+    def _extended(self, rids: list[str], results) -> None:
+        self._extending.difference_update(rids)
+        if isinstance(results, Exception):
+            log.info("ahead-of-need extend failed: %s", results)
+            return
+        for rid, answer in capacity_answers(rids, results).items():
+            if isinstance(answer, Exception):
+                continue  # no headroom now; the step extends (or ends the request) when it must
+            try:
+                self.engine.adopt_table(rid, answer)
+            except TandemError as exc:
+                self.cancel(rid, exc)
 
     def _finish(self, job: Job, result) -> None:
         rid = job.spec.request_id
         self._jobs.pop(rid, None)
         self.source.unbind(rid)
-        try:
-            self.link.release(job.reservation_id, job.incarnation, job.tokens[job.known_tokens :], result.publishable_positions)
-        except TandemError as exc:
-            # Every token was already streamed; the reservation dies with the lease if the
-            # kvstore never hears of it (it cannot be reused by another request meanwhile).
-            log.warning("release of %s failed: %s", job.reservation_id, exc.message)
-        self._disown(rid)
-        job.post("done", result.finish_reason, self._usage(job))
+        new_tokens, final = job.tokens[job.known_tokens :], result.publishable_positions
+
+        def released(response) -> None:
+            if isinstance(response, Exception):
+                # Every token was already streamed; the reservation dies with the lease if the
+                # kvstore never hears of it (it cannot be reused by another request meanwhile).
+                log.warning("release of %s failed: %s", job.reservation_id, response)
+            self._disown(rid)
+
+        self.courier.send(lambda: self.link.release(job.reservation_id, job.incarnation, new_tokens, final),
+                          released, kind="release")
+        self._outbox.post(job, "done", result.finish_reason, self._usage(job))
 
     def _fail(self, rid: str, exc: Exception) -> None:
         job = self._jobs.pop(rid)
@@ -254,12 +341,18 @@ class EngineRunner:
             self.engine.abort(rid)
         self.source.unbind(rid)
         self._sync()  # the last step that wrote these blocks must be complete before they are freed
-        try:
-            self.link.abort(job.reservation_id, job.incarnation)
-        except TandemError as err:
-            log.warning("abort of %s failed: %s", job.reservation_id, err.message)
-        self._disown(rid)
-        job.post("error", exc)
+        self._send_abort(job)
+        self._outbox.post(job, "error", exc)
+
+    def _send_abort(self, job: Job) -> None:
+        rid = job.spec.request_id
+
+        def aborted(response) -> None:
+            if isinstance(response, Exception):
+                log.warning("abort of %s failed: %s", job.reservation_id, response)
+            self._disown(rid)
+
+        self.courier.send(lambda: self.link.abort(job.reservation_id, job.incarnation), aborted, kind="abort")
 
     def engine_has(self, rid: str) -> bool:
         return rid in self.engine.request_ids()

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from opentelemetry import trace
 
 from services.common.errors import FailedPrecondition, NotFound, TandemError
@@ -19,11 +18,10 @@ from services.common.server import GrpcServer, ServiceBinding
 from services.common.spec import SpecMode
 from services.common.startup import StartupError, wait_for
 from services.common.telemetry import ServerTracingInterceptor
-from services.gpuworker.attention.base import AttentionGeometry, get_backend
-from services.gpuworker.engine.engine import Engine, EngineConfig
+from services.gpuworker.build import build_engine
+from services.gpuworker.kvstore_courier import KVStoreCourier
 from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource
 from services.gpuworker.metrics import WorkerMetrics
-from services.gpuworker.model.loader import load_model
 from services.gpuworker.runner import EngineRunner
 from services.gpuworker.servicer import WorkerServicer
 from services.gpuworker.settings import WorkerSettings
@@ -32,8 +30,6 @@ from tandem.worker.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-_SPEC_MODES = {"none": SpecMode.NONE, "eagle3": SpecMode.EAGLE3, "mtp": SpecMode.MTP}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -70,89 +66,33 @@ class WorkerIdentity:
         )
 
 
-DEFAULT_CUDA_KV_FRACTION = 0.9  # of the memory left free after the model loaded (vLLM, SGLang: ~0.9)
-
-
-def free_device_bytes(device: torch.device) -> int:
-    """Memory free on ``device`` now: CUDA's own count, or the machine's available memory."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def kv_budget_bytes(settings: WorkerSettings, device_type: str, free_bytes: Callable[[], int]) -> int:
-    """Bytes for the target + draft KV pools: ``kv_memory_fraction`` of ``free_bytes()`` (0.9 by
-    default on CUDA), else ``kv_memory_mb``."""
-    fraction = settings.kv_memory_fraction
-    if fraction is None and device_type == "cuda":
-        fraction = DEFAULT_CUDA_KV_FRACTION
-    if fraction is None:
-        return int(settings.kv_memory_mb * 2**20)
-    return int(free_bytes() * fraction)
-
-
-def pool_blocks(settings: WorkerSettings, target, draft, dtype: torch.dtype, budget_bytes: int | None = None) -> int:
-    """``num_blocks`` as given, or as many paired blocks as ``budget_bytes`` (default
-    ``kv_memory_mb``) holds: one block is a page in every target layer plus a page in every draft layer."""
-    if settings.num_blocks:
-        return settings.num_blocks
-    if budget_bytes is None:
-        budget_bytes = int(settings.kv_memory_mb * 2**20)
-    c = target.config
-    layers = c.num_layers + (draft.num_kv_layers if draft is not None else 0)
-    per_block = layers * 2 * settings.block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
-    blocks = int(budget_bytes // per_block)
-    if blocks > settings.max_num_blocks:
-        log.info("KV budget holds %d blocks; capped at max_num_blocks=%d", blocks, settings.max_num_blocks)
-        blocks = settings.max_num_blocks
-    if blocks < 1:
-        raise StartupError(f"the KV memory budget ({budget_bytes} bytes) holds no block of {per_block} bytes; raise --kv-memory-mb or --kv-memory-fraction")
-    return blocks
-
-
 async def start_worker(
     settings: WorkerSettings,
     *,
     tracer_provider: trace.TracerProvider | None = None,
     metrics: ServiceMetrics | None = None,
 ) -> tuple[GrpcServer, EngineRunner, WorkerIdentity]:
-    """Load the model, build pools and engine, serve, register; health SERVING once registered.
+    """Load the model, build pools and engine, warm it up (kernels compiled, CUDA graphs
+    captured), serve, register; health SERVING only after all of that.
 
     With ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
     :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
     """
-    spec_mode = _SPEC_MODES[settings.spec_mode]
-    dtype = _DTYPES[settings.dtype]
-    device = torch.device(settings.device)
-    try:
-        target, draft, _tokenizer = await asyncio.to_thread(
-            load_model, settings.model, spec_mode=spec_mode, mtp_depth=settings.mtp_depth, dtype=dtype, device=device,
-            seed=settings.seed, draft_dir=settings.draft_model or None,
-        )
-    except TandemError as exc:  # a missing or unusable model folder: one line, not a traceback
-        raise StartupError(f"cannot load model {settings.model!r}: {exc.message}") from None
-    num_blocks = pool_blocks(settings, target, draft, dtype, kv_budget_bytes(settings, device.type, lambda: free_device_bytes(device)))
-    c = target.config
-    target_pool = target.new_kv_pool(num_blocks, settings.block_size)
-    draft_pool = draft.new_kv_pool(num_blocks, settings.block_size) if draft is not None else None
-    geometry = AttentionGeometry(c.num_heads, c.num_kv_heads, c.head_dim, settings.block_size, dtype)
-    backend = get_backend(settings.backend, device, geometry)
     link = KVStoreLink(settings.kvstore, timeout_s=settings.rpc_timeout_s)
-    source = ReservationBlockSource(link)
-    engine = Engine(
-        target,
-        draft,
-        backend,
-        target_pool,
-        draft_pool,
-        source,
-        EngineConfig(
-            max_batch_tokens=settings.max_batch_tokens,
-            chunk_size=settings.chunk_size,
-            max_batch_size=settings.max_batch_size,
-            max_draft_tokens=settings.max_draft_tokens,
-        ),
-    )
+    courier = KVStoreCourier()
+    source = ReservationBlockSource(link, courier)
+    try:
+        built = await asyncio.to_thread(build_engine, settings, lambda _num_blocks: source)
+    except TandemError as exc:  # a missing or unusable model folder, no room for KV: one line, not a traceback
+        raise StartupError(f"cannot load model {settings.model!r}: {exc.message}") from None
+    engine, target, draft, spec_mode, num_blocks = built.engine, built.target, built.draft, built.spec_mode, built.num_blocks
+    device, c = engine.device, target.config
+    if settings.warmup:
+        # kernels compiled and graphs captured before health says SERVING: the first request
+        # then costs what any other does
+        started = time.perf_counter()
+        graphs = await asyncio.to_thread(engine.warmup, lambda msg: log.info("warm-up: %s", msg))
+        log.info("warm-up done in %.1fs (%d CUDA graphs)", time.perf_counter() - started, graphs)
     interceptors: list = [ServerTracingInterceptor(tracer_provider)]
     worker_metrics: WorkerMetrics | None = None
     if settings.metrics_port is not None:
@@ -162,7 +102,8 @@ async def start_worker(
                                        model_name=settings.model, kv_usage=_kv_usage_probe(settings))
         interceptors.append(worker_metrics.interceptor())
     runner = EngineRunner(
-        engine, link, source, max_running=settings.max_running,
+        engine, link, source, courier, max_running=settings.max_running,
+        extend_watermark_blocks=settings.extend_watermark_blocks, extend_chunk_blocks=settings.extend_chunk_blocks,
         on_step=worker_metrics.on_step if worker_metrics is not None else None,
     )
 

@@ -41,6 +41,11 @@ class WorkerSettings(TandemSettings):
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between kvstore heartbeats")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of each kvstore call")
     seed: int = Field(0, description="seed of the built-in tiny model's weights")
+    cuda_graphs: bool = Field(True, description="capture decode, verify and draft-chain forwards in CUDA graphs at start-up (CUDA only; ignored on CPU)")
+    warmup: bool = Field(True, description="compile kernels and capture graphs before health says SERVING")
+    extend_watermark_blocks: int = Field(2, ge=0, le=1024, description="extend a request's KV capacity ahead of need once fewer than this many blocks of headroom are left")
+    extend_chunk_blocks: int = Field(4, ge=1, le=1024, description="blocks of headroom each ahead-of-need Extend asks for")
+    forced_acceptance: int | None = Field(None, ge=0, le=32, description="BENCHMARKS ONLY: accept exactly this many drafts per verify, whatever they are (output is no longer the model's)")
 
     @model_validator(mode="after")
     def _check(self) -> "WorkerSettings":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.errors import InvalidArgument
 from services.common.startup import EXIT_CONFIG, EXIT_ENVIRONMENT, StartupError
 from services.launch_plan import GIB, Gpu, parse_nvidia_smi, plan_workers, visible_ids
 
@@ -68,7 +69,7 @@ def test_worker_kv_budget_from_fraction_of_free_memory():
     import torch
 
     from services.gpuworker.model.loader import load_model
-    from services.gpuworker.server import kv_budget_bytes, pool_blocks
+    from services.gpuworker.build import kv_budget_bytes, pool_blocks
     from services.gpuworker.settings import WorkerSettings
 
     free = lambda: 10 * GIB  # noqa: E731
@@ -80,7 +81,7 @@ def test_worker_kv_budget_from_fraction_of_free_memory():
     assert pool_blocks(WorkerSettings(), target, draft, torch.float32, 2 << 30) in (2 * per_gib, 2 * per_gib + 1)
     assert pool_blocks(WorkerSettings(num_blocks=7), target, draft, torch.float32, 1 << 30) == 7
     assert pool_blocks(WorkerSettings(max_num_blocks=100), target, draft, torch.float32, 1 << 30) == 100 < per_gib
-    with pytest.raises(StartupError):
+    with pytest.raises(InvalidArgument, match="holds no block"):
         pool_blocks(WorkerSettings(), target, draft, torch.float32, 10)
 
 

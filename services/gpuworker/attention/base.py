@@ -433,9 +433,13 @@ class AttentionBackend(abc.ABC):
     def _attend(self, plan: AttentionPlan, q, kv_layer, scale: float) -> torch.Tensor: ...
 
 
-def get_backend(name: str, device: torch.device | str, geometry: AttentionGeometry) -> AttentionBackend:
+def get_backend(
+    name: str, device: torch.device | str, geometry: AttentionGeometry, *, graph_max_pages_per_request: int | None = None
+) -> AttentionBackend:
     """Registry: ``"torch"`` (reference, CPU and GPU) or ``"flashinfer"`` (GPU; its module, and so
-    flashinfer itself, is imported only here, on demand). Raises ``InvalidArgument`` for others."""
+    flashinfer itself, is imported only here, on demand). Raises ``InvalidArgument`` for others.
+    ``graph_max_pages_per_request`` makes FlashInfer's decode/verify plans CUDA-graph safe (the
+    torch backend's never are: its plans size tensors by the longest request)."""
     if not isinstance(geometry, AttentionGeometry):
         raise InvalidArgument("get_backend needs an AttentionGeometry")
     if name == "torch":
@@ -445,7 +449,7 @@ def get_backend(name: str, device: torch.device | str, geometry: AttentionGeomet
     if name == "flashinfer":
         from services.gpuworker.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(device, geometry)
+        return FlashInferBackend(device, geometry, graph_max_pages_per_request=graph_max_pages_per_request)
     raise InvalidArgument(f"unknown attention backend {name!r} (expected 'torch' or 'flashinfer')")
 
 

@@ -39,6 +39,7 @@ import torch
 
 from services.common.spec import SpecMode
 from services.gpuworker.attention.base import AttentionBackend, AttentionKind, BatchLayout
+from services.gpuworker.engine.graphs import ForwardGraphs
 from services.gpuworker.engine.request import RequestState
 from services.gpuworker.engine.sampling import draw_uniforms, probs_from_logits, sample_rows
 from services.gpuworker.kv.pool import KVPool
@@ -74,8 +75,17 @@ class DraftRunner:
     """Drives one draft model over the draft pool. Mutates the pool and the ``RequestState``s
     it is given (proposals, draft length, pending rows); returns the position ranges it wrote."""
 
-    def __init__(self, draft: DraftModel, backend: AttentionBackend, pool: KVPool, device: torch.device):
+    def __init__(
+        self,
+        draft: DraftModel,
+        backend: AttentionBackend,
+        pool: KVPool,
+        device: torch.device,
+        *,
+        graphs: ForwardGraphs | None = None,
+    ):
         self.draft = draft
+        self.graphs = graphs
         self.backend = backend
         self.pool = pool
         self.device = device
@@ -84,11 +94,42 @@ class DraftRunner:
         self.num_layers = draft.num_kv_layers
         if self.mode not in (SpecMode.EAGLE3, SpecMode.MTP):
             raise ValueError(f"no draft runner for {self.mode}")
+        self._chain_fn = self.chain_forward(draft, backend, pool)
 
     @property
     def target_aux_layers(self) -> tuple[int, ...]:
         """Target layers whose outputs the fill needs (EAGLE-3), else ()."""
-        return self.draft.aux_layers if self.mode is SpecMode.EAGLE3 else ()
+        return self.aux_layers_for(self.draft)
+
+    @staticmethod
+    def aux_layers_for(draft: DraftModel | None) -> tuple[int, ...]:
+        return draft.aux_layers if draft is not None and draft.spec_mode is SpecMode.EAGLE3 else ()
+
+    @staticmethod
+    def chain_forward(draft: DraftModel, backend: AttentionBackend, pool: KVPool):
+        """``fn(plan, tokens [B], hidden [B, H]) -> {"logits", "hidden"}``: one chain position
+        (the last draft layer, self-fed). The same function runs eagerly and under a graph."""
+        if draft.spec_mode is SpecMode.EAGLE3:
+            def run(plan, tokens, hidden):
+                out = draft(tokens, hidden, plan, backend, pool, context_is_aux=False)
+                return {"logits": out.logits, "hidden": out.hidden}
+        else:
+            last = draft.num_kv_layers
+
+            def run(plan, tokens, hidden):
+                out = draft(last, tokens, hidden, plan, backend, pool)
+                return {"logits": out.logits, "hidden": out.hidden}
+        return run
+
+    def warmup(self, plan, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """One fill-shaped forward of every draft layer over ``plan`` (kernel compilation only;
+        writes the plan's slots of the draft pool)."""
+        if self.mode is SpecMode.EAGLE3:
+            self.draft(ids, rows, plan, self.backend, self.pool, context_is_aux=True)
+        else:
+            prev = rows
+            for k in range(1, self.num_layers + 1):
+                prev = self.draft(k, ids, prev, plan, self.backend, self.pool).hidden
 
     # -- fill -----------------------------------------------------------------------------------
 
@@ -212,19 +253,20 @@ class DraftRunner:
                 cached_lens=[self._chain_position(s) for s in todo],
                 query_lens=[1] * len(todo),
             )
-            plan = self.backend.plan(layout, AttentionKind.DECODE)
             tokens = torch.stack([s.drafts[-1] for s in todo])
             hidden = torch.stack([s.chain_hidden for s in todo])
-            if self.mode is SpecMode.EAGLE3:
-                out = self.draft(tokens, hidden, plan, self.backend, self.pool, context_is_aux=False)
+            if self.graphs is not None and self.graphs.covers("chain", len(todo), 1):
+                out, _plan = self.graphs.run("chain", layout, {"tokens": tokens, "hidden": hidden})
             else:
-                out = self.draft(self.num_layers, tokens, hidden, plan, self.backend, self.pool)
-            chosen, probs = choose_proposals(todo, out.logits)
+                plan = self.backend.plan(layout, AttentionKind.DECODE)
+                out = self._chain_fn(plan, tokens, hidden)
+            chosen, probs = choose_proposals(todo, out["logits"])
             for i, s in enumerate(todo):
                 s.drafts = torch.cat([s.drafts, chosen[i : i + 1]])
                 if probs[i] is not None:
                     s.draft_probs = torch.cat([s.draft_probs, probs[i].unsqueeze(0)])
-                s.chain_hidden = out.hidden[i]
+                # a view of graph memory is fine: the next chain call stacks it before replaying
+                s.chain_hidden = out["hidden"][i]
             todo = [s for s in todo if wanted[s.request_id] > len(s.drafts)]
         return written
 

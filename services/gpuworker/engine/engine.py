@@ -34,6 +34,7 @@ from services.gpuworker.attention.base import AttentionBackend, AttentionKind, B
 from services.gpuworker.engine.acceptance import accept_greedy, accept_sampled_batch
 from services.gpuworker.engine.capacity import BlockSource, blocks_for
 from services.gpuworker.engine.drafting import DraftRunner, FillJob
+from services.gpuworker.engine.graphs import ForwardGraphs, buckets_up_to
 from services.gpuworker.engine.report import RequestStepResult, StepReport
 from services.gpuworker.engine.request import FinishReason, RequestSpec, RequestState
 from services.gpuworker.engine.sampling import SamplingParams, draw_uniforms, make_generator, probs_from_logits, sample_rows
@@ -43,6 +44,7 @@ from services.gpuworker.model.draft import DraftModel
 from services.gpuworker.model.llama import TargetModel
 
 TRIM_POLICIES = ("unneeded", "rejected")
+GRAPH_MODES = ("off", "pad", "capture")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,12 @@ class EngineConfig:
       write (``prompt + max_new_tokens - 1`` positions, capped by max_seq_len);
       ``"rejected"`` additionally trims, after every verify, the blocks past the logical length —
       those held only rejected drafts — and the next step extends again.
+    * ``graphs``: ``"capture"`` replays CUDA graphs of the uniform forwards (plain decode, verify,
+      draft chain; see ``graphs.py``), captured by :meth:`Engine.warmup`; ``"pad"`` pads those
+      batches to the same buckets but runs them eagerly (CPU tests of the padded layouts);
+      ``"off"`` neither. Both others keep the pools' LAST page as the scratch page of padding
+      rows: the block source must hand out ids below ``Engine.num_blocks`` only.
+    * ``graph_max_batch``: the largest bucket (None = ``max_batch_size``).
     """
 
     max_batch_tokens: int = 256
@@ -69,6 +77,8 @@ class EngineConfig:
     max_seq_len: int | None = None
     forced_acceptance: int | None = None
     trim_policy: str = "unneeded"
+    graphs: str = "off"
+    graph_max_batch: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "max_batch_size"):
@@ -89,6 +99,10 @@ class EngineConfig:
             raise InvalidArgument(f"forced_acceptance must be None or >= 0, got {self.forced_acceptance!r}")
         if self.trim_policy not in TRIM_POLICIES:
             raise InvalidArgument(f"trim_policy must be one of {TRIM_POLICIES}, got {self.trim_policy!r}")
+        if self.graphs not in GRAPH_MODES:
+            raise InvalidArgument(f"graphs must be one of {GRAPH_MODES}, got {self.graphs!r}")
+        if self.graph_max_batch is not None and (not isinstance(self.graph_max_batch, int) or self.graph_max_batch < 1):
+            raise InvalidArgument(f"graph_max_batch must be None or >= 1, got {self.graph_max_batch!r}")
 
 
 class Engine:
@@ -123,12 +137,74 @@ class Engine:
         self.config = config
         self.block_size = target_pool.block_size
         self.device = target_pool.device
-        self.drafter = DraftRunner(draft, backend, draft_pool, self.device) if draft is not None else None
+        self.graphs = self._make_graphs(target, draft, draft_pool)
+        # padding rows of graph batches write the last page of each pool: never handed out
+        self.num_blocks = target_pool.num_blocks - (1 if self.graphs is not None else 0)
+        self.drafter = (
+            DraftRunner(draft, backend, draft_pool, self.device, graphs=self.graphs) if draft is not None else None
+        )
         self.span = draft.span if draft is not None else 0
         model_max = target.config.max_seq_len
         self.max_seq_len = min(config.max_seq_len or model_max, model_max)
         self._states: dict[str, RequestState] = {}
         self._arrivals = 0
+
+    def _make_graphs(self, target: TargetModel, draft: DraftModel | None, draft_pool: KVPool | None) -> ForwardGraphs | None:
+        """The padded/captured uniform forwards (None with ``graphs="off"``): the target over
+        decode and verify batches (q = 1 .. max_draft_tokens + 1) and the draft chain (q = 1)."""
+        cfg = self.config
+        if cfg.graphs == "off":
+            return None
+        if self.target_pool.num_blocks < 2:
+            raise InvalidArgument("graph padding needs a pool of at least 2 blocks (one is the scratch page)")
+        graphs = ForwardGraphs(
+            self.backend,
+            scratch_block=self.target_pool.num_blocks - 1,
+            buckets=buckets_up_to(cfg.graph_max_batch or cfg.max_batch_size),
+            capture=cfg.graphs == "capture",
+        )
+        aux = DraftRunner.aux_layers_for(draft)
+        backend, pool = self.backend, self.target_pool
+        hidden = target.config.hidden_size
+        dtype = target.embed_tokens.weight.dtype
+
+        def target_forward(plan, ids):
+            out = target(ids, plan, backend, pool, aux_layers=aux)
+            rows = {"logits": out.logits, "hidden": out.hidden}
+            if out.aux_hidden is not None:
+                rows["aux"] = out.aux_hidden
+            return rows
+
+        max_q = min(1 + (cfg.max_draft_tokens if draft is not None else 0), self.block_size)
+        graphs.register("target", target_forward, {"ids": ((), torch.long)}, range(1, max_q + 1))
+        if draft is not None:
+            chain = DraftRunner.chain_forward(draft, backend, draft_pool)
+            graphs.register("chain", chain, {"tokens": ((), torch.long), "hidden": ((hidden,), dtype)}, (1,))
+        return graphs
+
+    @torch.inference_mode()
+    def warmup(self, progress=None) -> int:
+        """Run every kernel family once and capture the graphs (``graphs="capture"``), so the
+        first request pays for neither JIT compilation nor capture. Writes only the scratch page.
+        Returns the number of graphs captured; a no-op without a scratch page."""
+        if self.graphs is None:
+            return 0
+        say = progress or (lambda msg: None)
+        scratch = self.graphs.scratch_block
+        n = min(3, self.block_size)
+        plan = self.backend.plan(BatchLayout(block_tables=[[scratch]], cached_lens=[0], query_lens=[n]))
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        aux = self.drafter.target_aux_layers if self.drafter is not None else ()
+        out = self.target(ids, plan, self.backend, self.target_pool, aux_layers=aux)
+        if self.drafter is not None:
+            self.drafter.warmup(plan, ids, out.aux_hidden if aux else out.hidden)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        say("prefill kernels ready")
+        count = self.graphs.capture_all(say)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return count
 
     # -- request lifecycle ------------------------------------------------------------------------
 
@@ -168,17 +244,57 @@ class Engine:
         if s is None:
             raise NotFound(f"unknown request {request_id!r}")
         new = [int(b) for b in block_table]
-        if len(new) != len(s.block_table):
-            raise FailedPrecondition(
-                f"remap of {request_id!r} changes the table length ({len(s.block_table)} -> {len(new)})"
-            )
+        # the kvstore's table may be longer or shorter by now (an Extend or a Trim answered
+        # since): only the positions both know are remapped
+        n = min(len(new), len(s.block_table))
+        self._check_only_final_blocks_moved(s, new[:n])
+        s.block_table = new[:n] + s.block_table[n:]
+
+    def adopt_table(self, request_id: str, block_table) -> bool:
+        """Adopt the kvstore's newer table for a request: an ahead-of-need Extend's answer (more
+        blocks at the end), possibly with deduplicated final blocks (as ``remap_blocks``). A
+        table shorter than the request's own is stale and ignored; so is an unknown (finished)
+        request. Returns whether the table was adopted; ``FailedPrecondition`` (changing
+        nothing) if a non-final block moved."""
+        s = self._states.get(request_id)
+        new = [int(b) for b in block_table]
+        if s is None or len(new) < len(s.block_table):
+            return False
+        self._check_only_final_blocks_moved(s, new)
+        s.block_table = new
+        return True
+
+    def _check_only_final_blocks_moved(self, s: RequestState, new: list[int]) -> None:
         final_blocks = s.draft_len // self.block_size
         changed = [i for i, (a, b) in enumerate(zip(s.block_table, new)) if a != b]
         if changed and changed[-1] >= final_blocks:
             raise FailedPrecondition(
-                f"remap of {request_id!r} touches block {changed[-1]}, past its {final_blocks} final blocks"
+                f"{s.request_id}: the kvstore moved block {changed[-1]}, past its {final_blocks} final blocks"
             )
-        s.block_table = new
+
+    def capacity_wants(self, watermark_blocks: int, chunk_blocks: int, skip=()) -> dict[str, int]:
+        """Ahead-of-need capacity (read-only): decoding requests with fewer than
+        ``watermark_blocks`` blocks of headroom past their next step get ``chunk_blocks`` more,
+        never past what the request can still write (so no trim takes them back). Requests in
+        ``skip`` (an Extend already in flight) are left out. Empty under the "rejected" trim
+        policy, which gives blocks back after every verify."""
+        if self.config.trim_policy == "rejected":
+            return {}
+        bs = self.block_size
+        wants: dict[str, int] = {}
+        for rid, s in self._states.items():
+            if rid in skip or s.finished or s.in_prefill:
+                continue
+            limit = blocks_for(self._most_positions(s), bs) * bs
+            cap = s.capacity
+            next_need = s.logical_len + min(s.spec.k, self.config.max_draft_tokens)
+            if cap < limit and cap - next_need < watermark_blocks * bs:
+                wants[rid] = min(max(cap, next_need) + chunk_blocks * bs, limit)
+        return wants
+
+    def _most_positions(self, s: RequestState) -> int:
+        """Positions a request can still write up to (exclusive of the last token, never fed)."""
+        return min(s.num_prompt + s.spec.max_new_tokens, self.max_seq_len) - 1
 
     def request_ids(self) -> list[str]:
         return list(self._states)
@@ -212,8 +328,8 @@ class Engine:
         if spec.k > 0 and self.drafter is None:
             raise InvalidArgument("this engine has no draft model; k must be 0")
         table = list(spec.block_table)
-        if any(not isinstance(b, int) or not 0 <= b < self.target_pool.num_blocks for b in table):
-            raise InvalidArgument(f"block ids must be integers in [0, {self.target_pool.num_blocks})")
+        if any(not isinstance(b, int) or not 0 <= b < self.num_blocks for b in table):
+            raise InvalidArgument(f"block ids must be integers in [0, {self.num_blocks})")
         if len(set(table)) != len(table):
             raise InvalidArgument("block_table repeats a block id")
         r = spec.reused_positions
@@ -310,8 +426,8 @@ class Engine:
                 errors[s.request_id] = ans or FailedPrecondition("block source gave no answer")
             else:
                 table = [int(b) for b in ans]
-                if table[: len(s.block_table)] != s.block_table:
-                    raise FailedPrecondition(f"{s.request_id}: extend moved existing blocks")
+                # only deduplicated final blocks may differ (a Publish answered meanwhile)
+                self._check_only_final_blocks_moved(s, table)
                 s.block_table = table
             # Whatever we got, fit the step into it: fewer drafts, a shorter chunk, or nothing.
             cap = s.capacity
@@ -350,11 +466,11 @@ class Engine:
 
     def _target_and_accept(self, work, written, emitted, verified) -> list[FillJob]:
         """B + C for the whole batch; returns the fill jobs for D. Mutates the states."""
-        out, cond, picks = self._run_target(work, written)
-        return self._accept(work, out, cond, picks, emitted, verified)
+        logits, cond, picks = self._run_target(work, written)
+        return self._accept(work, logits, cond, picks, emitted, verified)
 
     def _run_target(self, work: list[ScheduledWork], written):
-        """B: one target forward over every scheduled request (request-major). Returns the output,
+        """B: one target forward over every scheduled request (request-major). Returns the logits,
         the draft conditioning rows (aux / final hidden, all T rows) and, per request that gets
         logits, ``(first logits row, count)``."""
         dev = self.device
@@ -374,21 +490,28 @@ class Engine:
                 logit_rows.extend(range(row, row + w.num_target_tokens))
             written[s.request_id].append((s.target_len, s.target_len + w.num_target_tokens))
             row += w.num_target_tokens
-        input_ids = torch.cat(ids)
+        input_ids = torch.cat(ids) if len(ids) > 1 else ids[0]
         layout = BatchLayout(
-            block_tables=[list(w.state.block_table) for w in work],
+            block_tables=[w.state.block_table for w in work],
             cached_lens=[w.state.target_len for w in work],
             query_lens=[w.num_target_tokens for w in work],
         )
-        qlens = layout.query_lens
-        kind = AttentionKind.VERIFY if len(set(qlens)) == 1 and qlens[0] > 1 and not any(w.is_prefill for w in work) else None
-        plan = self.backend.plan(layout, kind)
+        q = layout.arrays.uniform_q
+        decoding = not any(w.is_prefill for w in work)
         aux = self.drafter.target_aux_layers if self.drafter is not None else ()
-        out = self.target(input_ids, plan, self.backend, self.target_pool, aux_layers=aux,
-                          logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev))
+        if decoding and q is not None and self.graphs is not None and self.graphs.covers("target", len(work), q):
+            # every row gets logits in a decode/verify batch: no row selection needed
+            rows, _plan = self.graphs.run("target", layout, {"ids": input_ids})
+            logits, hidden, aux_hidden = rows["logits"], rows["hidden"], rows.get("aux")
+        else:
+            kind = AttentionKind.VERIFY if decoding and q is not None and q > 1 else None
+            plan = self.backend.plan(layout, kind)
+            out = self.target(input_ids, plan, self.backend, self.target_pool, aux_layers=aux,
+                              logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev))
+            logits, hidden, aux_hidden = out.logits, out.hidden, out.aux_hidden
         cond = None
         if self.drafter is not None:
-            cond = out.aux_hidden if aux else out.hidden
+            cond = aux_hidden if aux else hidden
         picks: dict[str, tuple[int, int]] = {}  # rid -> (first logits row, count)
         cursor = 0
         for w in work:
@@ -399,14 +522,14 @@ class Engine:
             elif not w.is_prefill:
                 picks[s.request_id] = (cursor, 1 + w.num_drafts)
                 cursor += 1 + w.num_drafts
-        return out, cond, picks
+        return logits, cond, picks
 
-    def _accept(self, work: list[ScheduledWork], out, cond, picks, emitted, verified) -> list[FillJob]:
+    def _accept(self, work: list[ScheduledWork], logits, cond, picks, emitted, verified) -> list[FillJob]:
         """C: first tokens after prompts and verification of drafts (one host sync for every
         greedy decision), stop rules, new lengths; builds the fill jobs. Mutates the states."""
-        argmax = torch.argmax(out.logits, dim=-1) if out.logits.shape[0] else None
+        argmax = torch.argmax(logits, dim=-1) if logits.shape[0] else None
         sampled = [w for w in work if w.state.request_id in picks and not w.state.spec.sampling.greedy]
-        sampled_tokens = self._sample_or_verify(sampled, out.logits, picks)
+        sampled_tokens = self._sample_or_verify(sampled, logits, picks)
         greedy_host = argmax.tolist() if argmax is not None else []
         draft_host = {w.state.request_id: w.state.drafts[: w.num_drafts].tolist()
                       for w in work if not w.is_prefill and w.num_drafts and w.state.spec.sampling.greedy}
@@ -521,16 +644,20 @@ class Engine:
         for s in states:
             if s.finished:
                 continue  # the caller releases the whole reservation
-            most = min(s.num_prompt + s.spec.max_new_tokens, self.max_seq_len) - 1
-            keep = max(most, s.target_len, s.draft_len)
+            keep = max(self._most_positions(s), s.target_len, s.draft_len)
             if self.config.trim_policy == "rejected" and not s.in_prefill:
                 keep = s.logical_len  # positions >= L hold only rejected or no KV
             if blocks_for(keep, self.block_size) < len(s.block_table):
                 keeps[s.request_id] = keep
         if keeps:
-            tables = self.block_source.trim(dict(keeps))
-            for rid, table in tables.items():
+            # a source that trims asynchronously answers nothing: the table is cut as asked
+            tables = self.block_source.trim(dict(keeps)) or {}
+            for rid, keep in keeps.items():
                 s = self._states[rid]
+                table = tables.get(rid)
+                if table is None:
+                    s.block_table = s.block_table[: blocks_for(keep, self.block_size)]
+                    continue
                 table = [int(b) for b in table]
                 if table != s.block_table[: len(table)]:
                     raise FailedPrecondition(f"{rid}: trim changed kept blocks")

@@ -78,8 +78,9 @@ def build_local(
     else:
         target, draft = models
     backend = get_backend("torch", device, target.attention_geometry(block_size))
-    target_pool = target.new_kv_pool(num_blocks, block_size)
-    draft_pool = draft.new_kv_pool(num_blocks, block_size) if draft is not None else None
+    pages = num_blocks + (1 if config.graphs != "off" else 0)  # + the graphs' scratch page
+    target_pool = target.new_kv_pool(pages, block_size)
+    draft_pool = draft.new_kv_pool(pages, block_size) if draft is not None else None
     source = LocalBlockSource(num_blocks, block_size)
     engine = Engine(target, draft, backend, target_pool, draft_pool, source, config)
     return LocalSetup(engine, source, target, draft)

@@ -16,10 +16,14 @@ from torch import nn
 
 from services.gpuworker.attention.base import AttentionBackend, AttentionPlan
 from services.gpuworker.model.config import LlamaConfig
+from services.gpuworker.model.ops import TORCH_OPS, fused_weight
 
 
 class RMSNorm(nn.Module):
-    """``w * x / sqrt(mean(x^2) + eps)``, computed in float32 like the reference implementation."""
+    """``w * x / sqrt(mean(x^2) + eps)``, computed in float32 like the reference implementation
+    (``ops``: see ``model/ops.py``)."""
+
+    ops = TORCH_OPS
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -27,10 +31,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -96,7 +97,10 @@ class Attention(nn.Module):
     """GQA self-attention whose K/V live in a paged KV layer.
 
     ``input_size`` is normally ``hidden_size``; EAGLE-3's draft layer projects q/k/v from the
-    concatenated ``2 * hidden_size`` input."""
+    concatenated ``2 * hidden_size`` input. After ``fuse_projections`` one GEMM computes q, k
+    and v together."""
+
+    ops = TORCH_OPS
 
     def __init__(self, config: LlamaConfig, rope: RotaryEmbedding, input_size: int | None = None):
         super().__init__()
@@ -112,6 +116,14 @@ class Attention(nn.Module):
         self.scale = hd**-0.5
         # a plain attribute, not a submodule: one table shared by every layer
         self.__dict__["rope"] = rope
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse_projections(self) -> bool:
+        """One weight for q/k/v (the three parameters become views of it). Mutates; idempotent."""
+        if self._qkv is not None:
+            return False
+        self._qkv = fused_weight([self.q_proj, self.k_proj, self.v_proj])
+        return True
 
     def forward(
         self,
@@ -122,26 +134,41 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``x`` [T, input_size] -> [T, hidden]. Mutates ``kv_layer`` at ``plan.slot_mapping``."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q = self.rope(q, plan.positions)
-        k = self.rope(k, plan.positions)
+        nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if self._qkv is not None:
+            q, k, v = F.linear(x, *self._qkv).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(T, nq, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
+        q, k = self.ops.rope_(self.rope, q, k, plan.positions)
         backend.write_kv(plan, kv_layer, k, v)
         out = backend.attend(plan, q, kv_layer, scale=self.scale)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; after ``fuse_projections`` gate and up are one
+    GEMM feeding one fused SiLU-and-mul."""
+
+    ops = TORCH_OPS
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse_projections(self) -> bool:
+        """One weight for gate/up (both parameters become views of it). Mutates; idempotent."""
+        if self._gate_up is not None:
+            return False
+        self._gate_up = fused_weight([self.gate_proj, self.up_proj])
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gate_up is not None:
+            return self.down_proj(self.ops.silu_and_mul(F.linear(x, *self._gate_up)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -1,0 +1,154 @@
+"""Pieces the benchmarks share: the suite as child processes, machine facts, GPU timing, bar plots.
+
+    start_suite(log_dir, [worker argv, ...], router argv)   kvstore + workers + router, all SERVING
+    machine()                                               CPU, cores, load, date (for the JSON)
+    gpu_ms(fn)                                              median CUDA-event time of fn()
+    grouped_bars(ax, groups, series)                        one bar per series in each group
+
+Imported by the scripts next to it (``python bench/x.py`` puts this folder on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Suite:
+    """The suite's child processes (kvstore, workers, router) and their addresses."""
+
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    kvstore: str = ""
+    router: str = ""
+    workers: list[str] = field(default_factory=list)
+
+    def spawn(self, name: str, argv: list[str], log_dir: Path, env_extra: dict | None = None) -> None:
+        # the repo first, then whatever the caller's path had (wheels unpacked elsewhere, say)
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+        log = open(log_dir / f"{name}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING", *argv],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append((name, proc))
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each live child has used so far (Linux /proc; {} elsewhere)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for name, proc in self.procs:
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            except (OSError, IndexError, ValueError):
+                pass
+        return out
+
+    def stop(self) -> None:
+        """SIGTERM in reverse start order (router first), then SIGKILL stragglers (mutates procs)."""
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        end = time.monotonic() + 10
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+
+
+def start_suite(log_dir: Path, workers: list[list[str]], router: list[str], *,
+                worker_env: dict | None = None, timeout_s: float = 120.0) -> Suite:
+    """kvstore (memory) + one worker per argv in ``workers`` (``tandem worker`` flags besides
+    port, kvstore and worker id) + the router (``router``: flags besides port and kvstore), as
+    processes; each is SERVING (grpc health) before this returns."""
+    from services.launcher import wait_serving
+
+    suite = Suite()
+    try:
+        kv_port = free_port()
+        suite.kvstore = f"127.0.0.1:{kv_port}"
+        suite.spawn("kvstore", ["kvstore", "--port", str(kv_port)], log_dir)
+        deadline = time.monotonic() + timeout_s
+        wait_serving(suite.kvstore, deadline, suite.procs[-1][1])
+        for i, argv in enumerate(workers):
+            port = free_port()
+            suite.workers.append(f"127.0.0.1:{port}")
+            suite.spawn(f"worker{i}", ["worker", "--port", str(port), "--kvstore", suite.kvstore,
+                                       "--worker-id", f"worker{i}", *argv], log_dir, worker_env)
+        r_port = free_port()
+        suite.router = f"127.0.0.1:{r_port}"
+        suite.spawn("router", ["router", "--port", str(r_port), "--kvstore", suite.kvstore, *router], log_dir)
+        for addr, (_, proc) in zip([*suite.workers, suite.router], suite.procs[1:]):
+            wait_serving(addr, deadline, proc)
+        return suite
+    except BaseException:
+        suite.stop()
+        raise
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = float("nan")
+    return {"nproc": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "load_1m": load,
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def gpu_ms(fn, reps: int = 30, warmup: int = 3) -> float:
+    """Median GPU time of ``fn()`` in ms (CUDA events around each call)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1))
+    return statistics.median(times)
+
+
+def grouped_bars(ax, groups: list[str], series: list[tuple[str, list[float]]], **bar_kw) -> list[list[float]]:
+    """Side-by-side bars: for each group one bar per series (``(label, values per group)``).
+    Returns each series' bar centres, for markers drawn on top."""
+    width = 0.8 / len(series)
+    centres = []
+    for i, (name, vals) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(groups))]
+        ax.bar(xs, vals, width, label=name, **bar_kw)
+        centres.append(xs)
+    ax.set_xticks(range(len(groups)), groups)
+    return centres

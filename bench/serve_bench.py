@@ -1,0 +1,650 @@
+"""Served-path benchmark (issue 7): Tandem served as processes vs its engine alone, same model, same batches.
+
+A random Llama of ``--shape`` is built with transformers (seeded) and saved as a Hugging Face folder
+(with a word-level ``tokenizer.json`` and no end-of-sequence id, so every request runs its full
+``--max-new-tokens``); the worker's loader gives it a seeded random EAGLE-3 draft. Then, in one run::
+
+    served         closed-loop clients ──Router.Generate──▶ router ─▶ kvstore
+                   (grpc.aio, token ids)                      └─────▶ worker (tandem worker ...)
+    engine alone   the same Engine built in-process from the same WorkerSettings
+                   (services/gpuworker/build.py) over a LocalBlockSource: no gRPC, no processes
+
+Workload: prompts of ``--prompt-len`` token ids whose first half is one prefix shared by every
+request (the kvstore serves it from cache after the first request; the engine-alone run shares
+the same blocks) and whose second half is random per request; greedy, ``--max-new-tokens`` each.
+Levels: concurrency N in ``--concurrency`` (N clients, each sending its next request when its
+last one finished; max(rounds·N, min-requests) requests, no new ones after ``--level-max-s``),
+for k = 0 and for k = ``--k`` with forced acceptance a in ``--accept`` (the benchmark-only worker
+setting: exactly a drafts accepted per verify, so a + 1 tokens per step). One suite (kvstore +
+worker + router) per a; the first one also runs k = 0. Per level::
+
+    tokens/s   generated tokens ÷ wall time of the level (first send to last answer)
+    TTFT       send → first streamed message with tokens (client clock)
+    ITL        gap between two messages ÷ tokens in the later one, once per token (a message
+               carries 1 + accepted drafts under speculation), p50/p99 over tokens
+    tok/msg    tokens per streamed message after the first (≈ a + 1: checks forced acceptance)
+
+Also: TTFT of the very first request after the worker said SERVING ÷ steady-state TTFT (p50 at
+concurrency 1, k = 0); on CUDA the batch-1 bandwidth bound (weight bytes ÷ device-copy bandwidth
+measured here) and the engine-alone plain decode rate at batch 1 as a fraction of it.
+
+    python bench/serve_bench.py --device cpu --shape tiny-cpu --quick     # CPU smoke run, < 2 min
+    python3 bench/serve_bench.py --shape 1b --json serve_1b.json --plot serve_1b.png   # GPU box
+    python3 bench/serve_bench.py --shape 8b --json serve_8b.json --plot serve_8b.png
+
+On the GPU box keep FlashInfer's JIT cache (``FLASHINFER_WORKSPACE_BASE``). A level issues no new
+request after ``--level-max-s``: at the goal speeds every level runs its full count (1b ≈ 2 min,
+8b ≈ 4 min including build, loads and one suite start per a); a slower served path runs fewer
+requests per level instead of running longer (≲ 6 and 8 min).
+    python bench/serve_bench.py --from-json serve_1b.json --plot serve_1b.png          # anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from _common import gpu_ms, grouped_bars, machine, start_suite  # noqa: E402
+from worker_bench import bench_config  # noqa: E402
+
+from services.gpuworker.model.config import LlamaConfig  # noqa: E402
+from services.gpuworker.settings import WorkerSettings  # noqa: E402
+
+SHAPES = {
+    "tiny-cpu": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                            num_kv_heads=2, head_dim=16, max_seq_len=2048),
+    "1b": bench_config(),  # worker_bench's 1.27B model, so the two benchmarks compare
+    "8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128, max_seq_len=8192, rope_theta=500000.0),
+}
+BLOCK = WorkerSettings.model_fields["block_size"].default  # the suite runs with the worker's default
+
+
+# ------------------------------------------------------------------------------------- workload
+@dataclass(frozen=True)
+class Level:
+    """One measured (or warm-up) batch: ``requests`` requests, ``concurrency`` in flight."""
+
+    concurrency: int
+    k: int
+    a: int | None  # forced acceptance of the worker (None: k = 0, no drafts to accept)
+    requests: int
+    max_new_tokens: int
+    tag: int = 0  # 0 measured, 1 warm-up, 2 first request: keeps every prompt distinct
+
+    @property
+    def name(self) -> str:
+        return f"c{self.concurrency} k{self.k}" + (f" a{self.a}" if self.a is not None else "")
+
+
+class Prompts:
+    """Token-id prompts: one shared prefix + a private random half per (level, index). Pure."""
+
+    def __init__(self, seed: int, prompt_len: int, vocab: int):
+        self.seed, self.vocab = seed, vocab
+        self.shared = np.random.default_rng([seed, 99]).integers(0, vocab, prompt_len // 2).tolist()
+        self.private_len = prompt_len - len(self.shared)
+
+    def get(self, level: Level, i: int) -> list[int]:
+        key = [self.seed, level.tag, level.concurrency, level.k, 0 if level.a is None else level.a + 1, i]
+        return self.shared + np.random.default_rng(key).integers(0, self.vocab, self.private_len).tolist()
+
+
+@dataclass
+class Trace:
+    """One request as its caller saw it: send time, (time, tokens) per message, end."""
+
+    start: float
+    events: list[tuple[float, int]] = field(default_factory=list)
+    end: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+def level_stats(traces: list[Trace], wall_s: float) -> dict:
+    """Figures of one level (pure; see the module docstring for the definitions)."""
+    ok = [t for t in traces if not t.error and t.events]
+    tokens = sum(n for t in ok for _, n in t.events)
+    ttft = [(t.events[0][0] - t.start) * 1e3 for t in ok]
+    itl: list[float] = []
+    later_msgs = later_tokens = 0
+    for t in ok:
+        for (t0, _), (t1, n) in zip(t.events, t.events[1:]):
+            itl += [(t1 - t0) * 1e3 / n] * n
+            later_msgs += 1
+            later_tokens += n
+
+    def pct(xs, q):
+        return float(np.percentile(xs, q)) if xs else float("nan")
+
+    return {
+        "requests": len(traces), "failed": len(traces) - len(ok), "tokens": tokens, "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s if wall_s > 0 else float("nan"),
+        "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+        "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+        "tokens_per_msg": later_tokens / later_msgs if later_msgs else float("nan"),
+        # decode-only rate of one stream: tokens after the first ÷ time after the first
+        "decode_tokens_per_s": later_tokens / sum(t.events[-1][0] - t.events[0][0] for t in ok)
+        if later_msgs else float("nan"),
+        "hit_rate": sum(t.cached_tokens for t in ok) / max(1, sum(t.prompt_tokens for t in ok)),
+        "errors": sorted({t.error for t in traces if t.error})[:3],
+    }
+
+
+# ---------------------------------------------------------------------------------------- model
+def build_model(shape: str, folder: Path, device: str, seed: int) -> dict:
+    """A seeded random Llama of ``shape`` built by transformers on ``device`` (bf16 on CUDA,
+    float32 on CPU), saved with ``save_pretrained`` plus a word-level tokenizer. Returns facts."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cfg = SHAPES[shape]
+    hf = {k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type")}
+    # no BOS/EOS: a random model must not stop early on transformers' default ids 1 and 2
+    config = transformers.LlamaConfig(**hf, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialize in the final dtype: an 8B model never exists in fp32
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(folder)
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(cfg.vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    return {"shape": shape, "config": hf, "params": params, "weight_bytes": weight_bytes,
+            "dtype": str(dtype), "build_s": time.perf_counter() - t0}
+
+
+def copy_bandwidth_GBps(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth (reads + writes every byte) of a big torch copy."""
+    import torch
+
+    def timed() -> float:  # the buffers die with this frame, before empty_cache
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        return gpu_ms(lambda: dst.copy_(src), reps=20)
+
+    ms = timed()
+    torch.cuda.empty_cache()
+    return 2 * nbytes / ms / 1e6
+
+
+# ------------------------------------------------------------------------------------- settings
+def worker_settings(args, model_dir: Path, a: int | None):
+    """The one WorkerSettings both the served worker (as flags) and the engine alone use."""
+    gpu = args.device.startswith("cuda")
+    kw = dict(model=str(model_dir), spec_mode="eagle3", device=args.device,
+              backend="flashinfer" if gpu else "torch", dtype="bfloat16" if gpu else "float32",
+              num_blocks=kv_blocks(args), forced_acceptance=a)
+    for name in ("cuda_graphs", "max_batch_tokens"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    return WorkerSettings(**kw)
+
+
+def kv_blocks(args) -> int:
+    """Room for every request of the largest level at full length, plus the shared prefix."""
+    per_request = -(-(args.prompt_len + args.max_new_tokens + args.k + 1) // BLOCK)
+    return max(args.concurrency) * per_request + -(-args.prompt_len // BLOCK)
+
+
+def settings_flags(settings) -> list[str]:
+    """``tandem worker`` flags for the fields set explicitly on ``settings``."""
+    flags = []
+    for name in sorted(settings.model_fields_set):
+        value, flag = getattr(settings, name), "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def levels_of(args, a: int) -> list[Level]:
+    """The measured levels a suite with forced acceptance ``a`` runs (the first also k = 0)."""
+    out = []
+    combos = ([(0, None)] if a == args.accept[0] else []) + [(args.k, a)]
+    for k, acc in combos:
+        for c in args.concurrency:
+            out.append(Level(c, k, acc, max(args.rounds * c, args.min_requests), args.max_new_tokens))
+    return out
+
+
+def warmup_of(args, k: int, a: int | None) -> Level:
+    """A short unmeasured batch at the largest concurrency (compiles kernels, fills the cache)."""
+    return Level(max(args.concurrency), k, a, max(args.concurrency), min(8, args.max_new_tokens), tag=1)
+
+
+# ---------------------------------------------------------------------------------------- served
+async def served_request(stub, prompt: list[int], level: Level, rid: str) -> Trace:
+    import grpc
+
+    from services.common.wire import tokens_to_proto
+    from tandem.router.v1 import router_pb2
+
+    request = router_pb2.GenerateRequest(token_ids=tokens_to_proto(prompt), max_new_tokens=level.max_new_tokens,
+                                         num_draft_tokens=level.k, request_id=rid)
+    trace = Trace(start=time.monotonic(), prompt_tokens=len(prompt))
+    try:
+        async for msg in stub.Generate(request, timeout=600):
+            if msg.token_ids:
+                trace.events.append((time.monotonic(), len(msg.token_ids)))
+            if msg.HasField("usage"):
+                trace.cached_tokens = msg.usage.cached_tokens
+    except grpc.aio.AioRpcError as err:
+        trace.error = f"{err.code().name}: {err.details()}"
+    trace.end = time.monotonic()
+    return trace
+
+
+async def served_level(stub, level: Level, prompts: Prompts, max_s: float, prefix: str) -> tuple[list[Trace], float]:
+    """Closed loop: ``concurrency`` clients, each sending its next request when its last ended."""
+    traces: list[Trace] = []
+    issued = 0
+    t0 = time.monotonic()
+
+    async def client() -> None:
+        nonlocal issued
+        while issued < level.requests and time.monotonic() - t0 < max_s:
+            i = issued
+            issued += 1
+            traces.append(await served_request(stub, prompts.get(level, i), level, f"{prefix}-{level.tag}-{i}"))
+
+    await asyncio.gather(*(client() for _ in range(level.concurrency)))
+    return traces, time.monotonic() - t0
+
+
+async def served_suite(args, router: str, a: int, prompts: Prompts, log) -> dict:
+    """First request right after SERVING, a warm-up per k, then every measured level."""
+    import grpc
+
+    from tandem.router.v1 import router_pb2_grpc
+
+    out = {"levels": []}
+    async with grpc.aio.insecure_channel(router) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        levels = levels_of(args, a)
+        first = Level(1, levels[0].k, levels[0].a, 1, args.max_new_tokens, tag=2)
+        (trace,), _ = await served_level(stub, first, prompts, 1e9, f"a{a}")
+        out["first_ttft_ms"] = (trace.events[0][0] - trace.start) * 1e3 if trace.events else float("nan")
+        out["first_error"] = trace.error
+        log(f"  first request after SERVING: TTFT {out['first_ttft_ms']:.0f} ms {trace.error}")
+        warmed = set()
+        for level in levels:
+            if level.k not in warmed:
+                warm = warmup_of(args, level.k, level.a)
+                traces, wall = await served_level(stub, warm, prompts, args.level_max_s, f"a{a}")
+                log(f"  warm-up {warm.name}: {len(traces)} requests in {wall:.1f} s")
+                warmed.add(level.k)
+            traces, wall = await served_level(stub, level, prompts, args.level_max_s, f"a{a}")
+            stats = {**asdict(level), **level_stats(traces, wall)}
+            out["levels"].append(stats)
+            log(f"  served {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
+                f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms, "
+                f"{stats['tokens_per_msg']:.2f} tok/msg, hit {100 * stats['hit_rate']:.0f} %"
+                + (f", {stats['failed']} failed: {stats['errors']}" if stats["failed"] else ""))
+    return out
+
+
+def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log) -> list[dict]:
+    router = ["--model", str(model_dir), "--num-draft-tokens", str(args.k)]
+    suites = []
+    for a in args.accept:
+        settings = worker_settings(args, model_dir, a)
+        log_dir = log_root / f"a{a}"
+        log_dir.mkdir()
+        log(f"[served a={a}] starting kvstore + worker ({' '.join(settings_flags(settings))}) + router ...")
+        t0 = time.monotonic()
+        try:
+            suite = start_suite(log_dir, [settings_flags(settings)], router, timeout_s=args.startup_timeout_s)
+        except Exception:
+            print_logs(log_dir)
+            raise
+        log(f"[served a={a}] all SERVING after {time.monotonic() - t0:.1f} s")
+        try:
+            result = asyncio.run(served_suite(args, suite.router, a, prompts, log))
+        finally:
+            suite.stop()
+        if result["first_error"] or any(r["failed"] for r in result["levels"]):
+            print_logs(log_dir)  # the folder is temporary: show why while it exists
+        suites.append({"a": a, "startup_s": time.monotonic() - t0, **result})
+    return suites
+
+
+def print_logs(log_dir: Path) -> None:
+    for f in sorted(log_dir.iterdir()):
+        print(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------- engine alone
+def engine_level(setup, level: Level, prompts: Prompts, prefix_blocks: list[int], reused: int,
+                 max_s: float) -> tuple[list[Trace], float]:
+    """Closed loop on the engine itself: keep ``concurrency`` requests admitted, top up between
+    steps (where the worker's engine thread admits too), until ``requests`` were issued."""
+    import torch
+
+    from services.gpuworker.engine.local import submit
+
+    engine, source = setup.engine, setup.source
+    gpu = engine.device.type == "cuda"
+    pending = deque(range(level.requests))
+    traces: dict[str, Trace] = {}
+    if gpu:
+        torch.cuda.synchronize()
+    t0 = time.monotonic()
+    # bounded: each step prefills at least one position or emits at least one token of a request
+    for _ in range(level.requests * (len(prompts.shared) + prompts.private_len + level.max_new_tokens) + 100):
+        while pending and len(engine.request_ids()) < level.concurrency and time.monotonic() - t0 < max_s:
+            i = pending.popleft()
+            rid = f"{level.tag}-{level.name}-{i}"
+            prompt = prompts.get(level, i)
+            traces[rid] = Trace(start=time.monotonic(), prompt_tokens=len(prompt), cached_tokens=reused)
+            submit(setup, rid, prompt, max_new_tokens=level.max_new_tokens, k=level.k, prefix_blocks=prefix_blocks,
+                   reused_positions=reused, headroom=level.k + 1)
+        if not engine.has_work():
+            break
+        report = engine.step()
+        now = time.monotonic()
+        for rid, r in report.results.items():
+            if r.new_token_ids:
+                traces[rid].events.append((now, len(r.new_token_ids)))
+            if r.error is not None and r.finished:
+                traces[rid].error = repr(r.error)
+            if r.finished:
+                traces[rid].end = now
+                source.release(rid)
+    else:
+        raise RuntimeError(f"engine level {level.name} did not finish")
+    if gpu:
+        torch.cuda.synchronize()
+    return list(traces.values()), time.monotonic() - t0
+
+
+def run_engine_alone(args, model_dir: Path, prompts: Prompts, served: list[dict], log) -> list[dict]:
+    """Per a: an engine built as the worker builds it, the shared prefix computed once and kept,
+    then each level with the request count its served twin finished."""
+    import torch
+
+    from services.gpuworker.build import build_engine
+    from services.gpuworker.engine.capacity import LocalBlockSource
+    from services.gpuworker.engine.local import LocalSetup, run_until_done, submit
+
+    models = None
+    out = []
+    for suite in served:
+        a = suite["a"]
+        settings = worker_settings(args, model_dir, a)
+        t0 = time.monotonic()
+        built = build_engine(settings, lambda n: LocalBlockSource(n, settings.block_size), models=models)
+        models = (built.target, built.draft)
+        graphs = built.engine.warmup()  # what the worker does before it says SERVING
+        setup = LocalSetup(built.engine, built.source, built.target, built.draft)
+        log(f"[engine alone a={a}] built and warmed up in {time.monotonic() - t0:.1f} s "
+            f"({built.num_blocks} blocks, {graphs} CUDA graphs)")
+        span = built.draft.span if built.draft is not None else 0
+        # what the kvstore can reuse of the shared prefix: whole blocks whose keys it knows
+        bs = settings.block_size
+        reused = (len(prompts.shared) - span) // bs * bs
+        submit(setup, "prefix", prompts.shared, max_new_tokens=1)
+        prefix_blocks = run_until_done(setup, keep=("prefix",))["prefix"].block_table[: reused // bs]
+        warmed = set()
+        for row in suite["levels"]:
+            level = Level(row["concurrency"], row["k"], row["a"], row["requests"], row["max_new_tokens"])
+            if level.k not in warmed:
+                engine_level(setup, warmup_of(args, level.k, level.a), prompts, prefix_blocks, reused, args.level_max_s)
+                warmed.add(level.k)
+            traces, wall = engine_level(setup, level, prompts, prefix_blocks, reused, 1e9)
+            stats = {**asdict(level), **level_stats(traces, wall)}
+            out.append(stats)
+            log(f"  alone  {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
+                f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms "
+                f"(served ÷ alone {row['tokens_per_s'] / stats['tokens_per_s']:.2f})")
+        del setup, built
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return out
+
+
+# --------------------------------------------------------------------------------------- report
+def combine(res: dict) -> list[dict]:
+    """One row per (concurrency, k, a): served and engine-alone figures side by side."""
+    alone = {(r["concurrency"], r["k"], r["a"]): r for r in res["engine_alone"]}
+    rows = []
+    for suite in res["served"]:
+        for s in suite["levels"]:
+            e = alone.get((s["concurrency"], s["k"], s["a"]), {})
+            ratio = s["tokens_per_s"] / e["tokens_per_s"] if e.get("tokens_per_s") else float("nan")
+            rows.append({"served": s, "alone": e, "served_over_alone": ratio})
+    rows.sort(key=lambda r: (r["served"]["k"], -1 if r["served"]["a"] is None else r["served"]["a"],
+                             r["served"]["concurrency"]))
+    return rows
+
+
+def headline(res: dict) -> dict:
+    """TTFT after SERVING vs steady state; bandwidth bound and batch-1 engine decode vs it."""
+    rows = combine(res)
+    base = [r for r in rows if r["served"]["k"] == 0 and r["served"]["concurrency"] == 1]
+    steady = base[0]["served"]["ttft_p50_ms"] if base else float("nan")
+    first = res["served"][0]["first_ttft_ms"]
+    out = {"first_ttft_ms": first, "steady_ttft_ms": steady, "first_over_steady": first / steady}
+    bw = res.get("copy_GBps")
+    if bw and base and base[0]["alone"]:
+        bound = bw * 1e9 / res["model"]["weight_bytes"]
+        out.update(bound_tokens_per_s=bound, alone_decode_b1_tokens_per_s=base[0]["alone"]["decode_tokens_per_s"],
+                   alone_decode_b1_of_bound=base[0]["alone"]["decode_tokens_per_s"] / bound)
+    spec = [r for r in rows if r["served"]["k"] > 0 and r["served"]["concurrency"] == 1]
+    if base and spec:
+        best = max(spec, key=lambda r: r["served"]["a"])
+        out[f"served_c1_k{best['served']['k']}_a{best['served']['a']}_over_k0"] = (
+            best["served"]["tokens_per_s"] / base[0]["served"]["tokens_per_s"])
+    return out
+
+
+def table(res: dict) -> str:
+    cols = ["conc", "k", "a", "served tok/s", "alone tok/s", "served/alone", "TTFT p50/p99 ms", "ITL p50/p99 ms",
+            "tok/msg", "hit", "reqs"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
+    for r in combine(res):
+        s, e = r["served"], r["alone"]
+        lines.append("| " + " | ".join([
+            str(s["concurrency"]), str(s["k"]), "-" if s["a"] is None else str(s["a"]),
+            f"{s['tokens_per_s']:.1f}", f"{e.get('tokens_per_s', float('nan')):.1f}", f"{r['served_over_alone']:.2f}",
+            f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f}", f"{s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f}",
+            f"{s['tokens_per_msg']:.2f}", f"{100 * s['hit_rate']:.0f} %",
+            str(s["requests"]) + (f" ({s['failed']} failed)" if s["failed"] else ""),
+        ]) + " |")
+    h = headline(res)
+    lines.append(f"\nfirst request after SERVING: TTFT {h['first_ttft_ms']:.0f} ms; steady state (p50, c=1, k=0) "
+                 f"{h['steady_ttft_ms']:.0f} ms; ratio {h['first_over_steady']:.2f}")
+    if "bound_tokens_per_s" in h:
+        lines.append(f"batch-1 bound {h['bound_tokens_per_s']:.0f} tok/s ({res['model']['weight_bytes'] / 1e9:.2f} GB "
+                     f"of weights at {res['copy_GBps']:.0f} GB/s copy); engine-alone plain decode batch 1 "
+                     f"{h['alone_decode_b1_tokens_per_s']:.0f} tok/s = {100 * h['alone_decode_b1_of_bound']:.1f} % of it")
+    for key, v in h.items():
+        if key.startswith("served_c1_k"):
+            lines.append(f"{key}: {v:.2f}x")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    """Tokens/s served (bars) and engine alone (markers), TTFT and ITL, per concurrency and k/a."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = combine(res)
+    concs = sorted({r["served"]["concurrency"] for r in rows})
+    combos = sorted({(r["served"]["k"], r["served"]["a"]) for r in rows}, key=lambda c: (c[0], c[1] or 0))
+
+    def series(get):
+        out = []
+        for k, a in combos:
+            by_c = {r["served"]["concurrency"]: r for r in rows if (r["served"]["k"], r["served"]["a"]) == (k, a)}
+            out.append((f"k={k}" + (f" a={a}" if a is not None else ""),
+                        [get(by_c[c]) if c in by_c else float("nan") for c in concs]))
+        return out
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    groups = [f"c={c}" for c in concs]
+    ax = axes[0]
+    centres = grouped_bars(ax, groups, series(lambda r: r["served"]["tokens_per_s"]))
+    for xs, (_, vals) in zip(centres, series(lambda r: r["alone"].get("tokens_per_s", float("nan")))):
+        ax.plot(xs, vals, "k_", markersize=14, markeredgewidth=2)
+    ax.plot([], [], "k_", markersize=14, markeredgewidth=2, label="engine alone")
+    ax.set_yscale("log")
+    ax.set_ylabel("output tokens/s (log)")
+    ax.set_title("served (bars) vs engine alone (—)")
+    ax.legend(fontsize=7)
+    for ax, key, title in ((axes[1], "ttft", "TTFT, client side"), (axes[2], "itl", "inter-token latency")):
+        centres = grouped_bars(ax, groups, series(lambda r, key=key: r["served"][f"{key}_p50_ms"]))
+        for xs, (_, vals) in zip(centres, series(lambda r, key=key: r["served"][f"{key}_p99_ms"])):
+            ax.plot(xs, vals, "rv", markersize=5)
+        ax.plot([], [], "rv", label="p99")
+        ax.set_yscale("log")
+        ax.set_ylabel("ms (log); bars p50")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    m = res["model"]
+    size = f"{m['params'] / 1e9:.2f}B" if m["params"] >= 1e8 else f"{m['params'] / 1e6:.1f}M"
+    fig.suptitle(f"{m['shape']} ({size} params, {res['args']['device']}), prompt {res['args']['prompt_len']} "
+                 f"(half shared), {res['args']['max_new_tokens']} new tokens; {res['meta']['date']}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def meta(args) -> dict:
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    import torch
+
+    info = {**machine(), "command": " ".join([sys.executable, *sys.argv]), "git_commit": git("rev-parse", "HEAD"),
+            "git_dirty": bool(git("status", "--porcelain")), "torch": torch.__version__,
+            "transformers": version("transformers"), "flashinfer": version("flashinfer-python")}
+    if args.device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    return info
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--device", default="cuda:0", help="cuda:N (flashinfer, bf16) or cpu (torch backend, float32)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--concurrency", default="1,16,64", help="comma-separated levels")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per step of the speculative levels")
+    p.add_argument("--accept", default="0,1,2,3", help="forced acceptance values (one suite each)")
+    p.add_argument("--rounds", type=int, default=2, help="requests per level = max(rounds x concurrency, min-requests)")
+    p.add_argument("--min-requests", type=int, default=4)
+    p.add_argument("--level-max-s", type=float, default=6.0,
+                   help="no new requests of a level after this (the engine alone then runs as many as were served)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="worker setting cuda_graphs (default: the worker's)")
+    p.add_argument("--max-batch-tokens", type=int, help="worker setting (default: the worker's)")
+    p.add_argument("--startup-timeout-s", type=float, default=600.0, help="load + warm-up before SERVING")
+    p.add_argument("--model-dir", type=Path, help="where to save the model (default: a temporary folder)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke run: c 1,4; a 0,3; prompt 64; 16 new tokens")
+    p.add_argument("--json", type=Path, help="write every figure here")
+    p.add_argument("--plot", type=Path, help="write the PNG here")
+    p.add_argument("--from-json", type=Path, help="no run: table and --plot from an earlier --json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.accept, args.prompt_len, args.max_new_tokens = "1,4", "0,3", 64, 16
+        args.rounds, args.min_requests = 2, 4
+    args.concurrency = [int(x) for x in str(args.concurrency).split(",")]
+    args.accept = [int(x) for x in str(args.accept).split(",")]
+    if args.k < 1 or any(not 0 <= a <= args.k for a in args.accept):
+        p.error("--k must be >= 1 and forced acceptance values in [0, k]")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        res = json.loads(args.from_json.read_text())
+        print(table(res))
+        if args.plot:
+            plot(res, args.plot)
+        return 0
+
+    t_start = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t_start:6.1f}s] {msg}", flush=True)
+
+    if args.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(args.device)  # the model build and the copy timing use the current device
+        if not os.environ.get("FLASHINFER_WORKSPACE_BASE"):
+            log("FLASHINFER_WORKSPACE_BASE is unset: kernels compiled now (1-2.5 min) are not kept for the next run")
+    res: dict = {"meta": meta(args), "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    log(f"{json.dumps(res['meta'])}")
+    with tempfile.TemporaryDirectory(prefix="tandem_serve_") as tmp:
+        model_dir = args.model_dir or Path(tmp) / "model"
+        model_dir.mkdir(parents=True, exist_ok=True)
+        log(f"building a random {args.shape} Llama with transformers into {model_dir} ...")
+        res["model"] = build_model(args.shape, model_dir, args.device, args.seed)
+        log(f"model: {res['model']['params'] / 1e6:.1f}M params, {res['model']['weight_bytes'] / 1e6:.1f} MB, "
+            f"built and saved in {res['model']['build_s']:.1f} s")
+        if args.device.startswith("cuda"):
+            res["copy_GBps"] = copy_bandwidth_GBps()
+            log(f"device copy: {res['copy_GBps']:.0f} GB/s")
+        prompts = Prompts(args.seed, args.prompt_len, SHAPES[args.shape].vocab_size)
+        log_root = Path(tmp) / "logs"
+        log_root.mkdir()
+        res["served"] = run_served(args, model_dir, prompts, log_root, log)
+        res["engine_alone"] = run_engine_alone(args, model_dir, prompts, res["served"], log)
+    res["headline"] = headline(res)
+    res["total_s"] = time.monotonic() - t_start
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+    print("\n" + table(res))
+    if args.plot:
+        plot(res, args.plot)
+        print(f"plot: {args.plot}")
+    log("done")
+    failed = sum(r["failed"] for s in res["served"] for r in s["levels"]) + sum(r["failed"] for r in res["engine_alone"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

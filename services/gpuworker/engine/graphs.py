@@ -1,0 +1,216 @@
+"""CUDA graphs for the uniform forwards of a step: plain decode, verify and draft chain.
+
+A decode step of B requests that each feed the same number q of tokens (q = 1: plain decode or a
+draft-chain position; q = k + 1: verify) has a fixed shape once B is rounded up to a *bucket*
+(1, 2, 4, 8, 16, 24, 32, 48, 64, ... as vLLM and SGLang do). The engine captures one graph per
+(forward, attention kind, bucket, q) at start-up and afterwards only re-plans and replays:
+
+    real batch (B = 3, q = 2)            padded to the bucket (4)
+    request 0  table [7 2]  cached 20    request 0..2 as given
+    request 1  table [5]    cached 9     request 3  table [S]  cached 0  query 2
+    request 2  table [1 4]  cached 17      (S = the scratch page: one extra page of each pool
+                                            that the kvstore never hands out; padding rows
+                                            write their K/V there and nothing reads them)
+
+    plan(padded layout)  ->  copy inputs into the static buffers  ->  replay  ->  rows [0, B*q)
+
+Replay is correct after a re-plan because every tensor a captured forward reads lives at a
+stable address per plan key: the attention backend keeps its metadata in per-key workspace
+buffers (``graph_max_pages_per_request`` makes FlashInfer's wrappers graph-safe), and the inputs
+live in the static buffers here. Outputs are views of the graph's own memory: valid until the
+next replay of any graph (the engine reads them within the step).
+
+Without CUDA (or with capture off) the same padding runs eagerly, so the CPU tests exercise the
+exact layouts a GPU replays; shapes without a captured graph (ragged, prefill, a batch above the
+largest bucket, a q never captured) run eagerly and unpadded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from services.common.errors import InvalidArgument
+from services.gpuworker.attention.base import AttentionBackend, AttentionKind, AttentionPlan, BatchLayout
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+# fn(plan, **inputs) -> named outputs; every input and output has one row per token
+Forward = Callable[..., dict[str, torch.Tensor]]
+
+
+def buckets_up_to(max_batch: int) -> tuple[int, ...]:
+    """The default buckets that a batch of at most ``max_batch`` requests can need (the last
+    bucket is ``max_batch`` itself when it falls between two defaults)."""
+    if max_batch < 1:
+        raise InvalidArgument(f"max_batch must be >= 1, got {max_batch}")
+    out = [b for b in DEFAULT_BUCKETS if b < max_batch]
+    return (*out, max_batch)
+
+
+@dataclasses.dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+
+
+class ForwardGraphs:
+    """Pads uniform batches to buckets and replays captured forwards. Mutates the KV pools (the
+    forwards write K/V, padding rows into the scratch page) and its own static buffers.
+
+    ``capture=False`` keeps the padding but runs every forward eagerly (CPU, ``--no-cuda-graphs``
+    tests). Forwards are registered by name with :meth:`register`; :meth:`capture_all` captures
+    every registered (name, kind, bucket, q) once, at start-up.
+    """
+
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        *,
+        scratch_block: int,
+        buckets: Sequence[int],
+        capture: bool,
+    ):
+        if capture and backend.device.type != "cuda":
+            raise InvalidArgument(f"CUDA graphs need a CUDA device, the backend is on {backend.device}")
+        safe = set(getattr(backend, "graph_safe_kinds", ()))
+        if capture and not {AttentionKind.DECODE, AttentionKind.VERIFY} <= safe:
+            raise InvalidArgument(
+                f"the {backend.name} attention backend cannot replay decode/verify plans in CUDA graphs "
+                "(use flashinfer with graph_max_pages_per_request, or no graphs)"
+            )
+        if list(buckets) != sorted(set(buckets)) or not buckets or buckets[0] < 1:
+            raise InvalidArgument(f"buckets must be increasing positive integers, got {list(buckets)}")
+        self.backend = backend
+        self.scratch_block = scratch_block
+        self.buckets = tuple(buckets)
+        self.capture = capture
+        self._forwards: dict[str, tuple[Forward, dict[str, tuple[tuple[int, ...], torch.dtype]], tuple[int, ...]]] = {}
+        self._graphs: dict[tuple, _Captured] = {}
+        self._pool = None  # one memory pool shared by every graph (only one replays at a time)
+        self.replays = 0
+        self.eager_runs = 0
+
+    # -- set-up ------------------------------------------------------------------------------------
+
+    def register(
+        self,
+        name: str,
+        fn: Forward,
+        inputs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        query_lens: Iterable[int],
+    ) -> None:
+        """Declare a forward: its input row shapes (without the token dimension) and dtypes, and
+        the query lengths to capture it for."""
+        qs = tuple(sorted(set(query_lens)))
+        bs = self.backend.geometry.block_size
+        if any(q < 1 or q > bs for q in qs):
+            raise InvalidArgument(f"captured query lengths must be in 1..block_size ({bs}), got {qs}")
+        self._forwards[name] = (fn, inputs, qs)
+
+    def capture_all(self, progress: Callable[[str], None] | None = None) -> int:
+        """Capture every registered forward for every bucket (largest first, so the shared pool is
+        sized once). Returns the number of graphs; a no-op without ``capture``."""
+        if not self.capture:
+            return 0
+        t0 = time.perf_counter()
+        for name, (fn, specs, qs) in self._forwards.items():
+            for q in qs:
+                for b in sorted(self.buckets, reverse=True):
+                    self._capture(name, fn, specs, b, q)
+            if progress is not None:
+                progress(f"captured {name}: {len(qs)} query length(s) x {len(self.buckets)} buckets "
+                         f"({time.perf_counter() - t0:.1f}s)")
+        return len(self._graphs)
+
+    @staticmethod
+    def _kind(q: int) -> AttentionKind:
+        return AttentionKind.DECODE if q == 1 else AttentionKind.VERIFY
+
+    def _scratch_layout(self, batch: int, q: int) -> BatchLayout:
+        return BatchLayout(block_tables=[[self.scratch_block]] * batch, cached_lens=[0] * batch, query_lens=[q] * batch)
+
+    def _capture(self, name, fn, specs, batch: int, q: int) -> None:
+        dev = self.backend.device
+        rows = batch * q
+        inputs = {k: torch.zeros((rows, *shape), dtype=dtype, device=dev) for k, (shape, dtype) in specs.items()}
+        plan = self.backend.plan(self._scratch_layout(batch, q), self._kind(q))
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up run: lazy inits must not happen under capture
+            fn(plan, **inputs)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = fn(plan, **inputs)
+        self._graphs[(name, batch, q)] = _Captured(graph, inputs, outputs)
+
+    # -- running -----------------------------------------------------------------------------------
+
+    @property
+    def captured(self) -> int:
+        """How many graphs have been captured."""
+        return len(self._graphs)
+
+    def bucket(self, batch: int) -> int | None:
+        """Smallest bucket holding ``batch`` requests, or None when the batch is too large."""
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        return None
+
+    def covers(self, name: str, batch: int, q: int) -> bool:
+        """Whether ``run`` pads (and, with capture, replays) this shape."""
+        entry = self._forwards.get(name)
+        return entry is not None and q in entry[2] and self.bucket(batch) is not None
+
+    def run(self, name: str, layout: BatchLayout, inputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], AttentionPlan]:
+        """Run forward ``name`` over ``layout`` (uniform query length q, covered shape). Returns
+        the outputs' first ``B * q`` rows and the plan of the padded layout."""
+        fn, _specs, _qs = self._forwards[name]
+        q = layout.arrays.uniform_q
+        batch = layout.batch_size
+        padded_batch = self.bucket(batch)
+        if q is None or padded_batch is None or not self.covers(name, batch, q):
+            raise InvalidArgument(f"{name}: shape (batch {batch}, q {q}) is not covered by the graphs")
+        rows = batch * q
+        padded = self._pad(layout, padded_batch, q)
+        plan = self.backend.plan(padded, self._kind(q))
+        captured = self._graphs.get((name, padded_batch, q))
+        if captured is None:  # padding without a graph: the same layouts, run eagerly
+            self.eager_runs += 1
+            full = {k: _pad_rows(v, padded_batch * q) for k, v in inputs.items()}
+            out = fn(plan, **full)
+            return {k: v[:rows] for k, v in out.items()}, plan
+        for k, v in inputs.items():
+            captured.inputs[k][:rows].copy_(v)
+        captured.graph.replay()
+        self.replays += 1
+        return {k: v[:rows] for k, v in captured.outputs.items()}, plan
+
+    def _pad(self, layout: BatchLayout, padded_batch: int, q: int) -> BatchLayout:
+        extra = padded_batch - layout.batch_size
+        if not extra:
+            return layout
+        a = layout.arrays
+        return BatchLayout(
+            block_tables=[list(t) for t in layout.block_tables] + [[self.scratch_block]] * extra,
+            cached_lens=[int(c) for c in a.cached] + [0] * extra,
+            query_lens=[q] * (layout.batch_size + extra),
+        )
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    pad = torch.zeros((rows - t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad])

@@ -1,0 +1,120 @@
+"""The kvstore off the engine's critical path: one background thread carries kvstore verbs in
+the order they were sent, and their answers are applied on the engine thread, in that same order.
+
+    engine thread                      courier thread                    kvstore
+    ── step N ──▶ send(Publish) ──────▶ Publish ─────────────────────────▶
+    ── step N+1 ─▶ send(Extend ahead) ─▶ Extend ──────────────────────────▶
+    drain(): on_done(Publish answer), on_done(Extend answer)   (between steps, FIFO)
+    call(Extend, needed now) ─ waits for everything before it, then drains ─▶ answer
+
+Why one FIFO and answers applied in order: a Publish may deduplicate, i.e. free one of our blocks
+in the kvstore and pin another request's copy. Until the engine adopts the new table it may still
+read the freed block, so no block the kvstore hands out after that Publish (an Extend answer, a
+new request's reservation) may be written before the Publish's answer has been applied. Extend
+answers follow the Publish through this queue; new requests are admitted only when no Publish is
+in flight (``publishes_in_flight``).
+
+Not thread-safe except ``send``/``call`` internals: the engine thread alone sends, calls and
+drains.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Done = Callable[[Any], None]  # receives the result, or the exception the call raised
+
+
+class KVStoreCourier:
+    """A FIFO of kvstore calls run by one daemon thread; ``on_done`` callbacks run on the thread
+    that calls :meth:`drain` (the engine thread). Mutates only its own queues."""
+
+    def __init__(self, name: str = "kvstore-courier"):
+        self._cond = threading.Condition()
+        self._todo: collections.deque = collections.deque()  # (fn, on_done, kind)
+        self._done: collections.deque = collections.deque()  # (result, on_done, kind), FIFO
+        self._in_flight: collections.Counter = collections.Counter()  # kind -> sent, not drained
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- engine thread ----------------------------------------------------------------------------
+
+    def send(self, fn: Callable[[], Any], on_done: Done | None = None, kind: str = "other") -> None:
+        """Queue ``fn`` (a blocking kvstore call). Its result (or exception) reaches ``on_done``
+        at a later :meth:`drain`."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the kvstore courier is closed")
+            self._todo.append((fn, on_done, kind))
+            self._in_flight[kind] += 1
+            self._cond.notify_all()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` after everything sent before it, wait for it, apply every earlier answer
+        (``drain``), and return its result or raise its exception."""
+        box: list = []
+        on_done = box.append  # one bound method object, so the wait below can find it
+        self.send(fn, on_done, kind="call")
+        with self._cond:
+            self._cond.wait_for(lambda: any(d[1] is on_done for d in self._done))
+        self.drain()
+        result = box[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def drain(self) -> int:
+        """Apply the answers that arrived, in the order their calls were sent. Returns how many."""
+        applied = 0
+        while True:
+            with self._cond:
+                if not self._done:
+                    return applied
+                result, on_done, kind = self._done.popleft()
+                self._in_flight[kind] -= 1
+            if on_done is not None:
+                on_done(result)
+            applied += 1
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until every sent call has answered, then drain. False on timeout."""
+        with self._cond:
+            idle = self._cond.wait_for(lambda: not self._todo and sum(self._in_flight.values()) == len(self._done), timeout_s)
+        self.drain()
+        return idle
+
+    def in_flight(self, kind: str) -> int:
+        """Calls of ``kind`` sent whose answers have not been drained yet."""
+        with self._cond:
+            return self._in_flight[kind]
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Finish what was sent (answers are drained by the caller if it wants them) and stop."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    # -- courier thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._todo or self._closed)
+                if not self._todo:
+                    return
+                fn, on_done, kind = self._todo.popleft()
+            try:
+                result = fn()
+            except Exception as exc:  # noqa: BLE001 - handed to on_done, which decides
+                result = exc
+            with self._cond:
+                self._done.append((result, on_done, kind))
+                self._cond.notify_all()

@@ -1,0 +1,56 @@
+"""bench/serve_bench.py on CPU, without processes: the worker flags it passes parse back to the
+very settings its engine-alone run uses, its statistics follow the documented definitions, and
+the engine-alone path on a transformers-built model streams a + 1 tokens per step under forced
+acceptance, reusing the shared prefix as the kvstore would."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import serve_bench as sb  # noqa: E402
+
+QUICK = ["--device", "cpu", "--shape", "tiny-cpu", "--quick"]
+
+
+def test_worker_flags_parse_back_to_the_engine_alone_settings(tmp_path):
+    from services.common.settings import settings_from_args
+    from services.gpuworker.main import add_arguments
+    from services.gpuworker.settings import WorkerSettings
+
+    args = sb.parse_args([*QUICK, "--no-cuda-graphs", "--max-batch-tokens", "128"])
+    settings = sb.worker_settings(args, tmp_path, 2)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert settings_from_args(WorkerSettings, parser.parse_args(sb.settings_flags(settings))) == settings
+    assert settings.forced_acceptance == 2 and settings.cuda_graphs is False and settings.backend == "torch"
+
+
+def test_level_stats_counts_each_token_of_a_message_once():
+    # sent at 0; messages of 1, 4 and 2 tokens at 10, 30 and 40 ms
+    trace = sb.Trace(start=0.0, events=[(0.010, 1), (0.030, 4), (0.040, 2)], prompt_tokens=8, cached_tokens=4)
+    s = sb.level_stats([trace, sb.Trace(start=0.0, error="UNAVAILABLE: gone")], wall_s=0.05)
+    assert s["tokens"] == 7 and s["failed"] == 1 and s["tokens_per_s"] == pytest.approx(140.0)
+    assert s["ttft_p50_ms"] == pytest.approx(10.0)
+    # four tokens at 20/4 = 5 ms, two at 10/2 = 5 ms
+    assert s["itl_p50_ms"] == pytest.approx(5.0) and s["itl_p99_ms"] == pytest.approx(5.0)
+    assert s["tokens_per_msg"] == pytest.approx(3.0) and s["hit_rate"] == pytest.approx(0.5)
+
+
+def test_engine_alone_forced_acceptance_on_a_transformers_model(tmp_path):
+    args = sb.parse_args([*QUICK, "--accept", "3"])
+    facts = sb.build_model("tiny-cpu", tmp_path, "cpu", seed=0)
+    assert (tmp_path / "config.json").is_file() and facts["params"] > 0
+    prompts = sb.Prompts(0, args.prompt_len, sb.SHAPES["tiny-cpu"].vocab_size)
+    level = sb.Level(concurrency=2, k=3, a=3, requests=3, max_new_tokens=16)
+    served = [{"a": 3, "levels": [{**asdict(level), "tokens_per_s": 1.0}]}]
+    (row,) = sb.run_engine_alone(args, tmp_path, prompts, served, log=lambda _msg: None)
+    assert row["failed"] == 0 and row["tokens"] == 3 * 16
+    assert row["tokens_per_msg"] == pytest.approx(15 / 4)  # 1 after prefill, then 4, 4, 4, 3
+    assert row["hit_rate"] == pytest.approx(16 / 64)  # 32 shared tokens, span 1: one whole block

@@ -1,0 +1,138 @@
+"""CUDA graphs in the engine (FlashInfer, bf16): captured replays equal eager runs of the same
+padded layouts and plans, token for token; warm-up captures before the worker says SERVING; and
+greedy output through the served path (kvstore + worker + router) equals the engine alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+import torch
+
+from services.common.tokenizer import BYTE_TOKENIZER_MARKER
+from services.gpuworker.attention.base import get_backend
+from services.gpuworker.engine.capacity import LocalBlockSource
+from services.gpuworker.engine.engine import Engine, EngineConfig
+from services.gpuworker.engine.local import LocalSetup, run_until_done, submit
+from test_flashinfer_engine import BS, CONFIG, DEV, models, prompts  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.gpu
+
+NUM_BLOCKS = 64
+MAX_NEW = 24
+
+
+def graph_setup(models, graphs: str, **config) -> LocalSetup:
+    """An engine whose FlashInfer plans are graph-safe in both modes, so ``capture`` and ``pad``
+    run the same kernels on the same padded layouts and differ only in replaying graphs."""
+    target, draft = models
+    backend = get_backend("flashinfer", DEV, target.attention_geometry(BS, torch.bfloat16),
+                          graph_max_pages_per_request=CONFIG.max_seq_len // BS)
+    tpool, dpool = target.new_kv_pool(NUM_BLOCKS + 1, BS), draft.new_kv_pool(NUM_BLOCKS + 1, BS)
+    source = LocalBlockSource(NUM_BLOCKS, BS)
+    engine = Engine(target, draft, backend, tpool, dpool, source,
+                    EngineConfig(graphs=graphs, max_batch_size=8, **config))
+    return LocalSetup(engine, source, target, draft)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+@torch.inference_mode()
+def test_graph_replay_equals_eager(models, k):
+    outputs = {}
+    for graphs in ("pad", "capture"):
+        setup = graph_setup(models, graphs, chunk_size=32, max_batch_tokens=128)
+        captured = setup.engine.warmup()
+        if graphs == "capture":
+            # target for q = 1..9 and the chain, for every bucket up to 8 (1, 2, 4, 8)
+            assert captured == 4 * (9 + 1)
+        for i, p in enumerate(prompts()):
+            submit(setup, f"r{i}", p, max_new_tokens=MAX_NEW, k=k)
+        outputs[graphs] = {rid: c.tokens for rid, c in run_until_done(setup).items()}
+        if graphs == "capture":
+            assert setup.engine.graphs.replays > 0
+            assert setup.engine.graphs.eager_runs == 0
+    assert outputs["capture"] == outputs["pad"]
+
+
+def write_checkpoint(folder) -> str:
+    """A random Llama with FlashInfer's head size (128), written by transformers; the loader
+    gives it a seeded random EAGLE-3 draft (no tandem_draft.json in the folder). A byte-sized
+    vocabulary lets the router use its built-in byte tokenizer for the streamed text."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                      max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # wide logit margins
+    model.save_pretrained(folder)
+    (folder / BYTE_TOKENIZER_MARKER).write_text(json.dumps({"type": "byte"}))
+    return str(folder)
+
+
+async def _served_tokens(model: str, prompts_: list[list[int]], max_new: int, k: int) -> tuple[list[list[int]], object]:
+    """Greedy tokens of each prompt through kvstore + worker (FlashInfer, CUDA graphs) + router."""
+    from services.gpuworker.server import start_worker
+    from services.gpuworker.settings import WorkerSettings
+    from services.kvstore.server import start_kvstore
+    from services.kvstore.settings import KVStoreSettings
+    from services.router.server import start_router
+    from services.router.settings import RouterSettings
+    from services.common.wire import tokens_to_proto
+    from tandem.router.v1 import router_pb2, router_pb2_grpc
+
+    kv_server, _ = await start_kvstore(KVStoreSettings(host="127.0.0.1", port=0, grace_s=0.0))
+    kv_addr = f"127.0.0.1:{kv_server.port}"
+    worker_settings = WorkerSettings(
+        host="127.0.0.1", port=0, kvstore=kv_addr, model=model, device="cuda:0", backend="flashinfer",
+        dtype="bfloat16", spec_mode="eagle3", num_blocks=256, grace_s=0.0,
+    )
+    w_server, runner, _identity = await start_worker(worker_settings)
+    captured_at_serving = runner.engine.graphs.captured  # start_worker returns once SERVING
+    r_server, router = await start_router(RouterSettings(host="127.0.0.1", port=0, kvstore=kv_addr, grace_s=0.0,
+                                                         registry_ttl_s=0.0))
+    await asyncio.wait_for(router.ready.wait(), 30)
+    out = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{r_server.port}") as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            for p in prompts_:
+                toks: list[int] = []
+                req = router_pb2.GenerateRequest(token_ids=tokens_to_proto(p), max_new_tokens=max_new,
+                                                 num_draft_tokens=k)
+                async for msg in stub.Generate(req, timeout=120):
+                    toks.extend(msg.token_ids)
+                out.append(toks)
+    finally:
+        for s in (r_server, w_server, kv_server):
+            await s.stop()
+    return out, (captured_at_serving, runner.engine)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_served_path_equals_engine_alone_and_warms_up_first(tmp_path, k):
+    from services.gpuworker.build import build_engine
+    from services.gpuworker.settings import WorkerSettings
+
+    g = torch.Generator().manual_seed(7)
+    ps = [torch.randint(1, 250, (n,), generator=g).tolist() for n in (9, 33, 70)]
+    model = write_checkpoint(tmp_path / "model")
+    served, (captured_at_serving, engine) = asyncio.run(_served_tokens(model, ps, 16, k))
+    assert captured_at_serving > 0, "the worker said SERVING before capturing its graphs"
+    assert engine.graphs.replays > 0
+
+    settings = WorkerSettings(model=model, device="cuda:0", backend="flashinfer", dtype="bfloat16",
+                              spec_mode="eagle3", num_blocks=256)
+    source = LocalBlockSource(256, settings.block_size)
+    alone = build_engine(settings, lambda _num_blocks: source).engine
+    alone.warmup()
+    setup = LocalSetup(alone, source, alone.target, None)
+    alone_tokens = []
+    for i, p in enumerate(ps):  # one at a time, as the served requests ran: same batch shapes
+        submit(setup, f"r{i}", p, max_new_tokens=16, k=k)
+        alone_tokens.append(run_until_done(setup)[f"r{i}"].tokens)
+    assert served == alone_tokens
