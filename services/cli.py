@@ -10,6 +10,9 @@ import argparse
 import importlib
 import logging
 import sys
+from importlib.metadata import PackageNotFoundError, version
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -22,13 +25,30 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def tandem_version() -> str:
+    try:
+        return version("tandem-serve")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _global_flags(default) -> argparse.ArgumentParser:
+    """Flags accepted before AND after the subcommand. Subparsers get ``SUPPRESS`` defaults, so a
+    flag given before the subcommand is not overwritten by the subparser's default."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--log-level", default=default, type=str.upper, choices=LOG_LEVELS,
+                        help="logging level (default INFO)")
+    parent.add_argument("--version", action="version", version=f"tandem {tandem_version()}")
+    return parent
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported (all are listed in the help)."""
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0], parents=[_global_flags("INFO")])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    anywhere = _global_flags(argparse.SUPPRESS)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, parents=[anywhere])
         if name == command:
             module = importlib.import_module(module_name)
             module.add_arguments(p)
@@ -53,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(_command_of(argv)).parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     return int(args._run(args) or 0)

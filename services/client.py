@@ -7,14 +7,29 @@ import os
 import sys
 
 
+def _number(kind, low: float, inclusive: bool = True):
+    """An argparse type: ``kind`` (int/float) that is >= low (or > low), with a one-line error."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+        if value < low or (not inclusive and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low:g} (got {text})")
+        return value
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="text prompt")
     parser.add_argument("--router", default=os.environ.get("TANDEM_ROUTER_ADDRESS", "127.0.0.1:50050"), help="router host:port")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--draft-tokens", type=int, default=None, help="draft tokens per step (0 = off; default: router's)")
+    parser.add_argument("--max-new-tokens", type=_number(int, 1), default=64, help="tokens to generate (>= 1; default 64)")
+    parser.add_argument("--temperature", type=_number(float, 0.0), default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--draft-tokens", type=_number(int, 0), default=None, help="draft tokens per step (0 = off; default: router's)")
     parser.add_argument("--token", default=os.environ.get("TANDEM_TOKEN"), help="bearer token (tenant)")
-    parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--timeout-s", type=_number(float, 0.0, inclusive=False), default=120.0, help="deadline of the request")
 
 
 def generate_and_print(

@@ -1,9 +1,17 @@
 """``tandem up``: the whole suite on this machine, without Docker.
 
-Starts one kvstore, N gpuworkers and one router as child processes (embedded defaults: memory
-kvstore, torch backend on CPU, the ``tiny`` model), waits until every ``grpc.health.v1`` check says
-SERVING, prints the endpoints, optionally runs a demo request, and on Ctrl-C/SIGTERM stops the
-children in reverse order (router first, so no new work arrives, kvstore last).
+Starts one kvstore, N gpuworkers and one router as child processes, waits until every
+``grpc.health.v1`` check says SERVING, prints the endpoints, optionally runs a demo request, and
+supervises until Ctrl-C/SIGTERM:
+
+* every fixed port is checked BEFORE anything starts: a busy port is a one-line error (exit 3),
+  so the demo never runs against someone else's suite that holds the ports;
+* a worker that dies is restarted with backoff (1 s, 2 s, 4 s ... 30 s; the count resets once a
+  worker stayed up for a while); the kvstore or router dying stops the suite (exit 1);
+* stopping goes router → workers → kvstore, each group drained before the next is signalled, so
+  no new work arrives while workers finish and the kvstore outlives every worker that talks to it.
+
+Where workers go (CPU, or one per GPU with FlashInfer and bf16) is :mod:`services.launch_plan`.
 """
 
 from __future__ import annotations
@@ -11,121 +19,178 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.paths import distilled_tiny_dir
+from services.common.settings import add_settings_flags, report_startup_error, settings_from_args
+from services.common.startup import EXIT_FAILURE, PortInUse, StartupError, check_port_free
+from services.launch_plan import WorkerPlan, detect_gpus, installed_capabilities, plan_workers
 
 DEMO_PROMPT = "Tandem pairs every target KV block with a draft KV block, so"
+CPU_NUM_BLOCKS = 1024
+RESTART_FIRST_S = 1.0
+RESTART_MAX_S = 30.0
+STABLE_AFTER_S = 30.0  # a worker up this long counts as healthy again (its backoff resets)
+
+
+class UpSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_UP_", extra="forbid", protected_namespaces=())
+
+    workers: int = Field(0, ge=0, description="gpuworkers to start (0 = one per usable GPU, 1 on CPU)")
+    model: str = Field("tiny", min_length=1, description="model folder or 'tiny'")
+    spec_mode: Literal["none", "eagle3", "mtp"] = Field("eagle3", description="draft kind of every worker")
+    draft_model: str = Field("", description="draft folder for every worker ('' = the model folder's)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when a GPU is visible")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="unset: bfloat16 on CUDA, float32 on CPU")
+    kv_memory_fraction: float | None = Field(None, gt=0, le=1, description="KV share of free GPU memory per worker (unset: 0.9 on CUDA)")
+    num_blocks: int | None = Field(None, ge=0, description=f"paired KV blocks per worker (unset: {CPU_NUM_BLOCKS} on CPU, sized by kv_memory_fraction on CUDA)")
+    host: str = Field("127.0.0.1", description="address every service binds")
+    router_port: int = Field(50050, ge=0, le=65535, description="router port (0 = any free port)")
+    kvstore_port: int = Field(50051, ge=0, le=65535, description="kvstore port (0 = any free port)")
+    worker_base_port: int = Field(50061, ge=0, le=65535, description="first worker port (0 = any free ports)")
+    metrics_base_port: int = Field(0, ge=0, le=65535, description="kvstore metrics on this port, router +1, worker i +2+i (0 = off)")
+    demo: bool = Field(False, description="run a demo request twice once everything is up")
+    exit_after_demo: bool = Field(False, description="stop the suite after the demo (for scripts)")
+    startup_timeout_s: float = Field(300.0, gt=0, description="give up if not SERVING by then")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=int(os.environ.get("TANDEM_UP_WORKERS", 1)), help="gpuworkers to start (default 1)")
-    parser.add_argument("--model", default=os.environ.get("TANDEM_UP_MODEL", "tiny"), help="model folder or 'tiny' (default)")
-    parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
-    parser.add_argument("--router-port", type=int, default=50050, help="router port (0 = any free port)")
-    parser.add_argument("--kvstore-port", type=int, default=50051, help="kvstore port (0 = any free port)")
-    parser.add_argument("--worker-base-port", type=int, default=50061, help="first worker port (0 = any free ports)")
-    parser.add_argument("--metrics-base-port", type=int, default=0,
-                        help="serve Prometheus /metrics: kvstore on this port, router +1, worker i +2+i (0 = off)")
-    parser.add_argument("--num-blocks", type=int, default=1024, help="paired KV blocks per worker")
-    parser.add_argument("--demo", action="store_true", help="run a demo request twice once everything is up")
-    parser.add_argument("--exit-after-demo", action="store_true", help="stop the suite after the demo (for scripts)")
-    parser.add_argument("--startup-timeout-s", type=float, default=120.0, help="give up if not SERVING by then")
+    add_settings_flags(parser, UpSettings)
 
 
 @dataclass
 class Child:
     name: str
     address: str
+    argv: list[str]
+    env: dict[str, str]
     proc: subprocess.Popen
-    log_path: str = ""
-    extra: dict = field(default_factory=dict)
+    started_at: float
+    failures: int = 0  # restarts in a row without staying up STABLE_AFTER_S
+    restart_at: float | None = None
 
 
 def _free_port(host: str) -> int:
+    import socket
+
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def _port(host: str, wanted: int) -> int:
-    return wanted if wanted else _free_port(host)
+def _spawn(name: str, argv: list[str], address: str, env: dict[str, str] | None = None) -> Child:
+    """Start ``tandem <argv>`` (argv starts with the global flags, e.g. --log-level)."""
+    env = dict(env or {})
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=dict(os.environ, PYTHONUNBUFFERED="1", **env),
+                            start_new_session=True)
+    return Child(name, address, argv, env, proc, time.monotonic())
 
 
-def _metrics(args: argparse.Namespace, offset: int) -> list[str]:
-    """The ``--metrics-port`` flag of one child (none when ``--metrics-base-port`` is 0)."""
-    return ["--metrics-port", str(args.metrics_base_port + offset)] if args.metrics_base_port else []
-
-
-def _spawn(name: str, argv: list[str], address: str) -> Child:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=env, start_new_session=True)
-    return Child(name, address, proc)
+def restart_delay(failures: int) -> float:
+    """Seconds before the ``failures``-th restart in a row (1, 2, 4 ... capped at 30)."""
+    return min(RESTART_MAX_S, RESTART_FIRST_S * 2 ** max(0, failures - 1))
 
 
 def wait_serving(address: str, deadline: float, proc: subprocess.Popen | None = None) -> None:
-    """Poll grpc.health.v1 at ``address`` until SERVING; raise if the deadline passes or proc dies."""
+    """Poll grpc.health.v1 at ``address`` until SERVING; raise if the deadline passes or ``proc``
+    dies (checked after a SERVING answer too: it must be OUR process that answered)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def dead() -> bool:
+        return proc is not None and proc.poll() is not None
 
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{address}: process exited with code {proc.returncode}")
+            if dead():
+                raise StartupError(f"{address}: process exited with code {proc.returncode} (its log is above)", EXIT_FAILURE)
             try:
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+                    time.sleep(0.05)
+                    if not dead():
+                        return
+                    continue
             except grpc.RpcError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{address} not SERVING after startup timeout")
+                raise StartupError(f"{address} not SERVING after {deadline:.0f} s (--startup-timeout-s)", EXIT_FAILURE)
             time.sleep(0.2)
 
 
-def stop_children(children: list[Child], timeout_s: float = 10.0) -> None:
-    """SIGTERM each child (reverse start order), then SIGKILL whatever is still alive."""
-    for child in reversed(children):
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-    end = time.monotonic() + timeout_s
-    for child in reversed(children):
+def stop_children(children: list[Child], timeout_s: float = 10.0) -> list[str]:
+    """Stop router → workers → kvstore: SIGTERM a group, wait for it (SIGKILL after ``timeout_s``),
+    then the next. Returns the names in the order they were stopped."""
+    order = [[c for c in children if c.name == "router"],
+             [c for c in children if c.name.startswith("worker")],
+             [c for c in children if c.name == "kvstore"]]
+    stopped = []
+    for group in order:
+        for child in group:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        end = time.monotonic() + timeout_s
+        for child in group:
+            try:
+                child.proc.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+            stopped.append(child.name)
+            print(f"stopped {child.name} (exit code {child.proc.returncode})", flush=True)
+    return stopped
+
+
+def _metrics(s: UpSettings, offset: int) -> list[str]:
+    return ["--metrics-port", str(s.metrics_base_port + offset)] if s.metrics_base_port else []
+
+
+def check_ports(s: UpSettings, workers: int) -> None:
+    """Raise :class:`PortInUse` for the first fixed port something else holds."""
+    wanted = [("kvstore port", s.kvstore_port), ("router port", s.router_port)]
+    if s.worker_base_port:
+        wanted += [(f"worker{i} port", s.worker_base_port + i) for i in range(workers)]
+    if s.metrics_base_port:
+        wanted += [("metrics port", s.metrics_base_port + i) for i in range(2 + workers)]
+    for what, port in wanted:
         try:
-            child.proc.wait(max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.proc.kill()
-            child.proc.wait()
+            check_port_free(s.host, port, what)
+        except PortInUse as exc:
+            raise StartupError(f"{exc.message}; is another Tandem suite running? (`tandem up --help` lists the port flags)") from None
 
 
-def start_suite(args: argparse.Namespace) -> list[Child]:
+def worker_argv(s: UpSettings, plan: WorkerPlan, port: int, kv_addr: str) -> list[str]:
+    num_blocks = s.num_blocks if s.num_blocks is not None else (CPU_NUM_BLOCKS if plan.device == "cpu" else 0)
+    return ["worker", "--host", s.host, "--port", str(port), "--kvstore", kv_addr, "--worker-id", f"worker{plan.index}",
+            "--model", s.model, "--spec-mode", s.spec_mode, "--num-blocks", str(num_blocks), *plan.flags(),
+            *(["--draft-model", s.draft_model] if s.draft_model else []),
+            *_metrics(s, 2 + plan.index)]
+
+
+def start_suite(s: UpSettings, plans: list[WorkerPlan], log_level: str = "INFO") -> list[Child]:
     """Start kvstore, workers and router; return them once all are SERVING."""
-    host = args.host
+    check_ports(s, len(plans))
+    host = s.host
+    flags = ["--log-level", log_level]
     children: list[Child] = []
     try:
-        kv_port = _port(host, args.kvstore_port)
-        kv_addr = f"{host}:{kv_port}"
-        children.append(_spawn("kvstore", ["kvstore", "--host", host, "--port", str(kv_port), *_metrics(args, 0)], kv_addr))
-        deadline = time.monotonic() + args.startup_timeout_s
+        kv_addr = f"{host}:{s.kvstore_port or _free_port(host)}"
+        children.append(_spawn("kvstore", [*flags, "kvstore", "--host", host, "--port", kv_addr.rsplit(':', 1)[1], *_metrics(s, 0)], kv_addr))
+        deadline = time.monotonic() + s.startup_timeout_s
         wait_serving(kv_addr, deadline, children[-1].proc)
-        for i in range(args.workers):
-            port = args.worker_base_port + i if args.worker_base_port else _free_port(host)
-            addr = f"{host}:{port}"
-            argv = [
-                "worker", "--host", host, "--port", str(port), "--kvstore", kv_addr,
-                "--worker-id", f"worker{i}", "--model", args.model, "--num-blocks", str(args.num_blocks),
-                *_metrics(args, 2 + i),
-            ]
-            children.append(_spawn(f"worker{i}", argv, addr))
-        r_port = _port(host, args.router_port)
-        r_addr = f"{host}:{r_port}"
-        children.append(
-            _spawn("router", ["router", "--host", host, "--port", str(r_port), "--kvstore", kv_addr, "--model", args.model,
-                              *_metrics(args, 1)], r_addr)
-        )
+        for plan in plans:
+            port = s.worker_base_port + plan.index if s.worker_base_port else _free_port(host)
+            children.append(_spawn(f"worker{plan.index}", [*flags, *worker_argv(s, plan, port, kv_addr)], f"{host}:{port}", plan.env))
+        r_addr = f"{host}:{s.router_port or _free_port(host)}"
+        children.append(_spawn("router", [*flags, "router", "--host", host, "--port", r_addr.rsplit(':', 1)[1], "--kvstore", kv_addr,
+                                          "--model", s.model, *_metrics(s, 1)], r_addr))
         for child in children[1:]:
             wait_serving(child.address, deadline, child.proc)
         return children
@@ -134,20 +199,60 @@ def start_suite(args: argparse.Namespace) -> list[Child]:
         raise
 
 
+def supervise_once(children: list[Child], now: float) -> str | None:
+    """One supervision pass (mutates ``children``): schedule or perform worker restarts. Returns
+    the name of a dead kvstore/router (the suite must stop), else None."""
+    for i, child in enumerate(children):
+        code = child.proc.poll()
+        if code is None:
+            if child.failures and now - child.started_at >= STABLE_AFTER_S:
+                child.failures = 0
+            continue
+        if not child.name.startswith("worker"):
+            return child.name
+        if child.restart_at is None:
+            child.failures += 1
+            child.restart_at = now + restart_delay(child.failures)
+            print(f"tandem up: {child.name} exited with code {code}; restarting in {child.restart_at - now:.0f} s "
+                  f"(restart {child.failures} in a row)", file=sys.stderr, flush=True)
+        elif now >= child.restart_at:
+            fresh = _spawn(child.name, child.argv, child.address, child.env)
+            fresh.failures = child.failures
+            children[i] = fresh
+            print(f"tandem up: {child.name} restarted (pid {fresh.proc.pid})", flush=True)
+    return None
+
+
+def choose_workers(s: UpSettings) -> list[WorkerPlan]:
+    gpus = [] if s.device == "cpu" else detect_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    cuda_torch, flashinfer = installed_capabilities() if gpus or s.device == "cuda" else (False, False)
+    plans, notes = plan_workers(device=s.device, gpus=gpus, workers=s.workers, kv_memory_fraction=s.kv_memory_fraction,
+                                dtype=s.dtype, cuda_torch=cuda_torch, flashinfer=flashinfer)
+    for note in notes:
+        print(f"tandem up: {note}", file=sys.stderr)
+    return plans
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.model == "tiny":
-        distilled = distilled_tiny_dir()
-        if (distilled / "config.json").is_file():
-            args.model = str(distilled)
-            print(f"serving the tiny model with its distilled draft from {distilled}")
-        else:
-            print("serving the tiny model with a random draft (run `tandem distill-draft tiny` for a trained one)")
-    print(f"starting kvstore, {args.workers} worker(s) and router (model {args.model}) ...", flush=True)
     try:
-        children = start_suite(args)
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"tandem up: {exc}", file=sys.stderr)
-        return 1
+        s = settings_from_args(UpSettings, args)
+        if s.model == "tiny":
+            distilled = distilled_tiny_dir(s.spec_mode)
+            if (distilled / "config.json").is_file():
+                s.model = str(distilled)
+                print(f"serving the tiny model with its distilled draft from {distilled}")
+            elif s.spec_mode != "none":
+                print("serving the tiny model with a random draft (run `tandem distill-draft tiny` for a trained one)")
+        plans = choose_workers(s)
+        where = "CPU" if plans[0].device == "cpu" else f"{len(plans)} GPU(s), {plans[0].backend}, {plans[0].dtype}"
+        print(f"starting kvstore, {len(plans)} worker(s) on {where} and router (model {s.model}) ...", flush=True)
+        children = start_suite(s, plans, getattr(args, "log_level", "INFO"))
+    except StartupError as exc:
+        return report_startup_error("up", exc)
+    return serve_suite(s, children)
+
+
+def serve_suite(s: UpSettings, children: list[Child]) -> int:
     router = children[-1].address
     print("all services SERVING:")
     for child in children:
@@ -163,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     code = 0
     try:
-        if args.demo:
+        if s.demo:
             from services.client import generate_and_print
 
             for attempt in (1, 2):
@@ -171,14 +276,16 @@ def run(args: argparse.Namespace) -> int:
                 code = generate_and_print(router, DEMO_PROMPT, max_new_tokens=48)
                 if code:
                     break
-        if not args.exit_after_demo:
+        if not s.exit_after_demo:
             print("\nserving; Ctrl-C stops everything", flush=True)
-            while not stopping and all(c.proc.poll() is None for c in children):
+            while not stopping:
+                dead = supervise_once(children, time.monotonic())
+                if dead:
+                    print(f"tandem up: {dead} exited with code {next(c for c in children if c.name == dead).proc.returncode}; "
+                          "stopping the suite", file=sys.stderr)
+                    code = EXIT_FAILURE
+                    break
                 time.sleep(0.5)
-            dead = [c.name for c in children if c.proc.poll() is not None]
-            if dead and not stopping:
-                print(f"tandem up: {', '.join(dead)} exited; stopping the suite", file=sys.stderr)
-                code = 1
     finally:
         print("stopping ...", flush=True)
         stop_children(children)

@@ -11,7 +11,9 @@ metric name::
     service hooks (engine steps, router outcomes) ──▶ counters / histograms   } ServiceMetrics
     custom collectors (kvstore: KVStore.stats() at scrape time) ─────────────┘   .registry
                                                                                     │
-    prometheus_client HTTP thread  GET /metrics ◀───────────────────────────────────┘
+    HTTP thread  GET /metrics ◀─────────────────────────────────────────────────────┘
+                 GET /health  200 while the process serves HTTP at all (liveness)
+                 GET /ready   200 while the service is ready (health SERVING), else 503
 
 The endpoint is off unless a service's ``metrics_port`` setting is set (0 = any free port, which
 tests use). Recording costs a few microseconds per RPC, and nothing at all when metrics are off:
@@ -24,11 +26,15 @@ services then install no interceptor and create no registry.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+
+from services.common.startup import PortInUse, check_port_free
 
 from services.common.interceptors import (
     DEFAULT_EXCLUDED_METHOD_PREFIXES as EXCLUDED_METHOD_PREFIXES,
@@ -89,6 +95,21 @@ class RpcMetricsInterceptor(WrappingInterceptor):
         return observe_handler(handler, on_end=on_end)
 
 
+class MethodObserver(grpc.aio.ServerInterceptor):
+    """Observe every call of ONE method: ``callbacks()`` runs once per call and returns that
+    call's :func:`observe_handler` keyword arguments (so closures may keep per-call state)."""
+
+    def __init__(self, method: str, callbacks: Callable[[], dict]):
+        self._method = method
+        self._callbacks = callbacks
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method != self._method:
+            return handler
+        return observe_handler(handler, **self._callbacks())
+
+
 class ServiceMetrics:
     """One service's metrics: a private registry, the RPC histogram, and the HTTP endpoint.
 
@@ -107,6 +128,9 @@ class ServiceMetrics:
             registry=self.registry,
         )
         self.port: int | None = None
+        # ``/ready`` answers 200 while this returns True; services point it at their gRPC health
+        # (GrpcServer.serving). The default suits a service that is ready once it serves at all.
+        self.ready: Callable[[], bool] = lambda: True
         self._httpd = None
         self._thread = None
 
@@ -115,13 +139,20 @@ class ServiceMetrics:
         return RpcMetricsInterceptor(self.rpc_duration)
 
     def serve(self, host: str, port: int) -> int:
-        """Start ``GET /metrics`` on ``host:port`` (0 = any free port); return the bound port.
-        Raises OSError when the port is taken."""
+        """Start ``GET /metrics``, ``/health`` and ``/ready`` on ``host:port`` (0 = any free port);
+        return the bound port. Raises :class:`PortInUse` when the port is taken."""
         if self._httpd is not None:
             return self.port  # type: ignore[return-value]
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        check_port_free(host, port, "metrics port")
+        try:
+            self._httpd = ThreadingHTTPServer((host, port), _handler_for(self))
+        except OSError:  # lost a race for the port
+            raise PortInUse(f"{host}:{port}", "metrics port") from None
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name=f"{self.service}-metrics", daemon=True)
+        self._thread.start()
         self.port = self._httpd.server_port
-        log.info("%s metrics on http://%s:%d/metrics", self.service, host, self.port)
+        log.info("%s metrics on http://%s:%d/metrics (/health, /ready)", self.service, host, self.port)
         return self.port
 
     def stop(self) -> None:
@@ -132,3 +163,30 @@ class ServiceMetrics:
             httpd.server_close()
             if self._thread is not None:
                 self._thread.join(5.0)
+
+
+def _handler_for(metrics: ServiceMetrics) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._send(200, generate_latest(metrics.registry), CONTENT_TYPE_LATEST)
+            elif path == "/health":
+                self._send(200, b"ok\n")
+            elif path == "/ready":
+                ready = metrics.ready()
+                self._send(200 if ready else 503, b"ready\n" if ready else b"not ready\n")
+            else:
+                self._send(404, b"not found: try /metrics, /health or /ready\n")
+
+        def _send(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format, *args) -> None:  # scrapes every few seconds: not worth a log line
+            pass
+
+    return Handler

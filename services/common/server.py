@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import TandemError
 from services.common.interceptors import WrappingInterceptor, wrap_handler
+from services.common.startup import StartupError, check_port_free
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class GrpcServer:
         self.port: int | None = None
         self._stopped = asyncio.Event()
         self._draining = False
+        self._serving = False
         self._background: list[asyncio.Task] = []
         self._on_stop: list[Callable[[], object]] = []
 
@@ -119,17 +121,23 @@ class GrpcServer:
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self._server,
         )
-        if self._credentials is not None:
-            self.port = self._server.add_secure_port(self._address, self._credentials)
-        else:
-            self.port = self._server.add_insecure_port(self._address)
+        host, _, port = self._address.rpartition(":")
+        check_port_free(host.strip("[]"), int(port))  # a one-line PortInUse instead of "Failed to bind"
+        try:
+            if self._credentials is not None:
+                self.port = self._server.add_secure_port(self._address, self._credentials)
+            else:
+                self.port = self._server.add_insecure_port(self._address)
+        except RuntimeError as exc:  # grpc's bind failure (lost a race with another process)
+            raise StartupError(f"cannot bind {self._address}: {exc}") from None
         if not self.port:
-            raise OSError(f"could not bind {self._address}")
+            raise StartupError(f"cannot bind {self._address}")
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.start()
         return self.port
 
     async def _set_all(self, status) -> None:
+        self._serving = status == health_pb2.HealthCheckResponse.SERVING
         for name in ["", *(b.full_name for b in self._bindings)]:
             result = self.health.set(name, status)
             if inspect.isawaitable(result):
@@ -139,6 +147,15 @@ class GrpcServer:
         """Mark every service SERVING (call once the service is ready)."""
         if not self._draining:
             await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_not_serving(self) -> None:
+        """Mark every service NOT_SERVING (it lost what it needs; :meth:`set_serving` undoes it)."""
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    @property
+    def serving(self) -> bool:
+        """Whether health currently says SERVING (read-only; for ``/ready``)."""
+        return self._serving and not self._draining
 
     def add_binding(self, binding: ServiceBinding) -> None:
         """Attach one more service (before :meth:`start`)."""

@@ -17,6 +17,7 @@ graphs are captured by ``engine.warmup()``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,20 +56,46 @@ class BuiltEngine:
 def load_models(settings: WorkerSettings):
     """(target, draft, tokenizer) for ``settings`` (model folder or 'tiny', spec mode, dtype, device)."""
     return load_model(settings.model, spec_mode=SPEC_MODES[settings.spec_mode], mtp_depth=settings.mtp_depth,
-                      dtype=DTYPES[settings.dtype], device=torch.device(settings.device), seed=settings.seed)
+                      dtype=DTYPES[settings.dtype], device=torch.device(settings.device), seed=settings.seed,
+                      draft_dir=settings.draft_model or None)
 
 
-def pool_blocks(settings: WorkerSettings, target, draft, dtype: torch.dtype) -> int:
-    """``num_blocks`` as given, or as many paired blocks as ``kv_memory_mb`` holds: one block is
-    a page in every target layer plus a page in every draft layer."""
+DEFAULT_CUDA_KV_FRACTION = 0.9  # of the memory left free after the model loaded (vLLM, SGLang: ~0.9)
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Memory free on ``device`` now: CUDA's own count, or the machine's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_budget_bytes(settings: WorkerSettings, device_type: str, free_bytes: Callable[[], int]) -> int:
+    """Bytes for the target + draft KV pools: ``kv_memory_fraction`` of ``free_bytes()`` (0.9 by
+    default on CUDA), else ``kv_memory_mb``."""
+    fraction = settings.kv_memory_fraction
+    if fraction is None and device_type == "cuda":
+        fraction = DEFAULT_CUDA_KV_FRACTION
+    if fraction is None:
+        return int(settings.kv_memory_mb * 2**20)
+    return int(free_bytes() * fraction)
+
+
+def pool_blocks(settings: WorkerSettings, target, draft, dtype: torch.dtype, budget_bytes: int | None = None) -> int:
+    """``num_blocks`` as given, or as many paired blocks as ``budget_bytes`` (default
+    ``kv_memory_mb``) holds, at most ``max_num_blocks``: one block is a page in every target layer
+    plus a page in every draft layer."""
     if settings.num_blocks:
         return settings.num_blocks
+    if budget_bytes is None:
+        budget_bytes = int(settings.kv_memory_mb * 2**20)
     c = target.config
     layers = c.num_layers + (draft.num_kv_layers if draft is not None else 0)
     per_block = layers * 2 * settings.block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
-    blocks = int(settings.kv_memory_mb * 2**20 // per_block)
+    blocks = min(int(budget_bytes // per_block), settings.max_num_blocks)
     if blocks < 1:
-        raise InvalidArgument(f"kv_memory_mb={settings.kv_memory_mb} holds no block of {per_block} bytes")
+        raise InvalidArgument(f"the KV memory budget ({budget_bytes} bytes) holds no block of {per_block} bytes; "
+                              "raise --kv-memory-mb or --kv-memory-fraction")
     return blocks
 
 
@@ -117,7 +144,7 @@ def build_engine(
             if model is not None:
                 use_ops(model, ops)
                 fuse_projections(model)
-    num_blocks = pool_blocks(settings, target, draft, dtype)
+    num_blocks = pool_blocks(settings, target, draft, dtype, kv_budget_bytes(settings, device.type, lambda: free_device_bytes(device)))
     config = engine_config(settings)
     pages = num_blocks + (1 if config.graphs != "off" else 0)
     target_pool = target.new_kv_pool(pages, settings.block_size)

@@ -7,16 +7,28 @@ gauge is read from the runner when scraped. Derived figures:
 * tokens/s = ``rate(tandem_worker_generated_tokens_total)``;
 * mean acceptance length = ``tandem_worker_acceptance_length_sum / _count`` (tokens a request
   gained per verify step: 1 + accepted drafts), or from the proposed/accepted draft counters.
+
+For autoscalers and gateways (semantics of vLLM's ``num_requests_waiting`` and
+``kv_cache_usage_perc``), labelled ``model_name``:
+
+* ``tandem_worker_waiting_requests`` — Generate calls accepted that have not streamed a token yet
+  (queued or in prefill), counted by a server interceptor, so the engine is not involved;
+* ``tandem_worker_kv_cache_usage_ratio`` — blocks referenced by live reservations / all blocks,
+  0–1, as the kvstore (the owner of that truth) reports at scrape time; NaN while it is unreachable.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.common.metrics import ServiceMetrics
+from services.common.metrics import MethodObserver, ServiceMetrics
 from services.gpuworker.engine.report import StepReport
+from tandem.worker.v1 import worker_pb2
+
+GENERATE_METHOD = "/" + worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name + "/Generate"
 
 STEP_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 ACCEPTANCE_BUCKETS = tuple(float(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17, 33))
@@ -25,8 +37,14 @@ ACCEPTANCE_BUCKETS = tuple(float(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17,
 class WorkerMetrics:
     """The worker's engine metrics, registered in ``metrics.registry``."""
 
-    def __init__(self, metrics: ServiceMetrics, running: Callable[[], int]):
+    def __init__(self, metrics: ServiceMetrics, running: Callable[[], int], *, model_name: str = "",
+                 kv_usage: Callable[[], float] = lambda: float("nan")):
         r = metrics.registry
+        self.waiting = Gauge("tandem_worker_waiting_requests", "Generate calls accepted without a streamed token yet (queued or in prefill)",
+                             ["model_name"], registry=r).labels(model_name)
+        kv_gauge = Gauge("tandem_worker_kv_cache_usage_ratio", "KV blocks referenced by live reservations / all blocks (0-1; kvstore's count)",
+                         ["model_name"], registry=r)
+        kv_gauge.labels(model_name).set_function(kv_usage)
         self.step_duration = Histogram(
             "tandem_worker_step_duration_seconds", "Engine step latency (device-synchronized)",
             buckets=STEP_LATENCY_BUCKETS_S, registry=r,
@@ -60,3 +78,28 @@ class WorkerMetrics:
         self.prefill_tokens.inc(prefill)
         self.proposed_drafts.inc(proposed)
         self.accepted_drafts.inc(accepted)
+
+    def interceptor(self) -> grpc.aio.ServerInterceptor:
+        """A server interceptor keeping :attr:`waiting` (Worker.Generate only)."""
+        gauge = self.waiting
+
+        def callbacks() -> dict:
+            waiting = [False]  # this call's state
+
+            def on_start() -> None:
+                waiting[0] = True
+                gauge.inc()
+
+            def on_message(msg) -> None:
+                if waiting[0] and (msg.token_ids or msg.HasField("usage")):
+                    waiting[0] = False
+                    gauge.dec()
+
+            def on_end(_code, _elapsed_s) -> None:
+                if waiting[0]:
+                    waiting[0] = False
+                    gauge.dec()
+
+            return dict(on_start=on_start, on_message=on_message, on_end=on_end)
+
+        return MethodObserver(GENERATE_METHOD, callbacks)

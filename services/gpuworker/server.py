@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -15,6 +16,7 @@ from services.common.errors import FailedPrecondition, NotFound, TandemError
 from services.common.metrics import ServiceMetrics
 from services.common.server import GrpcServer, ServiceBinding
 from services.common.spec import SpecMode
+from services.common.startup import StartupError, wait_for
 from services.common.telemetry import ServerTracingInterceptor
 from services.gpuworker.build import build_engine
 from services.gpuworker.kvstore_courier import KVStoreCourier
@@ -48,6 +50,7 @@ class WorkerIdentity:
     device: str
     draft: object
     link: KVStoreLink
+    model_name: str = ""  # the --model it was started with (Info reports it to routers)
 
     def register(self) -> None:
         self.link.register(
@@ -78,7 +81,10 @@ async def start_worker(
     link = KVStoreLink(settings.kvstore, timeout_s=settings.rpc_timeout_s)
     courier = KVStoreCourier()
     source = ReservationBlockSource(link, courier)
-    built = await asyncio.to_thread(build_engine, settings, lambda _num_blocks: source)
+    try:
+        built = await asyncio.to_thread(build_engine, settings, lambda _num_blocks: source)
+    except TandemError as exc:  # a missing or unusable model folder, no room for KV: one line, not a traceback
+        raise StartupError(f"cannot load model {settings.model!r}: {exc.message}") from None
     engine, target, draft, spec_mode, num_blocks = built.engine, built.target, built.draft, built.spec_mode, built.num_blocks
     device, c = engine.device, target.config
     if settings.warmup:
@@ -92,7 +98,9 @@ async def start_worker(
     if settings.metrics_port is not None:
         metrics = metrics or ServiceMetrics("gpuworker")
         interceptors.append(metrics.interceptor())
-        worker_metrics = WorkerMetrics(metrics, running=lambda: runner.running)  # read at scrape time
+        worker_metrics = WorkerMetrics(metrics, running=lambda: runner.running,  # read at scrape time
+                                       model_name=settings.model, kv_usage=_kv_usage_probe(settings))
+        interceptors.append(worker_metrics.interceptor())
     runner = EngineRunner(
         engine, link, source, courier, max_running=settings.max_running,
         extend_watermark_blocks=settings.extend_watermark_blocks, extend_chunk_blocks=settings.extend_chunk_blocks,
@@ -123,20 +131,43 @@ async def start_worker(
         device=str(device),
         draft=draft,
         link=link,
+        model_name=settings.model,
     )
     server.add_binding(ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(runner, identity, tracer_provider=tracer_provider), SERVICE_NAME))
     if settings.metrics_port is not None:
+        metrics.ready = lambda: server.serving  # /ready follows gRPC health
         metrics.serve(settings.host, settings.metrics_port)  # a taken port fails before gRPC binds
         server.on_stop(metrics.stop)
     port = await server.start()
     identity.address = settings.advertise or f"{settings.host}:{port}"
     runner.start()
-    await asyncio.to_thread(identity.register)
+    # The kvstore may come up after us (compose, Kubernetes): wait with bounded backoff, NOT_SERVING.
+    await wait_for(lambda: asyncio.to_thread(identity.register), what=f"the kvstore at {settings.kvstore}", logger=log)
     server.run_in_background(_heartbeat(identity, runner, settings.heartbeat_s))
     server.on_stop(lambda: runner.stop())
     await server.set_serving()
     log.info("worker %s serving on %s (incarnation %d, %d blocks)", identity.worker_id, identity.address, link.incarnation, num_blocks)
     return server, runner, identity
+
+
+def _kv_usage_probe(settings: WorkerSettings) -> Callable[[], float]:
+    """``in_use / total`` of this worker's blocks as the kvstore counts them (called at scrape
+    time from the metrics thread, on a channel of its own); NaN when the kvstore does not answer."""
+    import grpc
+
+    from tandem.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+    stub = kvstore_pb2_grpc.KVStoreStub(grpc.insecure_channel(settings.kvstore))
+
+    def usage() -> float:
+        try:
+            stats = stub.Stats(kvstore_pb2.StatsRequest(worker_id=settings.worker_id), timeout=1.0)
+        except grpc.RpcError:
+            return float("nan")
+        pools = [w.pool for w in stats.workers if w.worker_id == settings.worker_id and w.pool.total]
+        return pools[0].in_use / pools[0].total if pools else float("nan")
+
+    return usage
 
 
 async def _heartbeat(identity: WorkerIdentity, runner: EngineRunner, period_s: float) -> None:

@@ -160,6 +160,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_seq_len=i.max_seq_len,
             max_draft_tokens=i.max_draft_tokens,
             running=self.runner.running,
+            model_name=i.model_name,
         )
 
     async def Abort(self, request, context):

@@ -5,23 +5,31 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import TandemSettings
 
 
-class WorkerSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TANDEM_WORKER_", extra="forbid", protected_namespaces=())
+class WorkerSettings(TandemSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_WORKER_")
 
-    host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(50061, ge=0, le=65535, description="port to bind (0 = any free port)")
     advertise: str = Field("", description="host:port the router should dial (default: bound host:port)")
     kvstore: str = Field("127.0.0.1:50051", description="kvstore host:port")
     worker_id: str = Field("worker0", min_length=1, max_length=128, description="name in the kvstore registry")
     model: str = Field("tiny", description="model folder (config.json + *.safetensors) or 'tiny'")
     spec_mode: Literal["none", "eagle3", "mtp"] = Field("eagle3", description="draft kind")
+    draft_model: str = Field("", description="folder holding the draft (tandem_draft.json + weights) when it is not in the model folder ('' = the model folder's, else random)")
     mtp_depth: int = Field(1, ge=1, le=8, description="chained MTP modules K (mtp only)")
     block_size: int = Field(16, ge=1, le=1024, description="positions per KV block (power of two)")
     num_blocks: int = Field(0, ge=0, description="paired KV blocks; 0 = size from kv_memory_mb")
-    kv_memory_mb: float = Field(256.0, gt=0, description="memory for target + draft KV pools when num_blocks = 0")
+    kv_memory_mb: float = Field(256.0, gt=0, description="memory for target + draft KV pools when num_blocks = 0 (CPU default)")
+    max_num_blocks: int = Field(
+        1 << 18, ge=1, description="cap on blocks sized from memory (the kvstore keeps a record per block; a tiny model in 0.9 of a large GPU would make millions)"
+    )
+    kv_memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="when num_blocks = 0: this fraction of the device memory free after the model loaded (unset: 0.9 on CUDA, kv_memory_mb on CPU)"
+    )
     backend: Literal["torch", "flashinfer"] = Field("torch", description="attention backend")
     device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="model and KV dtype")
@@ -32,15 +40,12 @@ class WorkerSettings(BaseSettings):
     max_running: int = Field(256, ge=1, description="requests admitted at once; more get RESOURCE_EXHAUSTED")
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between kvstore heartbeats")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of each kvstore call")
-    max_receive_bytes: int = Field(16 << 20, ge=1024, description="largest request message")
-    grace_s: float = Field(5.0, ge=0, description="seconds in-flight requests get on shutdown")
     seed: int = Field(0, description="seed of the built-in tiny model's weights")
     cuda_graphs: bool = Field(True, description="capture decode, verify and draft-chain forwards in CUDA graphs at start-up (CUDA only; ignored on CPU)")
     warmup: bool = Field(True, description="compile kernels and capture graphs before health says SERVING")
     extend_watermark_blocks: int = Field(2, ge=0, le=1024, description="extend a request's KV capacity ahead of need once fewer than this many blocks of headroom are left")
     extend_chunk_blocks: int = Field(4, ge=1, le=1024, description="blocks of headroom each ahead-of-need Extend asks for")
     forced_acceptance: int | None = Field(None, ge=0, le=32, description="BENCHMARKS ONLY: accept exactly this many drafts per verify, whatever they are (output is no longer the model's)")
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port on host (unset = off, 0 = any free port)")
 
     @model_validator(mode="after")
     def _check(self) -> "WorkerSettings":

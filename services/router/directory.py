@@ -44,6 +44,8 @@ class WorkerDirectory:
         self._fetched_at: float | None = None
         self._in_flight: dict[str, int] = {}
         self._failed_until: dict[str, float] = {}
+        # Set by the router's model binding: False for a worker incarnation serving another model.
+        self.compatible: Callable[[str, int], bool] = lambda worker_id, incarnation: True
 
     # ---------------------------------------------------------------------------------- registry
     def replace(self, entries: Iterable[WorkerEntry]) -> None:
@@ -98,7 +100,11 @@ class WorkerDirectory:
             self._failed_until[worker_id] = self._clock() + self._cooldown_s
 
     def is_healthy(self, worker_id: str) -> bool:
-        """False while ``worker_id`` is cooling down after a failure (forgets expired marks)."""
+        """False while ``worker_id`` is cooling down after a failure (forgets expired marks), or
+        when its current incarnation serves another model."""
+        entry = self._entries.get(worker_id)
+        if entry is not None and not self.compatible(worker_id, entry.incarnation):
+            return False
         until = self._failed_until.get(worker_id)
         if until is None:
             return True

@@ -203,6 +203,19 @@ class Dispatcher:
         remaining = None if deadline is None else deadline - self._clock()
         return call_timeout(remaining, cap_s)
 
+    def use_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """Set the tokenizer once the model is known (``--model auto``; mutates)."""
+        self._tokenizer = tokenizer
+
+    async def worker_model(self, entry: WorkerEntry) -> str:
+        """The model a worker says it serves (``Info.model_name``; "" when it names none)."""
+        try:
+            info = await self._worker_stub(entry.address).Info(
+                worker_pb.InfoRequest(), timeout=self.config.worker_probe_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            raise Unavailable(f"worker {entry.worker_id} Info: {err.code().name}") from None
+        return info.model_name
+
     def _worker_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         return worker_pb2_grpc.WorkerStub(self._channels.get(address))
 

@@ -1,6 +1,7 @@
 """Assemble a running router: tokenizer, tenants, channels, dispatcher, servicer, gRPC server.
 
-Health turns SERVING once the kvstore answers (the router can do nothing useful before); the
+Health turns SERVING once the kvstore answers and lists a registered worker (the router can do
+nothing useful before), and NOT_SERVING again while no worker is registered; the
 server's interceptors are, outermost first: tracing (a span per RPC), metrics (when enabled),
 bearer-token auth, then the common error mapping.
 """
@@ -16,15 +17,17 @@ from opentelemetry import trace
 
 from services.common.auth import BearerAuthInterceptor, load_channel_credentials, load_server_credentials
 from services.common.channels import ChannelPool, open_channel
-from services.common.errors import TandemError
+from services.common.errors import TandemError, Unavailable
 from services.common.metrics import ServiceMetrics
 from services.common.server import GrpcServer, ServiceBinding
+from services.common.startup import RETRYABLE, StartupError, wait_for
 from services.common.telemetry import ServerTracingInterceptor
-from services.common.tokenizer import load_tokenizer
+from services.common.tokenizer import Tokenizer, load_tokenizer
 from services.router.directory import WorkerDirectory
 from services.router.dispatcher import DispatchConfig, Dispatcher
 from services.router.jobs import RequestLimits
 from services.router.metrics import RouterMetrics
+from services.router.model_binding import AUTO, ModelBinding
 from services.router.policy import PolicyWeights
 from services.router.retry import WaitQueue
 from services.router.servicer import RouterServicer
@@ -35,7 +38,7 @@ from tandem.router.v1 import router_pb2, router_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
-KVSTORE_PROBE_S = 0.2  # how often readiness retries the kvstore
+WORKERS_PROBE_S = 1.0  # how often readiness re-reads the registry once the kvstore answered
 
 
 @dataclass
@@ -45,7 +48,20 @@ class Router:
     servicer: RouterServicer
     dispatcher: Dispatcher
     tenants: TenantRegistry
-    ready: asyncio.Event  # set once the kvstore answered (health SERVING)
+    ready: asyncio.Event  # set once the kvstore answered and a compatible worker is registered (health SERVING)
+    model: ModelBinding
+
+
+def request_limits(settings: RouterSettings, tokenizer: Tokenizer) -> RequestLimits:
+    """What requests may ask for, from the settings and the tokenizer (pure)."""
+    return RequestLimits(
+        vocab_size=tokenizer.vocab_size,
+        max_new_tokens=settings.max_new_tokens,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        default_draft_tokens=settings.num_draft_tokens,
+        max_draft_tokens=settings.max_draft_tokens,
+        eos_token_ids=frozenset(tokenizer.eos_token_ids),
+    )
 
 
 def dispatch_config(settings: RouterSettings) -> DispatchConfig:
@@ -76,7 +92,12 @@ async def start_router(
     ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
     :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
     """
-    tokenizer = load_tokenizer(settings.model)
+    tokenizer = None  # --model auto: learned from the first worker (see ModelBinding)
+    if settings.model != AUTO:
+        try:
+            tokenizer = load_tokenizer(settings.model)
+        except TandemError as exc:
+            raise StartupError(f"cannot load the tokenizer of model {settings.model!r}: {exc.message}") from None
     tenants = TenantRegistry.from_settings(settings.tenants, settings.shared_tenants)
     upstream = (
         load_channel_credentials(settings.upstream_ca_file, settings.upstream_cert_file, settings.upstream_key_file)
@@ -87,14 +108,6 @@ async def start_router(
         load_server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file or None)
         if settings.tls_cert_file
         else None
-    )
-    limits = RequestLimits(
-        vocab_size=tokenizer.vocab_size,
-        max_new_tokens=settings.max_new_tokens,
-        max_prompt_tokens=settings.max_prompt_tokens,
-        default_draft_tokens=settings.num_draft_tokens,
-        max_draft_tokens=settings.max_draft_tokens,
-        eos_token_ids=frozenset(tokenizer.eos_token_ids),
     )
     kv_channel = open_channel(
         settings.kvstore, credentials=upstream, max_message_bytes=settings.max_receive_bytes,
@@ -113,12 +126,19 @@ async def start_router(
         rng=random.Random(settings.policy_seed),
         tracer_provider=tracer_provider,
     )
-    servicer = RouterServicer(dispatcher, tenants, tokenizer, limits)
+    servicer = RouterServicer(dispatcher, tenants, tokenizer, request_limits(settings, tokenizer) if tokenizer else None)
+
+    def bind(learned: Tokenizer) -> None:
+        servicer.tokenizer, servicer.limits = learned, request_limits(settings, learned)
+        dispatcher.use_tokenizer(learned)
+
+    binding = ModelBinding(settings.model, tokenizer, dispatcher.worker_model, on_bound=bind)
+    dispatcher.directory.compatible = binding.is_compatible
     interceptors: list = [ServerTracingInterceptor(tracer_provider)]
     if settings.metrics_port is not None:
         metrics = metrics or ServiceMetrics("router")
         # before auth, so that rejected tokens are counted too
-        interceptors += [metrics.interceptor(), RouterMetrics(metrics).interceptor()]
+        interceptors += [metrics.interceptor(), RouterMetrics(metrics, lambda: binding.model or "").interceptor()]
     interceptors.append(BearerAuthInterceptor(tenants.authenticate))
     server = GrpcServer(
         [ServiceBinding(router_pb2_grpc.add_RouterServicer_to_server, servicer, SERVICE_NAME)],
@@ -130,28 +150,45 @@ async def start_router(
         interceptors=interceptors,
         server_credentials=server_credentials,
     )
-    router = Router(servicer, dispatcher, tenants, asyncio.Event())
+    router = Router(servicer, dispatcher, tenants, asyncio.Event(), binding)
     if settings.metrics_port is not None:
+        metrics.ready = lambda: server.serving  # /ready follows gRPC health
         metrics.serve(settings.host, settings.metrics_port)  # a taken port fails before gRPC binds
         server.on_stop(metrics.stop)
     await server.start()
-    server.run_in_background(_lifetime(server, router, kv_channel, channels))
+    server.run_in_background(_lifetime(server, router, kv_channel, channels, settings.kvstore))
     return server, router
 
 
-async def _lifetime(server: GrpcServer, router: Router, kv_channel, channels: ChannelPool) -> None:
-    """Turn SERVING once the kvstore answers; on shutdown (cancelled) close every channel."""
+async def _lifetime(server: GrpcServer, router: Router, kv_channel, channels: ChannelPool, kvstore: str) -> None:
+    """SERVING while the kvstore answers and lists at least one worker (a router without workers
+    can only fail requests); on shutdown (cancelled) close every channel."""
+    dispatcher = router.dispatcher
+
+    async def compatible_workers() -> list:
+        entries = await dispatcher.refresh_directory()
+        if not entries:
+            raise Unavailable("no worker is registered yet")
+        compatible = await router.model.review(entries)
+        if not compatible:
+            raise Unavailable("no registered worker serves this router's model")
+        return compatible
+
     try:
         while True:
-            try:
-                await router.dispatcher.refresh_directory()
-                break
-            except TandemError as err:
-                log.info("waiting for the kvstore: %s", err.message)
-                await asyncio.sleep(KVSTORE_PROBE_S)
-        await server.set_serving()
-        router.ready.set()
-        await asyncio.Event().wait()  # until the server stops and cancels us
+            await wait_for(compatible_workers, what=f"a worker registered with the kvstore at {kvstore}", logger=log)
+            await server.set_serving()
+            router.ready.set()
+            while True:  # watch: NOT_SERVING again when the last worker is gone
+                await asyncio.sleep(WORKERS_PROBE_S)
+                try:
+                    await compatible_workers()
+                except TandemError as err:
+                    if err.code not in RETRYABLE:
+                        raise
+                    break
+            log.warning("no compatible worker registered with the kvstore at %s any more: NOT_SERVING", kvstore)
+            await server.set_not_serving()
     finally:
         await router.dispatcher.close()
         await channels.close()

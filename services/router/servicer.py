@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from services.common.auth import current_principal
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.common.tokenizer import Tokenizer
 from services.common.wire import tokens_from_proto
 from services.router.dispatcher import Completion, Dispatcher
@@ -30,7 +30,8 @@ def _deadline(context, now: float) -> float | None:
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Thin adapter over one :class:`Dispatcher`."""
 
-    def __init__(self, dispatcher: Dispatcher, tenants: TenantRegistry, tokenizer: Tokenizer, limits: RequestLimits):
+    def __init__(self, dispatcher: Dispatcher, tenants: TenantRegistry, tokenizer: Tokenizer | None, limits: RequestLimits | None):
+        # tokenizer and limits are None until ``--model auto`` learned the model from a worker
         self.dispatcher = dispatcher
         self.tenants = tenants
         self.tokenizer = tokenizer
@@ -49,6 +50,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         which = request.WhichOneof("prompt")
         if which is None:
             raise InvalidArgument("prompt is empty: set text or token_ids")
+        if self.tokenizer is None or self.limits is None:
+            raise Unavailable("no worker is registered yet, so the router does not know its model (or start it with --model)")
         job = build_job(
             text=request.text if which == "text" else None,
             token_ids=tokens_from_proto(request.token_ids, field="token_ids") if which == "token_ids" else None,

@@ -5,22 +5,20 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import TandemSettings
 
 
-class RouterSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_", extra="forbid")
+class RouterSettings(TandemSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_ROUTER_")
 
     # --- serving
-    host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(50050, ge=0, le=65535, description="port to bind (0 = any free port)")
     kvstore: str = Field("127.0.0.1:50051", min_length=1, description="kvstore host:port")
-    model: str = Field("tiny", min_length=1, description="model folder whose tokenizer to load, or 'tiny' (byte-level)")
+    model: str = Field("auto", min_length=1, description="model folder whose tokenizer to load, 'tiny' (byte-level), or 'auto': the model the first registered worker serves (workers serving another model are refused)")
     model_id: str = Field("", description="only route to workers registered with this model fingerprint ('' = any)")
-    max_receive_bytes: int = Field(16 << 20, ge=1024, description="largest message in bytes (both ways, server and channels)")
     max_concurrent_rpcs: int = Field(1024, ge=1, description="RPCs handled at once; more are refused")
-    grace_s: float = Field(5.0, ge=0, description="seconds in-flight RPCs get on shutdown")
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port on host (unset = off, 0 = any free port)")
 
     # --- request limits
     max_new_tokens: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")

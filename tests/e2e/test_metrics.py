@@ -7,6 +7,7 @@ so the test knows exactly what it asked for and checks that every counter moved 
 from __future__ import annotations
 
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -75,6 +76,17 @@ def wait_for(predicate, timeout_s: float = 15.0):
         time.sleep(0.05)
 
 
+def stream_a_few_tokens(suite, tokens: int = 4):
+    """A long request, read until ``tokens`` arrived; the call stays open (cancel it)."""
+    call = suite.stub.Generate(router_pb2.GenerateRequest(text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
+    got = 0
+    for msg in call:
+        got += len(msg.token_ids)
+        if got >= tokens:
+            break
+    return call
+
+
 def test_counters_move_by_what_the_requests_did(metered):
     suite, m = metered
     prompt = LONG_PREFIX + "Question: what is measured?"
@@ -88,8 +100,9 @@ def test_counters_move_by_what_the_requests_did(metered):
     cached = sum(u.cached_tokens for u in usages)
     completion = sum(u.completion_tokens for u in usages)
 
-    # --- router: outcomes, TTFT, token counters, in-flight back to zero
-    r = scrape(m["router"])
+    # --- router: outcomes, TTFT, token counters, in-flight back to zero. The server records an
+    # RPC's end just after the client has its status: wait for the last one.
+    r = wait_for(lambda: (lambda s: s if value(s, "tandem_router_requests_total", outcome="INVALID_ARGUMENT") else None)(scrape(m["router"])))
     assert value(r, "tandem_router_requests_total", outcome="OK") == 2
     assert value(r, "tandem_router_requests_total", outcome="INVALID_ARGUMENT") == 1
     assert value(r, "tandem_router_in_flight_requests") == 0
@@ -141,12 +154,7 @@ def test_counters_move_by_what_the_requests_did(metered):
 
 def test_a_cancelled_stream_is_counted_and_leaves_nothing_in_flight(metered):
     suite, m = metered
-    call = suite.stub.Generate(router_pb2.GenerateRequest(text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
-    got = 0
-    for msg in call:
-        got += len(msg.token_ids)
-        if got >= 4:
-            break
+    call = stream_a_few_tokens(suite)
     assert value(scrape(m["router"]), "tandem_router_in_flight_requests") == 1
     assert value(scrape(m["gpuworker"]), "tandem_worker_running_requests") == 1
     call.cancel()
@@ -176,3 +184,63 @@ def test_metrics_are_off_unless_a_port_is_set(start_service):
     names = {s.name for family in metrics.registry.collect() for s in family.samples}
     assert not any(n.startswith("tandem_rpc_duration_seconds_count") for n in names), names
     assert not any(n.startswith("tandem_kvstore_") for n in names), names
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=TIMEOUT) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def test_serving_series_for_autoscalers_and_gateways(metered):
+    suite, m = metered
+    call = stream_a_few_tokens(suite)
+    w = scrape(m["gpuworker"])
+    usage = value(w, "tandem_worker_kv_cache_usage_ratio", model_name="tiny")
+    assert 0 < usage < 1  # the live request holds blocks: in use / 512
+    assert usage * NUM_BLOCKS == pytest.approx(round(usage * NUM_BLOCKS))  # a whole number of blocks
+    assert value(w, "tandem_worker_waiting_requests", model_name="tiny") == 0  # it streams: not waiting
+    call.cancel()
+    _, _, u = suite.generate(LONG_PREFIX + "again", max_new_tokens=12)
+
+    def settled():
+        s = scrape(m["gpuworker"])
+        return s if value(s, "tandem_worker_kv_cache_usage_ratio", model_name="tiny") == 0 else None
+
+    assert wait_for(settled), "blocks stayed in use"
+    r = wait_for(lambda: (lambda s: s if value(s, "tandem_router_requests_total", outcome="CANCELLED") else None)(scrape(m["router"])))
+    assert value(r, "tandem_router_e2e_request_latency_seconds_count", model_name="tiny") == 1  # OK requests only
+    assert 0 < value(r, "tandem_router_e2e_request_latency_seconds_sum", model_name="tiny") < TIMEOUT
+    itl = value(r, "tandem_router_inter_token_latency_seconds_count", model_name="tiny")
+    assert itl >= 2  # several messages after the first token in each stream
+    assert value(r, "tandem_router_inter_token_latency_seconds_sum", model_name="tiny") > 0
+    for name in ("router", "gpuworker", "kvstore"):
+        assert http_get(m[name].port, "/health") == (200, "ok\n")
+        assert http_get(m[name].port, "/ready") == (200, "ready\n")
+        assert http_get(m[name].port, "/nope")[0] == 404
+
+
+def test_ready_is_503_while_the_router_has_no_worker(start_service):
+    metrics = ServiceMetrics("router")
+    kv = start_service(lambda: start_kvstore(KVStoreSettings(host="127.0.0.1", port=0, grace_s=0.0)))
+    settings = RouterSettings(host="127.0.0.1", port=0, kvstore=kv.address, grace_s=0.0, metrics_port=0)
+    start_service(lambda: start_router(settings, metrics=metrics))
+    time.sleep(0.3)
+    assert http_get(metrics.port, "/ready") == (503, "not ready\n")
+    assert http_get(metrics.port, "/health") == (200, "ok\n")
+
+
+def test_the_grafana_dashboard_queries_only_series_the_services_export(metered):
+    import json
+    import re
+    from pathlib import Path
+
+    suite, m = metered
+    suite.generate(LONG_PREFIX, max_new_tokens=4)
+    exported = {name for service in m.values() for name, _ in scrape(service)}
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/tandem.json").read_text())
+    queried = {name for panel in dashboard["panels"] for t in panel["targets"] for name in re.findall(r"tandem_\w+", t["expr"])}
+    assert len(queried) >= 15
+    assert queried <= exported, sorted(queried - exported)

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, NotFound
 from services.common.spec import SpecMode, lookahead_span
 from services.gpuworker.attention.base import AttentionKind, BatchLayout
 from services.gpuworker.model.config import DraftConfig, tiny_config
@@ -266,3 +266,17 @@ def test_draft_autograd_only_in_train_mode(make_backend):
     out.logits.logsumexp(-1).sum().backward()
     assert draft.fc.weight.grad is not None and draft.fc.weight.grad.abs().sum() > 0
     assert draft.layer.self_attn.k_proj.weight.grad.abs().sum() > 0  # through the paged KV
+
+
+def test_draft_from_its_own_folder(tmp_path):
+    """--draft-model: the draft comes from another folder than the model's; an empty one is an error."""
+    target, draft, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3, seed=3)
+    with torch.no_grad():
+        draft.fc.weight.mul_(-2.0)
+    save_draft(draft, tmp_path / "draft")
+    _, d2, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3, seed=3, draft_dir=tmp_path / "draft")
+    for name, w in draft.draft_state_dict().items():
+        assert torch.equal(d2.draft_state_dict()[name], w), name
+    assert d2.fingerprint != load_model("tiny", spec_mode=SpecMode.EAGLE3, seed=3)[1].fingerprint
+    with pytest.raises(NotFound, match="no draft in"):
+        load_model("tiny", spec_mode=SpecMode.EAGLE3, draft_dir=tmp_path / "empty")

@@ -187,12 +187,12 @@ class Rig:
 
     # --- workers
     def register(self, worker_id: str, address: str, *, num_blocks: int = 64, block_size: int = 16,
-                 max_seq_len: int = 4096) -> None:
+                 max_seq_len: int = 4096, vocab_size: int | None = None) -> None:
         self.kv.stub.RegisterWorker(
             kv_pb.RegisterWorkerRequest(
                 worker_id=worker_id, address=address, model_id="tiny",
                 spec_mode=common_pb2.SPEC_MODE_NONE, block_size=block_size, num_blocks=num_blocks,
-                vocab_size=ByteTokenizer().vocab_size, max_seq_len=max_seq_len,
+                vocab_size=vocab_size or ByteTokenizer().vocab_size, max_seq_len=max_seq_len,
             ),
             timeout=TIMEOUT,
         )
@@ -226,18 +226,19 @@ class Rig:
         return address
 
     # --- router
-    def router(self, **overrides):
+    def router(self, *, wait: bool = True, **overrides):
         from services.router.server import start_router
         from services.router.settings import RouterSettings
 
         settings = RouterSettings(**{
-            "host": "127.0.0.1", "port": 0, "kvstore": self.kv.address, "grace_s": 0.0, "policy_seed": 0,
+            "host": "127.0.0.1", "port": 0, "kvstore": self.kv.address, "grace_s": 0.0, "policy_seed": 0, "model": "tiny",
             "registry_ttl_s": 0.0, "queue_retry_s": 0.02, "queue_retry_max_s": 0.05,
             "worker_probe_timeout_s": 1.0, **overrides,
         })
         provider = self.tracer_provider
         svc = self.start_service(lambda: start_router(settings, tracer_provider=provider))
-        wait_serving(svc.channel)
+        if wait:
+            wait_serving(svc.channel)
         svc.stub = router_pb2_grpc.RouterStub(svc.channel)
         return svc
 

@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from router_rig import TIMEOUT, Script, collect
+from router_rig import TIMEOUT, Script, collect, wait_serving
 from services.common.tokenizer import ByteTokenizer
 from tandem.router.v1 import router_pb2
 
@@ -203,10 +203,16 @@ def test_bad_requests_change_nothing_in_the_kvstore(rig):
 
 
 def test_no_worker_and_too_long_prompts(rig):
-    router = rig.router()
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    router = rig.router(wait=False)  # NOT_SERVING: the kvstore answers but lists no worker
+    time.sleep(0.5)
+    health = health_pb2_grpc.HealthStub(router.channel)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING
     _, err = collect(router, text="anyone?", max_new_tokens=2)
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "no worker" in err.details()
     rig.worker("a", max_seq_len=32)
+    wait_serving(router.channel)  # a registered worker is what makes it ready
     _, err = collect(router, text="y" * 40, max_new_tokens=2)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "longest sequence" in err.details()
 

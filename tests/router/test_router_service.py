@@ -66,7 +66,7 @@ def test_not_serving_until_the_kvstore_answers(start_service):
     from services.router.server import start_router
     from services.router.settings import RouterSettings
 
-    settings = RouterSettings(host="127.0.0.1", port=0, kvstore=f"127.0.0.1:{_free_port()}", grace_s=0.0,
+    settings = RouterSettings(host="127.0.0.1", port=0, kvstore=f"127.0.0.1:{_free_port()}", grace_s=0.0, model="tiny",
                               kvstore_timeout_s=0.2)
     router = start_service(lambda: start_router(settings))
     health = health_pb2_grpc.HealthStub(router.channel)
@@ -176,5 +176,6 @@ def test_bad_configuration_exits_with_a_clear_message():
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 2
-    assert "invalid RouterSettings configuration" in out.stderr and "policy-alpha" in out.stderr
+    assert out.stderr.startswith("tandem router: error: invalid configuration:") and "policy-alpha" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
     assert "Traceback" not in out.stderr

@@ -50,11 +50,14 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    draft_dir: str | Path | None = None,
 ) -> tuple[TargetModel, DraftModel | None, Tokenizer]:
     """Build the target, the draft for ``spec_mode`` (None for NONE) and the tokenizer.
 
     ``"tiny"``: built-in config, weights drawn from ``seed`` (draft from ``seed + 1``). A folder:
     config + safetensors (single file, sharded with an index, or every ``*.safetensors``).
+    ``draft_dir``: take the draft from that folder (``tandem_draft.json`` + weights, as
+    ``save_draft`` writes) instead of the model folder; it must hold one.
     Both models end up in eval mode on ``device`` in ``dtype``; ``target.fingerprint`` and
     ``draft.fingerprint`` identify the weights (for the kvstore namespace). Raises ``NotFound``
     / ``InvalidArgument`` for missing or unusable files."""
@@ -80,7 +83,9 @@ def load_model(
 
     draft = None
     if spec_mode is not SpecMode.NONE:
-        draft = _load_or_init_draft(target, folder, spec_mode, mtp_depth, seed)
+        if draft_dir is not None and not _read_json(Path(draft_dir) / DRAFT_JSON).get("draft"):
+            raise NotFound(f"no draft in {draft_dir} (expected {DRAFT_JSON} with a 'draft' section)")
+        draft = _load_or_init_draft(target, Path(draft_dir) if draft_dir is not None else folder, spec_mode, mtp_depth, seed)
         draft.to(device=device, dtype=dtype).eval()
     return target, draft, tokenizer
 

@@ -1,0 +1,109 @@
+"""Where ``tandem up`` puts workers, from explicit machine facts (GPU count, free memory), and how
+a worker sizes its KV pools from free memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.common.startup import EXIT_CONFIG, EXIT_ENVIRONMENT, StartupError
+from services.launch_plan import GIB, Gpu, parse_nvidia_smi, plan_workers, visible_ids
+
+
+def gpus(*free_gib: float, total_gib: float = 80) -> list[Gpu]:
+    return [Gpu(str(i), int(f * GIB), int(total_gib * GIB)) for i, f in enumerate(free_gib)]
+
+
+def test_no_gpu_means_one_cpu_worker_on_torch_float32():
+    plans, notes = plan_workers(device="auto", gpus=[])
+    assert [(p.device, p.backend, p.dtype, p.kv_memory_fraction, p.env) for p in plans] == [("cpu", "torch", "float32", None, {})]
+    assert notes == []
+    assert len(plan_workers(device="auto", gpus=[], workers=3)[0]) == 3
+
+
+def test_one_worker_per_gpu_pinned_flashinfer_bf16_and_kv_fraction():
+    plans, _ = plan_workers(device="auto", gpus=gpus(70, 75, 79))
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["2", "1", "0"]  # most free memory first
+    assert {(p.device, p.backend, p.dtype, p.kv_memory_fraction) for p in plans} == {("cuda:0", "flashinfer", "bfloat16", 0.9)}
+    assert plans[0].flags() == ["--device", "cuda:0", "--backend", "flashinfer", "--dtype", "bfloat16", "--kv-memory-fraction", "0.9"]
+
+
+def test_fewer_workers_take_the_emptiest_gpus_and_overrides_pass_through():
+    plans, _ = plan_workers(device="cuda", gpus=gpus(10, 60, 30), workers=2, kv_memory_fraction=0.5, dtype="float16")
+    assert [(p.index, p.env["CUDA_VISIBLE_DEVICES"], p.dtype, p.kv_memory_fraction) for p in plans] == [
+        (0, "1", "float16", 0.5), (1, "2", "float16", 0.5)]
+
+
+def test_busy_gpus_are_left_out_with_a_note():
+    plans, notes = plan_workers(device="auto", gpus=gpus(0.5, 40))
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["1"]
+    assert notes == ["GPU 0 left out: 0.5 GiB free of 80.0 GiB (busy)"]
+
+
+def test_cpu_forced_on_a_gpu_machine():
+    plans, _ = plan_workers(device="cpu", gpus=gpus(70, 70))
+    assert [p.device for p in plans] == ["cpu"]
+
+
+@pytest.mark.parametrize("kw,code,fragment", [
+    (dict(device="cuda", gpus=[]), EXIT_ENVIRONMENT, "no GPU is visible"),
+    (dict(device="cuda", gpus=gpus(0.1)), EXIT_ENVIRONMENT, "every visible GPU is busy"),
+    (dict(device="auto", gpus=gpus(50, 50), workers=3), EXIT_CONFIG, "--workers 3: only 2 usable GPU(s)"),
+])
+def test_impossible_plans_are_startup_errors(kw, code, fragment):
+    with pytest.raises(StartupError) as info:
+        plan_workers(**kw)
+    assert info.value.exit_code == code and fragment in info.value.message
+
+
+def test_nvidia_smi_rows_filtered_by_cuda_visible_devices():
+    text = "0, GPU-aaa, 81000, 81559\n1, GPU-bbb, 1000, 81559\n2, GPU-ccc, 40000, 81559\n"
+    assert [g.id for g in parse_nvidia_smi(text, None)] == ["GPU-aaa", "GPU-bbb", "GPU-ccc"]
+    assert parse_nvidia_smi(text, visible_ids("2,GPU-aaa")) == [Gpu("GPU-ccc", 40000 << 20, 81559 << 20), Gpu("GPU-aaa", 81000 << 20, 81559 << 20)]
+    plans, notes = plan_workers(device="auto", gpus=parse_nvidia_smi(text, None))
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["GPU-aaa", "GPU-ccc"] and "GPU GPU-bbb left out" in notes[0]
+    assert parse_nvidia_smi(text, visible_ids("")) == []
+
+
+def test_worker_kv_budget_from_fraction_of_free_memory():
+    import torch
+
+    from services.gpuworker.model.loader import load_model
+    from services.gpuworker.build import kv_budget_bytes, pool_blocks
+    from services.gpuworker.settings import WorkerSettings
+
+    free = lambda: 10 * GIB  # noqa: E731
+    assert kv_budget_bytes(WorkerSettings(), "cuda", free) == int(0.9 * 10 * GIB)  # CUDA default
+    assert kv_budget_bytes(WorkerSettings(kv_memory_fraction=0.5), "cpu", free) == 5 * GIB
+    assert kv_budget_bytes(WorkerSettings(kv_memory_mb=64), "cpu", free) == 64 << 20  # CPU default: the fixed budget
+    target, draft, _ = load_model("tiny")
+    per_gib = pool_blocks(WorkerSettings(), target, draft, torch.float32, 1 << 30)
+    assert pool_blocks(WorkerSettings(), target, draft, torch.float32, 2 << 30) in (2 * per_gib, 2 * per_gib + 1)
+    assert pool_blocks(WorkerSettings(num_blocks=7), target, draft, torch.float32, 1 << 30) == 7
+    assert pool_blocks(WorkerSettings(max_num_blocks=100), target, draft, torch.float32, 1 << 30) == 100 < per_gib
+    with pytest.raises(InvalidArgument, match="holds no block"):
+        pool_blocks(WorkerSettings(), target, draft, torch.float32, 10)
+
+
+def test_gpus_with_a_cpu_torch_stay_on_cpu_and_missing_flashinfer_falls_back_to_torch():
+    plans, notes = plan_workers(device="auto", gpus=gpus(70, 70), cuda_torch=False)
+    assert [p.device for p in plans] == ["cpu"] and "CPU build" in notes[0]
+    with pytest.raises(StartupError) as info:
+        plan_workers(device="cuda", gpus=gpus(70), cuda_torch=False)
+    assert info.value.exit_code == EXIT_ENVIRONMENT
+    plans, notes = plan_workers(device="auto", gpus=gpus(70, 70), flashinfer=False)
+    assert {(p.device, p.backend, p.dtype) for p in plans} == {("cuda:0", "torch", "bfloat16")} and len(plans) == 2
+    assert "FlashInfer is not installed" in notes[0]
+
+
+def test_worker_command_line_carries_the_plan_and_the_passthrough_flags():
+    from services.launcher import UpSettings, worker_argv
+
+    s = UpSettings(model="/models/m", draft_model="/models/d", spec_mode="mtp")
+    gpu_plan = plan_workers(device="auto", gpus=gpus(70, 70))[0][1]
+    argv = worker_argv(s, gpu_plan, 50062, "127.0.0.1:50051")
+    joined = " ".join(argv)
+    assert "--worker-id worker1 --model /models/m --spec-mode mtp --num-blocks 0" in joined  # pools sized by fraction
+    assert "--device cuda:0 --backend flashinfer --dtype bfloat16 --kv-memory-fraction 0.9 --draft-model /models/d" in joined
+    cpu_plan = plan_workers(device="cpu", gpus=[])[0][0]
+    assert "--num-blocks 1024 --device cpu --backend torch --dtype float32" in " ".join(worker_argv(UpSettings(), cpu_plan, 0, "x:1"))
