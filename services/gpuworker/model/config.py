@@ -12,7 +12,7 @@ from services.common.spec import SpecMode, lookahead_span
 # Byte-level tokenizer layout of the tiny model: ids 0..255 are bytes, then the specials; the rest
 # of the vocabulary is unused padding to a round size. Defined with the tokenizer (shared with the
 # router) so both sides agree.
-from services.common.tokenizer import TINY_BOS_ID, TINY_EOS_ID, TINY_PAD_ID, TINY_VOCAB_SIZE  # noqa: E402
+from services.common.tokenizer import TINY_BOS_ID, TINY_EOS_ID, TINY_VOCAB_SIZE  # noqa: E402
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
