@@ -66,13 +66,15 @@ class FlashInferOps(TorchOps):
         self._fi = flashinfer
         self._cos_sin: dict[int, torch.Tensor] = {}  # id(rope) -> [max_seq_len, head_dim] float32
 
+    # The kernels launch a grid per row: an empty batch (a fill or chain with no rows this step)
+    # is an invalid launch, so empty and float32 inputs take the reference path.
     def rms_norm(self, x, weight, eps):
-        if x.dtype == torch.float32 or x.dim() != 2:
+        if x.dtype == torch.float32 or x.dim() != 2 or x.shape[0] == 0:
             return super().rms_norm(x, weight, eps)
-        return self._fi.norm.rmsnorm(x, weight, eps)
+        return self._fi.norm.rmsnorm(x.contiguous(), weight, eps)
 
     def rope_(self, rope, q, k, positions):
-        if q.dtype == torch.float32:
+        if q.dtype == torch.float32 or q.shape[0] == 0:
             return super().rope_(rope, q, k, positions)
         cache = self._cos_sin.get(id(rope))
         if cache is None:
@@ -86,9 +88,9 @@ class FlashInferOps(TorchOps):
         return q, k
 
     def silu_and_mul(self, gate_up):
-        if gate_up.dtype == torch.float32:
+        if gate_up.dtype == torch.float32 or gate_up.shape[0] == 0:
             return super().silu_and_mul(gate_up)
-        return self._fi.activation.silu_and_mul(gate_up)
+        return self._fi.activation.silu_and_mul(gate_up.contiguous())
 
 
 TORCH_OPS = TorchOps()

@@ -45,3 +45,16 @@ def test_fused_ops_match_the_torch_reference(models):
     assert rel_err(new_d, ref_d) < 2e-2
     assert rel_err(new_kv, ref_kv) < 2e-2  # RoPE'd keys written to the same pages
     assert (new_t.argmax(-1) == ref_t.argmax(-1)).float().mean() > 0.97
+
+
+def test_fused_ops_take_empty_and_strided_rows():
+    """A step may norm zero rows (a fill with nothing new) or a strided slice: the kernels would
+    fail the launch, so the ops must still answer like the reference."""
+    ops, ref = get_ops("flashinfer"), get_ops("torch")
+    w = torch.randn(64, device=DEV, dtype=torch.bfloat16)
+    empty = torch.empty(0, 64, device=DEV, dtype=torch.bfloat16)
+    assert ops.rms_norm(empty, w, 1e-5).shape == (0, 64)
+    assert ops.silu_and_mul(torch.empty(0, 128, device=DEV, dtype=torch.bfloat16)).shape == (0, 64)
+    wide = torch.randn(5, 128, device=DEV, dtype=torch.bfloat16)
+    strided = wide[:, :64]
+    assert rel_err(ops.rms_norm(strided, w, 1e-5), ref.rms_norm(strided, w, 1e-5)) < 1e-2
