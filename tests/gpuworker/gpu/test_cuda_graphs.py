@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from services.common.tokenizer import BYTE_TOKENIZER_MARKER
+from services.common.tokenizer import BYTE_TOKENIZER_MARKER, TINY_VOCAB_SIZE
 from services.gpuworker.attention.base import get_backend
 from services.gpuworker.engine.capacity import LocalBlockSource
 from services.gpuworker.engine.engine import Engine, EngineConfig
@@ -59,10 +59,11 @@ def test_graph_replay_equals_eager(models, k):
 def write_checkpoint(folder) -> str:
     """A random Llama with FlashInfer's head size (128), written by transformers; the loader
     gives it a seeded random EAGLE-3 draft (no tandem_draft.json in the folder). A byte-sized
-    vocabulary lets the router use its built-in byte tokenizer for the streamed text."""
+    vocabulary lets the router use its built-in byte tokenizer (the router refuses a worker whose
+    vocabulary differs from its tokenizer's)."""
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+    config = transformers.LlamaConfig(vocab_size=TINY_VOCAB_SIZE, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                                       max_position_embeddings=1024)
     torch.manual_seed(0)
