@@ -105,3 +105,24 @@ def test_published_blocks_with_sampling(mode):
     for i, p in enumerate(ps):
         c = done[f"s{i}"]
         assert watch.check(f"s{i}", p + c.tokens, mode) == c.publishable_positions // BS >= 3
+
+
+def test_plain_decoding_fills_the_draft_once_per_block():
+    """k = 0 needs draft KV only to publish whole blocks: the fill waits for a block boundary
+    (or the end) instead of running a draft forward per token, and what it publishes is still
+    the reference KV (checked by ``watch``)."""
+    setup = make_setup("eagle3", chunk_size=64, max_batch_tokens=64)
+    watch = PublishWatcher(setup, 1)
+    fills = []
+    drafter = setup.engine.drafter
+    real = drafter._fill_eagle
+    drafter._fill_eagle = lambda run: (fills.append(len(run)), real(run))[1]
+    prompt = prompts((6,), seed=7)[0]
+    submit(setup, "plain", prompt, max_new_tokens=21, k=0)
+    done = run_until_done(setup, keep=["plain"], on_step=watch)
+    c = done["plain"]
+    assert len(c.tokens) == 21
+    assert c.publishable_positions == len(prompt) + 21 - 1
+    # prefill once, then one fill per block crossed (plus the final one), not 20 per-token fills
+    assert len(fills) <= 1 + -(-21 // BS) + 1, fills
+    assert watch.check("plain", prompt + c.tokens, "eagle3") == c.publishable_positions // BS

@@ -146,6 +146,11 @@ class DraftRunner:
             drafting = job.wanted > 0 and T == known - 1
             hi = T if drafting else min(T, known - self.span)
             new_f = max(F, min(T, known - self.span))
+            if self._deferred(job, F, new_f):
+                # clone: a lone view would keep the whole step's hidden tensor alive
+                s.pending_hidden = rows.clone() if rows is job.new_rows and rows is not None else rows
+                s.drafts, s.draft_probs, s.chain_hidden = None, None, None
+                continue
             if hi > F:
                 run.append((job, F, hi, rows[: hi - F]))
                 written[s.request_id] = (F, hi)
@@ -160,6 +165,21 @@ class DraftRunner:
             else:
                 self._fill_mtp(run)
         return written
+
+    @staticmethod
+    def _deferred(job: FillJob, F: int, new_f: int) -> bool:
+        """Whether a fill may wait: a plain-decoding request (no proposals wanted) needs its draft
+        KV only for publishing, and only whole blocks are published, so its rows are kept in
+        ``pending_hidden`` until a block boundary is crossed (or the request ends). This turns a
+        draft forward per token into one per block for k = 0 traffic::
+
+            F ─ pending rows ─▶ new_f        same block: wait     crosses a boundary: fill [F, hi)
+        """
+        s = job.state
+        if job.wanted > 0 or s.finished or s.in_prefill:
+            return False
+        bs = s.block_size
+        return new_f > F and new_f // bs == F // bs
 
     def _layout(self, run) -> BatchLayout:
         return BatchLayout(
