@@ -26,6 +26,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from services.gpuworker.engine.fence import COMPLETE, StepFence
+
 log = logging.getLogger(__name__)
 
 Done = Callable[[Any], None]  # receives the result, or the exception the call raised
@@ -37,7 +39,7 @@ class KVStoreCourier:
 
     def __init__(self, name: str = "kvstore-courier"):
         self._cond = threading.Condition()
-        self._todo: collections.deque = collections.deque()  # (fn, on_done, kind)
+        self._todo: collections.deque = collections.deque()  # (fn, on_done, kind, after)
         self._done: collections.deque = collections.deque()  # (result, on_done, kind), FIFO
         self._in_flight: collections.Counter = collections.Counter()  # kind -> sent, not drained
         self._closed = False
@@ -46,13 +48,15 @@ class KVStoreCourier:
 
     # -- engine thread ----------------------------------------------------------------------------
 
-    def send(self, fn: Callable[[], Any], on_done: Done | None = None, kind: str = "other") -> None:
-        """Queue ``fn`` (a blocking kvstore call). Its result (or exception) reaches ``on_done``
-        at a later :meth:`drain`."""
+    def send(self, fn: Callable[[], Any], on_done: Done | None = None, kind: str = "other",
+             after: StepFence = COMPLETE) -> None:
+        """Queue ``fn`` (a blocking kvstore call), to run once ``after`` completed (the fence of
+        the step that last wrote blocks ``fn`` frees: the courier thread waits, not the engine).
+        Its result (or exception) reaches ``on_done`` at a later :meth:`drain`."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("the kvstore courier is closed")
-            self._todo.append((fn, on_done, kind))
+            self._todo.append((fn, on_done, kind, after))
             self._in_flight[kind] += 1
             self._cond.notify_all()
 
@@ -110,8 +114,9 @@ class KVStoreCourier:
                 self._cond.wait_for(lambda: self._todo or self._closed)
                 if not self._todo:
                     return
-                fn, on_done, kind = self._todo.popleft()
+                fn, on_done, kind, after = self._todo.popleft()
             try:
+                after.wait()
                 result = fn()
             except Exception as exc:  # noqa: BLE001 - handed to on_done, which decides
                 result = exc

@@ -29,6 +29,7 @@ from services.common.errors import (
 )
 from services.common.spec import SpecMode
 from services.common.wire import spec_mode_to_proto, tokens_to_proto
+from services.gpuworker.engine.fence import COMPLETE, StepFence
 from services.gpuworker.kvstore_courier import KVStoreCourier
 from tandem.kvstore.v1 import kvstore_pb2 as kv
 from tandem.kvstore.v1 import kvstore_pb2_grpc
@@ -187,9 +188,10 @@ class ReservationBlockSource:
             return {rid: exc for rid in rids}
         return capacity_answers(rids, results)
 
-    def trim(self, keeps: dict[str, int]) -> dict[str, list[int]]:
-        """Sent, not waited for: the engine cuts its tables as asked (answers nothing). A failed
-        trim leaves the reservation as it was: keeping blocks is always safe."""
+    def trim(self, keeps: dict[str, int], *, after: StepFence = COMPLETE) -> dict[str, list[int]]:
+        """Sent once ``after`` completed, not waited for: the engine cuts its tables as asked
+        (answers nothing). A failed trim leaves the reservation as it was: keeping blocks is
+        always safe."""
         rids, items = self._items(keeps)
 
         def done(results) -> None:
@@ -200,7 +202,7 @@ class ReservationBlockSource:
                 if result.code != 0:
                     log.warning("trim of %s failed: %s", rid, result.message)
 
-        self._courier.send(lambda: self._link.trim(items), done, kind="trim")
+        self._courier.send(lambda: self._link.trim(items), done, kind="trim", after=after)
         return {}
 
 

@@ -10,8 +10,9 @@ which sends them in order on its own thread while the engine keeps stepping: Pub
 blocks become final (so concurrent requests can reuse them early), Extend ahead of need (a
 watermark of headroom, in chunks), Release when a request ends, Abort on failure or cancellation.
 A step waits for the kvstore only when a request has truly run out of capacity. Every verb that
-frees blocks is sent after the step that last wrote them has completed on the device (``_sync``),
-as DESIGN §2 requires; answers are applied on this thread, in the order the verbs were sent.
+frees blocks is sent after the step that last wrote them has completed on the device, as DESIGN
+§2 requires: the courier thread waits on that step's fence (``engine/fence.py``), so the engine
+thread never waits for the device except for a step's accept/reject verdict; answers are applied on this thread, in the order the verbs were sent.
 """
 
 from __future__ import annotations
@@ -183,8 +184,7 @@ class EngineRunner:
                 continue
             try:
                 started = time.perf_counter()
-                report = self.engine.step()
-                self._sync()
+                report = self.engine.step()  # its device tail is fenced, not waited for (fence.py)
                 elapsed_s = time.perf_counter() - started
             except Exception as exc:  # a bug or a device failure: fail every request, keep serving
                 log.exception("engine step failed")
@@ -274,8 +274,10 @@ class EngineRunner:
         job.known_tokens = len(job.tokens)
         job.publish_sent_blocks = blocks
         rid, res_id, inc, final = job.spec.request_id, job.reservation_id, job.incarnation, result.publishable_positions
+        # a Publish may free our copy of a deduplicated block: after the step that wrote it
         self.courier.send(lambda: self.link.publish(res_id, inc, new_tokens, final),
-                          lambda response: self._published(rid, response), kind="publish")
+                          lambda response: self._published(rid, response), kind="publish",
+                          after=self.engine.last_fence)
 
     def _published(self, rid: str, response) -> None:
         """A Publish answered (engine thread; possibly inside a step's blocking Extend, so
@@ -332,7 +334,7 @@ class EngineRunner:
             self._disown(rid)
 
         self.courier.send(lambda: self.link.release(job.reservation_id, job.incarnation, new_tokens, final),
-                          released, kind="release")
+                          released, kind="release", after=self.engine.last_fence)
         self._outbox.post(job, "done", result.finish_reason, self._usage(job))
 
     def _fail(self, rid: str, exc: Exception) -> None:
@@ -340,7 +342,6 @@ class EngineRunner:
         if self.engine_has(rid):
             self.engine.abort(rid)
         self.source.unbind(rid)
-        self._sync()  # the last step that wrote these blocks must be complete before they are freed
         self._send_abort(job)
         self._outbox.post(job, "error", exc)
 
@@ -352,7 +353,9 @@ class EngineRunner:
                 log.warning("abort of %s failed: %s", job.reservation_id, response)
             self._disown(rid)
 
-        self.courier.send(lambda: self.link.abort(job.reservation_id, job.incarnation), aborted, kind="abort")
+        # freed only once the last step that may have written these blocks completed
+        self.courier.send(lambda: self.link.abort(job.reservation_id, job.incarnation), aborted, kind="abort",
+                          after=self.engine.last_fence)
 
     def engine_has(self, rid: str) -> bool:
         return rid in self.engine.request_ids()

@@ -61,3 +61,40 @@ def test_closed_courier_refuses_new_calls():
     c.close()
     with pytest.raises(RuntimeError):
         c.send(lambda: None)
+
+
+class GatedFence:
+    """A step fence the test completes by hand (on the GPU it is a CUDA event: see the gpu tests)."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+
+    def wait(self) -> None:
+        assert self.gate.wait(5), "fence never completed"
+
+    def done(self) -> bool:
+        return self.gate.is_set()
+
+
+def test_a_freeing_verb_waits_for_its_step_fence_off_the_engine_thread(courier):
+    """Release/Abort/Trim go out only after the step that wrote the blocks completed (DESIGN §2),
+    and the engine thread is not the one that waits: send returns at once."""
+    fence, ran = GatedFence(), []
+    t0 = time.monotonic()
+    courier.send(lambda: ran.append("release"), kind="release", after=fence)
+    courier.send(lambda: ran.append("publish"), kind="publish")  # FIFO: after the release
+    assert time.monotonic() - t0 < 1.0
+    time.sleep(0.1)
+    assert ran == [] and courier.in_flight("release") == 1
+    fence.gate.set()
+    assert courier.wait_idle(5)
+    assert ran == ["release", "publish"]
+
+
+def test_cpu_steps_report_a_complete_fence():
+    from services.gpuworker.engine.fence import StepFence
+    import torch
+
+    fence = StepFence.record(torch.device("cpu"))
+    assert fence.done()
+    fence.wait()  # returns at once

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from typing import Protocol, runtime_checkable
 
 from services.common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from services.gpuworker.engine.fence import COMPLETE, StepFence
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -36,14 +37,15 @@ class BlockSource(Protocol):
       is atomic: the answer per request is its full new block table (old blocks first, unchanged)
       or the exception that item failed with (``ResourceExhausted``, ``NotFound``); a failed item
       changes nothing. Mutates the source's allocation state.
-    * ``trim(keeps)``: shrink each listed request to ``ceil(keeps[rid] / block_size)`` blocks,
-      freeing the tail; returns the new tables. Only called after the step that last wrote those
-      blocks has completed. Mutates the source's allocation state.
+    * ``trim(keeps, after=fence)``: shrink each listed request to ``ceil(keeps[rid] / block_size)``
+      blocks, freeing the tail once ``after`` (the fence of the step that last wrote them,
+      ``fence.py``) has completed; returns the new tables, or nothing when the trim is sent
+      asynchronously (the engine then cuts its tables as asked). Mutates the allocation state.
     """
 
     def extend(self, wants: dict[str, int]) -> dict[str, list[int] | Exception]: ...
 
-    def trim(self, keeps: dict[str, int]) -> dict[str, list[int]]: ...
+    def trim(self, keeps: dict[str, int], *, after: StepFence = COMPLETE) -> dict[str, list[int]]: ...
 
 
 class LocalBlockSource:
@@ -127,7 +129,8 @@ class LocalBlockSource:
             out[rid] = list(table)
         return out
 
-    def trim(self, keeps: dict[str, int]) -> dict[str, list[int]]:
+    def trim(self, keeps: dict[str, int], *, after: StepFence = COMPLETE) -> dict[str, list[int]]:
+        after.wait()  # in-process and synchronous: free only what the device has finished with
         self.trim_calls.append(dict(keeps))
         out: dict[str, list[int]] = {}
         for rid, positions in keeps.items():

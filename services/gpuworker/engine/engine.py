@@ -34,6 +34,7 @@ from services.gpuworker.attention.base import AttentionBackend, AttentionKind, B
 from services.gpuworker.engine.acceptance import accept_greedy, accept_sampled_batch
 from services.gpuworker.engine.capacity import BlockSource, blocks_for
 from services.gpuworker.engine.drafting import DraftRunner, FillJob
+from services.gpuworker.engine.fence import COMPLETE, StepFence
 from services.gpuworker.engine.graphs import ForwardGraphs, buckets_up_to
 from services.gpuworker.engine.report import RequestStepResult, StepReport
 from services.gpuworker.engine.request import FinishReason, RequestSpec, RequestState
@@ -148,6 +149,8 @@ class Engine:
         self.max_seq_len = min(config.max_seq_len or model_max, model_max)
         self._states: dict[str, RequestState] = {}
         self._arrivals = 0
+        # completion of the last step's device work: a block it wrote is freed only after it
+        self.last_fence: StepFence = COMPLETE
 
     def _make_graphs(self, target: TargetModel, draft: DraftModel | None, draft_pool: KVPool | None) -> ForwardGraphs | None:
         """The padded/captured uniform forwards (None with ``graphs="off"``): the target over
@@ -374,12 +377,11 @@ class Engine:
             for rid, rng in filled.items():
                 written[rid].append(rng)
             draft_tokens = sum(hi - lo for lo, hi in filled.values())
-        # The step is complete on the device only once synchronized; blocks may be given back
-        # (trim) only after that (DESIGN §2).
+        # Blocks may be given back (trim) only after the step completed on the device (DESIGN
+        # §2): the fence travels with the trim instead of stopping the host here (fence.py).
         blocks_written = {rid: self._blocks_of(self._states[rid], rngs) for rid, rngs in written.items()}
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        trim_keeps = self._trim(states)
+        self.last_fence = fence = StepFence.record(self.device)
+        trim_keeps = self._trim(states, fence)
 
         for s in states:
             rid = s.request_id
@@ -407,7 +409,7 @@ class Engine:
             if s.finished:
                 del self._states[rid]
         return StepReport(results=results, extend_wants=extend_wants, trim_keeps=trim_keeps,
-                          target_tokens=target_tokens, draft_tokens=draft_tokens)
+                          target_tokens=target_tokens, draft_tokens=draft_tokens, fence=fence)
 
     # -- 0. capacity ------------------------------------------------------------------------------
 
@@ -638,8 +640,9 @@ class Engine:
 
     # -- E. trim -------------------------------------------------------------------------------------
 
-    def _trim(self, states: Iterable[RequestState]) -> dict[str, int]:
-        """One batched trim of blocks no later step of a live request will write."""
+    def _trim(self, states: Iterable[RequestState], fence: StepFence) -> dict[str, int]:
+        """One batched trim of blocks no later step of a live request will write (freed by the
+        source once ``fence`` completed)."""
         keeps: dict[str, int] = {}
         for s in states:
             if s.finished:
@@ -651,7 +654,7 @@ class Engine:
                 keeps[s.request_id] = keep
         if keeps:
             # a source that trims asynchronously answers nothing: the table is cut as asked
-            tables = self.block_source.trim(dict(keeps)) or {}
+            tables = self.block_source.trim(dict(keeps), after=fence) or {}
             for rid, keep in keeps.items():
                 s = self._states[rid]
                 table = tables.get(rid)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from services.gpuworker.engine.fence import COMPLETE, StepFence
+
 from services.gpuworker.engine.request import FinishReason
 
 
@@ -60,6 +62,8 @@ class StepReport:
     trim_keeps: dict[str, int]  # the one batched trim call (empty: no call)
     target_tokens: int  # tokens fed to the target (budgeted)
     draft_tokens: int  # tokens fed to draft layers (catch-up + chain)
+    # completes when the step's device work has: free nothing it wrote before (fence.py)
+    fence: StepFence = COMPLETE
 
     @property
     def finished(self) -> list[str]:

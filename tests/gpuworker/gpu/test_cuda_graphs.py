@@ -137,3 +137,15 @@ def test_served_path_equals_engine_alone_and_warms_up_first(tmp_path, k):
         submit(setup, f"r{i}", p, max_new_tokens=16, k=k)
         alone_tokens.append(run_until_done(setup)[f"r{i}"].tokens)
     assert served == alone_tokens
+
+
+def test_step_fence_completes_after_the_work_queued_before_it():
+    from services.gpuworker.engine.fence import StepFence
+
+    a = torch.randn(4096, 4096, device=DEV)
+    for _ in range(20):
+        a = a @ a / 64
+    fence = StepFence.record(torch.device(DEV))
+    fence.wait()
+    assert fence.done()
+    assert torch.isfinite(a).all()

@@ -1,0 +1,47 @@
+"""Step fences: "the GPU step that last wrote these blocks has completed", without stopping the host.
+
+DESIGN §2 lets a worker free blocks (Trim, Release, Abort) only after the step that last wrote them
+completed on the device. Blocking the engine thread on ``torch.cuda.synchronize`` for that would
+serialize host and device every step; instead each step records a fence (a CUDA event at the end of
+its work on the stream) and whoever sends a freeing verb waits on the fence first — the kvstore
+courier thread, off the step::
+
+    engine thread   step N: launch ─ verdict ─ launch fill ─ record fence N ─┐  step N+1: plan, launch …
+    device                    [ target N ][ fill N ]·fence N                 │
+    courier thread                                   wait(fence N) ─────────▶ Trim / Release / Abort
+
+The only host-device synchronisation left in a step is the accept/reject verdict.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StepFence:
+    """Completion of the device work queued before it. ``wait`` blocks until then (any thread);
+    ``done`` polls. On the CPU every fence is complete when made (the work ran synchronously)."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event: torch.cuda.Event | None = None):
+        self._event = event
+
+    @classmethod
+    def record(cls, device: torch.device) -> "StepFence":
+        """A fence after everything queued so far on ``device``'s current stream."""
+        if device.type != "cuda":
+            return COMPLETE
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return cls(event)
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+
+COMPLETE = StepFence()
