@@ -140,7 +140,7 @@ class DraftRunner:
         written: dict[str, tuple[int, int]] = {}
         for job in jobs:
             s = job.state
-            known, T, F = s.logical_len, s.target_len, s.draft_len
+            known, T, F = s.known_len, s.target_len, s.draft_len  # a pending token is not known yet
             parts = [x for x in (s.pending_hidden, job.new_rows) if x is not None and x.shape[0] > 0]
             rows = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None)
             drafting = job.wanted > 0 and T == known - 1
@@ -176,7 +176,7 @@ class DraftRunner:
             F ─ pending rows ─▶ new_f        same block: wait     crosses a boundary: fill [F, hi)
         """
         s = job.state
-        if job.wanted > 0 or s.finished or s.in_prefill:
+        if job.wanted > 0 or s.finished or s.last_step or s.in_prefill:
             return False
         bs = s.block_size
         return new_f > F and new_f // bs == F // bs

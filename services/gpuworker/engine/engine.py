@@ -37,7 +37,7 @@ from services.gpuworker.engine.drafting import DraftRunner, FillJob
 from services.gpuworker.engine.fence import COMPLETE, StepFence
 from services.gpuworker.engine.graphs import ForwardGraphs, buckets_up_to
 from services.gpuworker.engine.report import RequestStepResult, StepReport
-from services.gpuworker.engine.request import FinishReason, RequestSpec, RequestState
+from services.gpuworker.engine.request import PENDING, FinishReason, RequestSpec, RequestState
 from services.gpuworker.engine.sampling import SamplingParams, draw_uniforms, make_generator, probs_from_logits, sample_rows
 from services.gpuworker.engine.scheduler import ScheduledWork, draft_budget, schedule
 from services.gpuworker.kv.pool import KVPool
@@ -69,6 +69,11 @@ class EngineConfig:
       ``"off"`` neither. Both others keep the pools' LAST page as the scratch page of padding
       rows: the block source must hand out ids below ``Engine.num_blocks`` only.
     * ``graph_max_batch``: the largest bucket (None = ``max_batch_size``).
+    * ``overlap``: overlapped steps. When every row of a step is a plain greedy decode (k = 0,
+      no drafts), its tokens stay on the device: the next step is launched with them as inputs
+      before the host reads them back (one step later), so the host plans step N+1 while the
+      device runs step N. Output is token-identical; a stop token is then seen one step late
+      (that step's extra token is dropped, never emitted).
     """
 
     max_batch_tokens: int = 256
@@ -80,6 +85,7 @@ class EngineConfig:
     trim_policy: str = "unneeded"
     graphs: str = "off"
     graph_max_batch: int | None = None
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "max_batch_size"):
@@ -151,6 +157,7 @@ class Engine:
         self._arrivals = 0
         # completion of the last step's device work: a block it wrote is freed only after it
         self.last_fence: StepFence = COMPLETE
+        self._lagging: _LaggingTokens | None = None  # overlap: the last step's tokens, on their way
 
     def _make_graphs(self, target: TargetModel, draft: DraftModel | None, draft_pool: KVPool | None) -> ForwardGraphs | None:
         """The padded/captured uniform forwards (None with ``graphs="off"``): the target over
@@ -353,8 +360,8 @@ class Engine:
         block source. Finished requests are reported once and dropped."""
         cfg = self.config
         states = sorted(self._states.values(), key=lambda s: s.arrival)
-        work = schedule(states, max_batch_tokens=cfg.max_batch_tokens, max_batch_size=cfg.max_batch_size,
-                        chunk_size=cfg.chunk_size, max_seq_len=self.max_seq_len)
+        work = schedule([s for s in states if not s.last_step], max_batch_tokens=cfg.max_batch_tokens,
+                        max_batch_size=cfg.max_batch_size, chunk_size=cfg.chunk_size, max_seq_len=self.max_seq_len)
         cap_before = {s.request_id: s.capacity for s in states}
         results: dict[str, RequestStepResult] = {}
         written: dict[str, list[tuple[int, int]]] = {s.request_id: [] for s in states}
@@ -362,6 +369,10 @@ class Engine:
         verified: dict[str, tuple[int, int]] = {}
         errors: dict[str, Exception] = {}
 
+        if self._lagging is not None and any(w.needed_capacity > w.state.capacity for w in work):
+            # an extend may end a request for want of capacity: first learn whether it had stopped
+            self._resolve_lagging(emitted)
+            work = [w for w in work if not w.state.finished]
         extend_wants = self._reserve(work, errors)
         work = [w for w in work if not w.state.finished]
         prefilled = {w.state.request_id: w.num_target_tokens for w in work if w.is_prefill}
@@ -369,8 +380,15 @@ class Engine:
             self._chain(work, written)
         target_tokens = sum(w.num_target_tokens for w in work)
         fill_jobs: list[FillJob] = []
-        if work:
-            fill_jobs = self._target_and_accept(work, written, emitted, verified)
+        launched = self._run_target(work, written) if work else None
+        # the previous step's tokens, read back while the device runs this step's target forward
+        self._resolve_lagging(emitted)
+        if launched is not None:
+            fill_jobs = self._accept(work, *launched, emitted, verified)
+        if self.drafter is not None:  # ended on a read-back token outside this step: final fill
+            in_work = {w.state.request_id for w in work}
+            fill_jobs += [FillJob(self._states[rid], None, 0) for rid in emitted
+                          if rid not in in_work and self._states[rid].finished]
         draft_tokens = 0
         if self.drafter is not None and fill_jobs:
             filled = self.drafter.fill(fill_jobs)
@@ -466,11 +484,6 @@ class Engine:
 
     # -- B + C. target forward and acceptance ----------------------------------------------------
 
-    def _target_and_accept(self, work, written, emitted, verified) -> list[FillJob]:
-        """B + C for the whole batch; returns the fill jobs for D. Mutates the states."""
-        logits, cond, picks = self._run_target(work, written)
-        return self._accept(work, logits, cond, picks, emitted, verified)
-
     def _run_target(self, work: list[ScheduledWork], written):
         """B: one target forward over every scheduled request (request-major). Returns the logits,
         the draft conditioning rows (aux / final hidden, all T rows) and, per request that gets
@@ -485,6 +498,8 @@ class Engine:
                 ids.append(torch.tensor(s.tokens[s.target_len : w.prefill_end], dtype=torch.long, device=dev))
                 if w.prefill_end == s.num_prompt:
                     logit_rows.append(row + w.num_target_tokens - 1)
+            elif s.pending_token is not None:  # overlap: the last step's token, still on the device
+                ids.append(s.pending_token)
             else:
                 ids.append(torch.tensor(s.tokens[-1:], dtype=torch.long, device=dev))
                 if w.num_drafts:  # proposals stay on the device: no host round trip
@@ -531,8 +546,12 @@ class Engine:
         greedy decision), stop rules, new lengths; builds the fill jobs. Mutates the states."""
         argmax = torch.argmax(logits, dim=-1) if logits.shape[0] else None
         sampled = [w for w in work if w.state.request_id in picks and not w.state.spec.sampling.greedy]
+        lagging = None
+        if self.config.overlap and argmax is not None and all(self._may_lag(w) for w in work):
+            # no row needs a token value now: leave them on the device (see EngineConfig.overlap)
+            lagging = _LaggingTokens(argmax)
         sampled_tokens = self._sample_or_verify(sampled, logits, picks)
-        greedy_host = argmax.tolist() if argmax is not None else []
+        greedy_host = argmax.tolist() if argmax is not None and lagging is None else []
         draft_host = {w.state.request_id: w.state.drafts[: w.num_drafts].tolist()
                       for w in work if not w.is_prefill and w.num_drafts and w.state.spec.sampling.greedy}
 
@@ -542,7 +561,19 @@ class Engine:
             s = w.state
             rid = s.request_id
             t_old = s.target_len
-            if w.is_prefill:
+            if s.finished:
+                pass  # overlap: its previous token, read back this step, was a stop; drop this one
+            elif lagging is not None:
+                first, _count = picks[rid]
+                s.tokens.append(PENDING)
+                s.pending_token = argmax[first : first + 1]
+                lagging.entries.append((s, first))
+                verified[rid] = (0, 0)
+                s.decode_steps += 1
+                # count-based ends are known now; a stop token only when the value is read back
+                s.last_step = s.num_generated >= s.spec.max_new_tokens or s.logical_len >= self.max_seq_len
+                s.target_len = s.logical_len - 1
+            elif w.is_prefill:
                 s.target_len = w.prefill_end
                 if rid in picks:
                     tok = sampled_tokens[rid][1] if rid in sampled_tokens else (greedy_host[picks[rid][0]],)
@@ -571,7 +602,32 @@ class Engine:
             if not s.finished and not s.in_prefill and s.spec.k > 0:
                 wanted = min(draft_budget(s, self.max_seq_len), self.drafter.num_layers)
             jobs.append(FillJob(s, new_rows, wanted))
+        if lagging is not None:
+            self._lagging = lagging
         return jobs
+
+    @staticmethod
+    def _may_lag(w: ScheduledWork) -> bool:
+        """A row whose token the host need not see before the next step: a plain greedy decode."""
+        s = w.state
+        return (not w.is_prefill and w.num_drafts == 0 and s.spec.k == 0 and s.spec.sampling.greedy
+                and not s.finished)
+
+    def _resolve_lagging(self, emitted: dict[str, list[int]]) -> None:
+        """Read back the last step's lagging tokens (waits for that step's forward, normally done
+        by now): put them in place of the placeholders, emit them, apply the stop rules."""
+        lag, self._lagging = self._lagging, None
+        if lag is None:
+            return
+        values = lag.values()
+        for s, row in lag.entries:
+            if self._states.get(s.request_id) is not s or s.pending_token is None:
+                continue  # aborted meanwhile
+            token = values[row]
+            s.tokens[-1] = token
+            s.pending_token = None
+            emitted.setdefault(s.request_id, []).append(token)
+            self._check_finished(s, token)
 
     def _forced(self, num_drafts: int) -> int | None:
         a = self.config.forced_acceptance
@@ -624,19 +680,22 @@ class Engine:
     def _append(self, s: RequestState, tokens: list[int]) -> list[int]:
         """Append accepted tokens until a stop condition; sets ``finish_reason``. Mutates ``s``."""
         emitted = []
-        stops = set(s.spec.stop_ids)
         for t in tokens:
             s.tokens.append(int(t))
             emitted.append(int(t))
-            if t in stops:
-                s.finish_reason = FinishReason.STOP
-            elif s.num_generated >= s.spec.max_new_tokens:
-                s.finish_reason = FinishReason.LENGTH
-            elif s.logical_len >= self.max_seq_len:
-                s.finish_reason = FinishReason.MAX_SEQ_LEN
+            self._check_finished(s, int(t))
             if s.finished:
                 break
         return emitted
+
+    def _check_finished(self, s: RequestState, token: int) -> None:
+        """Stop rules after ``token`` became the request's newest token. Mutates ``s``."""
+        if token in s.spec.stop_ids:
+            s.finish_reason = FinishReason.STOP
+        elif s.num_generated >= s.spec.max_new_tokens:
+            s.finish_reason = FinishReason.LENGTH
+        elif s.logical_len >= self.max_seq_len:
+            s.finish_reason = FinishReason.MAX_SEQ_LEN
 
     # -- E. trim -------------------------------------------------------------------------------------
 
@@ -675,3 +734,21 @@ class Engine:
                 for i in range(lo // bs, (hi - 1) // bs + 1):
                     ids.add(s.block_table[i])
         return sorted(ids)
+
+
+class _LaggingTokens:
+    """One overlapped step's greedy tokens on their way to the host: an asynchronous copy into
+    pinned memory and the fence after it; ``entries`` are (request state, row) pairs."""
+
+    def __init__(self, tokens: torch.Tensor):
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+        else:
+            self._host = tokens.clone()  # the CPU computed it already
+        self._fence = StepFence.record(tokens.device)
+        self.entries: list[tuple[RequestState, int]] = []
+
+    def values(self) -> list[int]:
+        self._fence.wait()
+        return self._host.tolist()

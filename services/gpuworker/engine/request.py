@@ -32,6 +32,9 @@ import torch
 from services.gpuworker.engine.sampling import GREEDY, SamplingParams
 
 
+PENDING = -1  # placeholder in RequestState.tokens for a token still on the device
+
+
 class FinishReason(enum.Enum):
     """Why a request stopped. The first three match ``tandem.worker.v1.FinishReason``."""
 
@@ -84,6 +87,13 @@ class RequestState:
     drafts: torch.Tensor | None = None
     draft_probs: torch.Tensor | None = None
     chain_hidden: torch.Tensor | None = None
+    # Overlapped steps (EngineConfig.overlap): the newest token of a plain greedy decode is left
+    # on the device (``pending_token``, int64 [1]) while the next step is launched with it as
+    # input; ``tokens[-1]`` holds PENDING until the next step reads the value back. ``last_step``
+    # marks a request whose count-based limit (max_new_tokens / max_seq_len) that token reached:
+    # it is not scheduled again, only resolved.
+    pending_token: torch.Tensor | None = None
+    last_step: bool = False
     finish_reason: FinishReason | None = None
     decode_steps: int = 0
     accepted_drafts_total: int = 0
@@ -101,6 +111,11 @@ class RequestState:
     def logical_len(self) -> int:
         """Accepted tokens: prompt + generated."""
         return len(self.tokens)
+
+    @property
+    def known_len(self) -> int:
+        """Tokens whose values the host knows: ``logical_len`` less a pending token."""
+        return len(self.tokens) - (self.pending_token is not None)
 
     @property
     def num_generated(self) -> int:
