@@ -118,6 +118,7 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         max_draft_tokens=settings.max_draft_tokens,
         forced_acceptance=settings.forced_acceptance,
         graphs=graph_mode(settings),
+        overlap=settings.overlap_steps,
     )
 
 

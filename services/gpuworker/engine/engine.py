@@ -498,10 +498,11 @@ class Engine:
                 ids.append(torch.tensor(s.tokens[s.target_len : w.prefill_end], dtype=torch.long, device=dev))
                 if w.prefill_end == s.num_prompt:
                     logit_rows.append(row + w.num_target_tokens - 1)
-            elif s.pending_token is not None:  # overlap: the last step's token, still on the device
-                ids.append(s.pending_token)
             else:
-                ids.append(torch.tensor(s.tokens[-1:], dtype=torch.long, device=dev))
+                if s.pending_token is not None:  # overlap: the last step's token, still on the device
+                    ids.append(s.pending_token)
+                else:
+                    ids.append(torch.tensor(s.tokens[-1:], dtype=torch.long, device=dev))
                 if w.num_drafts:  # proposals stay on the device: no host round trip
                     ids.append(s.drafts[: w.num_drafts])
                 logit_rows.extend(range(row, row + w.num_target_tokens))
@@ -577,7 +578,7 @@ class Engine:
                 s.target_len = w.prefill_end
                 if rid in picks:
                     tok = sampled_tokens[rid][1] if rid in sampled_tokens else (greedy_host[picks[rid][0]],)
-                    emitted[rid] = self._append(s, list(tok))
+                    emitted.setdefault(rid, []).extend(self._append(s, list(tok)))
             else:
                 first, count = picks[rid]
                 if rid in sampled_tokens:
@@ -590,7 +591,7 @@ class Engine:
                 s.decode_steps += 1
                 s.proposed_drafts_total += w.num_drafts
                 s.accepted_drafts_total += n_acc
-                emitted[rid] = self._append(s, list(toks))
+                emitted.setdefault(rid, []).extend(self._append(s, list(toks)))
                 s.target_len = s.logical_len - 1  # the newest token is fed next step
             s.drafts = s.draft_probs = s.chain_hidden = None
             new_rows = cond[row : row + (s.target_len - t_old)] if cond is not None else None
