@@ -24,12 +24,12 @@ def test_worker_flags_parse_back_to_the_engine_alone_settings(tmp_path):
     from services.gpuworker.main import add_arguments
     from services.gpuworker.settings import WorkerSettings
 
-    args = sb.parse_args([*QUICK, "--no-cuda-graphs", "--max-batch-tokens", "128"])
+    args = sb.parse_args([*QUICK, "--no-cuda-graphs", "--no-overlap-steps", "--max-batch-tokens", "128"])
     settings = sb.worker_settings(args, tmp_path, 2)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert settings_from_args(WorkerSettings, parser.parse_args(sb.settings_flags(settings))) == settings
-    assert settings.forced_acceptance == 2 and settings.cuda_graphs is False and settings.backend == "torch"
+    assert settings.forced_acceptance == 2 and settings.cuda_graphs is False and settings.overlap_steps is False and settings.backend == "torch"
 
 
 def test_level_stats_counts_each_token_of_a_message_once():
