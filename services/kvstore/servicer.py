@@ -113,6 +113,15 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: KVStore, *, event_queue: int = 4096):
         self.store = store
         self._event_queue = event_queue
+        # A durable store (``journal.JournaledStore``) says when a mutation is in Redis; the
+        # reply waits for that. The memory store has no such hook.
+        self._durable = getattr(store, "durable", None)
+
+    async def _committed(self) -> None:
+        if self._durable is not None:
+            pending = self._durable()
+            if pending is not None:
+                await pending
 
     async def RegisterWorker(self, request, context):
         spec = core.WorkerSpec(
@@ -126,13 +135,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             vocab_size=request.vocab_size,
             max_seq_len=request.max_seq_len,
         )
-        return pb.RegisterWorkerResponse(worker=_worker_info(self.store.register_worker(spec)))
+        info = self.store.register_worker(spec)
+        await self._committed()
+        return pb.RegisterWorkerResponse(worker=_worker_info(info))
 
     async def ListWorkers(self, request, context):
         return pb.ListWorkersResponse(workers=[_worker_info(w) for w in self.store.list_workers()])
 
     async def Heartbeat(self, request, context):
         left = self.store.heartbeat(request.worker_id, request.incarnation)
+        await self._committed()
         return pb.HeartbeatResponse(lease_expires_in_s=left)
 
     async def Match(self, request, context):
@@ -165,16 +177,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             r = self.store.reserve_first(candidates=[(c.worker_id, c.incarnation) for c in request.candidates], **common)
         else:
             r = self.store.reserve(worker_id=request.worker_id, incarnation=request.incarnation, **common)
+        await self._committed()
         return pb.ReserveResponse(reservation=_reservation(r))
 
     async def Extend(self, request, context):
         results = self.store.extend(_capacity_items(request.items, core.ExtendItem))
+        await self._committed()
         return pb.ExtendResponse(
             results=[_capacity_result(i.reservation_id, r) for i, r in zip(request.items, results)]
         )
 
     async def Trim(self, request, context):
         results = self.store.trim(_capacity_items(request.items, core.TrimItem))
+        await self._committed()
         return pb.TrimResponse(
             results=[_capacity_result(i.reservation_id, r) for i, r in zip(request.items, results)]
         )
@@ -186,31 +201,34 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             new_tokens=tokens_from_proto(request.new_tokens, field="new_tokens"),
             final_positions=request.final_positions,
         )
+        await self._committed()
         return pb.PublishResponse(
             reservation=_reservation(result.reservation),
             newly_published=result.newly_published,
             deduplicated=result.deduplicated,
         )
 
-    def _end(self, verb, request) -> pb.ReleaseResponse:
+    async def _end(self, verb, request) -> pb.ReleaseResponse:
         result = verb(
             reservation_id=request.reservation_id,
             incarnation=request.incarnation,
             new_tokens=tokens_from_proto(request.new_tokens, field="new_tokens"),
             final_positions=request.final_positions,
         )
+        await self._committed()
         return pb.ReleaseResponse(
             newly_published=result.newly_published, freed_blocks=result.freed_blocks, deduplicated=result.deduplicated
         )
 
     async def Release(self, request, context):
-        return self._end(self.store.release, request)
+        return await self._end(self.store.release, request)
 
     async def Suspend(self, request, context):
-        return self._end(self.store.suspend, request)
+        return await self._end(self.store.suspend, request)
 
     async def Abort(self, request, context):
         aborted = self.store.abort(reservation_id=request.reservation_id, incarnation=request.incarnation)
+        await self._committed()
         return pb.AbortResponse(aborted=bool(aborted))
 
     async def Stats(self, request, context):

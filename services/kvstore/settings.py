@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -21,3 +23,14 @@ class KVStoreSettings(BaseSettings):
         0, ge=0, description="block events kept per worker for WatchEvents (0 = events off: no keys hashed)"
     )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port on host (unset = off, 0 = any free port)")
+    backend: Literal["memory", "redis"] = Field(
+        "memory", description="where state lives: memory (this process only) or redis (durable, with standby)"
+    )
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for --backend redis: redis://HOST:PORT/DB")
+    redis_prefix: str = Field("tandem:kv:", min_length=1, description="prefix of every Redis key of this kvstore")
+    redis_lease_ms: int = Field(
+        1500, ge=200, le=60_000, description="leader lease in Redis; a standby takes over this long after the leader dies"
+    )
+    snapshot_every: int = Field(
+        20_000, ge=0, description="journal entries between snapshots in Redis (0 = never; recovery replays them all)"
+    )

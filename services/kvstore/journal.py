@@ -1,0 +1,296 @@
+"""A journal of committed kvstore transactions, replayed deterministically on recovery.
+
+``JournaledStore`` wraps a :class:`~services.kvstore.store.KVStore` without changing it. The
+core is deterministic given its inputs and its clock, so a transaction is fully described by
+(verb, arguments, clock reading): replaying the same entries in the same order onto a store
+built with the same constructor arguments reproduces the exact state — pools, free queues,
+trie, pins, eviction order, ticks, incarnations, reservation ids. Each entry also carries the
+verb's observable outcome (a digest), checked on replay, so a divergence (a core change that is
+not deterministic, a corrupted journal) is an error at recovery, never a silent difference. The
+one outcome that may legitimately differ is a reservation id drawn at random by a future core:
+replay then adopts the journaled id (``_adopt_id``).
+
+    handler ─▶ JournaledStore.reserve(...) ─▶ clock frozen at t ─▶ KVStore.reserve(...)
+                      │ success                                         │
+                      └──▶ sink(seq, entry)  (verb, t, args, digest) ◀──┘
+    recovery: snapshot (pickled store at seq S) + entries S+1.. ─▶ replay ─▶ same state
+
+Only successful mutations are journaled: a rejected call changed nothing. Lease lapses happen at
+the start of every verb (including reads); the wrapper runs ``expire_leases`` itself first with
+the same frozen clock and journals an ``expire`` entry when it dropped anyone, so reads need no
+journal entry otherwise.
+
+The clock is *journal time*: seconds that continue from the last journaled reading across
+restarts (``JournalClock``), so worker leases neither lapse during a kvstore outage nor depend
+on which machine's monotonic clock recorded them.
+
+Plain synchronous Python, no network: the Redis transport lives in ``redis_backend``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import pickle
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from services.common.errors import TandemError
+
+from .keys import token_array
+from .store import KVStore
+
+# Verbs that may change state, with the arguments that describe them. Every public method of
+# KVStore must be in exactly one of MUTATING / READ_ONLY (a test checks), so a verb added to the
+# core cannot silently escape the journal.
+MUTATING = frozenset(
+    {"register_worker", "heartbeat", "reserve", "reserve_first", "extend", "trim", "publish", "release", "suspend", "abort"}
+)
+READ_ONLY = frozenset(
+    {"list_workers", "match", "get_reservation", "stats", "check_invariants", "events_since", "view", "subscribe"}
+)
+_TOKEN_ARGS = ("tokens", "new_tokens")
+PICKLE_PROTOCOL = 5
+
+
+class JournalDiverged(RuntimeError):
+    """Replay produced another outcome than the journal recorded, or an entry is missing: the
+    recovered state cannot be trusted (internal; never shown to a client)."""
+
+
+class JournalClock:
+    """Journal time: ``base`` + seconds of this process's monotonic clock since ``resume``;
+    ``freeze`` pins the reading for the duration of one verb (and for replay)."""
+
+    def __init__(self, base: float = 0.0):
+        self._base = base
+        self._mono0 = time.monotonic()
+        self._frozen: float | None = None
+
+    def resume(self, base: float) -> None:
+        """Continue from ``base`` (the last journaled reading) from now on."""
+        self._base = base
+        self._mono0 = time.monotonic()
+
+    def live(self) -> float:
+        return self._base + (time.monotonic() - self._mono0)
+
+    def freeze(self, value: float | None) -> None:
+        self._frozen = value
+
+    def __call__(self) -> float:
+        return self._frozen if self._frozen is not None else self.live()
+
+
+def _digest(verb: str, result: Any) -> bytes:
+    """A short digest of what a verb answered (compared on replay)."""
+    return hashlib.blake2b(repr(result).encode(), digest_size=8).digest()
+
+
+def _portable(kwargs: dict) -> dict:
+    """Arguments as plain picklable values (token arrays as packed bytes)."""
+    out = dict(kwargs)
+    for name in _TOKEN_ARGS:
+        value = out.get(name)
+        if isinstance(value, np.ndarray):
+            out[name] = token_array(value).tobytes()
+    for name in ("items", "candidates"):
+        if name in out:
+            out[name] = list(out[name])
+    return out
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a store without its clock and event subscribers (process-local callables)."""
+
+    def __init__(self, file, store: KVStore):
+        super().__init__(file, protocol=PICKLE_PROTOCOL)
+        self._clock = store._clock
+        self._subscribers = store._events._subscribers
+
+    def persistent_id(self, obj):
+        if obj is self._clock:
+            return "clock"
+        if obj is self._subscribers:
+            return "subscribers"
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, clock: JournalClock):
+        super().__init__(file)
+        self._clock = clock
+
+    def persistent_load(self, pid):
+        if pid == "clock":
+            return self._clock
+        if pid == "subscribers":
+            return []
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+
+Sink = Callable[[int, bytes], None]  # (seq, encoded entry)
+
+
+class JournaledStore:
+    """A KVStore whose every committed mutation goes to ``sink`` as (seq, entry) in order.
+
+    ``store_args`` are the KVStore constructor arguments (part of the journal's genesis: replay
+    needs the same). Attribute access falls through to the store for read-only verbs."""
+
+    def __init__(self, store_args: dict, sink: Sink | None = None, *, clock: JournalClock | None = None,
+                 seq: int = 0, store: KVStore | None = None):
+        self.store_args = dict(store_args)
+        self.clock = clock or JournalClock()
+        self.store = store if store is not None else KVStore(clock=self.clock, **self.store_args)
+        self.sink = sink
+        self.seq = seq  # entries committed to this store so far (a snapshot counts for its seq)
+        self.last_time = 0.0  # the clock reading of the last entry
+        self.waiter: Callable[[int], Any] | None = None  # seq -> awaitable | None (the backend's)
+
+    def durable(self):
+        """An awaitable done once everything journaled so far is durable, or None if it is
+        already (the servicer awaits it before replying to a mutation)."""
+        return self.waiter(self.seq) if self.waiter is not None else None
+
+    # ------------------------------------------------------------------------ live operation
+    def _begin(self) -> float:
+        now = max(self.clock.live(), self.last_time)  # journal time never runs backwards
+        self.clock.freeze(now)
+        if self.store.expire_leases():
+            self._log(("expire", now, None, b"", None))
+        return now
+
+    def _log(self, entry: tuple) -> None:
+        self.seq += 1
+        self.last_time = entry[1]
+        if self.sink is not None:
+            self.sink(self.seq, pickle.dumps(entry, protocol=PICKLE_PROTOCOL))
+
+    def _mutate(self, verb: str, args: tuple, kwargs: dict):
+        now = self._begin()
+        try:
+            result = getattr(self.store, verb)(*args, **kwargs)
+        finally:
+            self.clock.freeze(None)
+        # Extend/Trim items that failed are outcomes too: the entry records the whole call.
+        self._log((verb, now, (args, _portable(kwargs)), _digest(verb, result), _reservation_id(result)))
+        return result
+
+    def _read(self, verb: str, args: tuple, kwargs: dict):
+        self._begin()
+        try:
+            return getattr(self.store, verb)(*args, **kwargs)
+        finally:
+            self.clock.freeze(None)
+
+    def expire_leases(self) -> list[str]:
+        now = max(self.clock.live(), self.last_time)
+        self.clock.freeze(now)
+        try:
+            dropped = self.store.expire_leases()
+        finally:
+            self.clock.freeze(None)
+        if dropped:
+            self._log(("expire", now, None, b"", None))
+        return dropped
+
+    def __getattr__(self, name: str):
+        if name in MUTATING:
+            return lambda *a, **kw: self._mutate(name, a, kw)
+        if name in READ_ONLY:
+            return lambda *a, **kw: self._read(name, a, kw)
+        return getattr(self.store, name)
+
+    # ------------------------------------------------------------------------ snapshots
+    def snapshot(self) -> bytes:
+        """The whole store state at ``self.seq``, pickled (read-only)."""
+        buf = io.BytesIO()
+        pickle.dump((self.seq, self.last_time, self.store_args), buf, protocol=PICKLE_PROTOCOL)
+        with _deep_recursion():  # trie nodes and runs point at their parents: pickle recurses
+            _Pickler(buf, self.store).dump(self.store)
+        return buf.getvalue()
+
+    # ------------------------------------------------------------------------ recovery
+    @classmethod
+    def recover(cls, store_args: dict, snapshot: bytes | None, entries: Iterable[tuple[int, bytes]],
+                sink: Sink | None = None, *, clock: JournalClock | None = None) -> JournaledStore:
+        """Rebuild the exact state: load ``snapshot`` (or start from genesis ``store_args``),
+        then replay ``entries`` ((seq, entry), consecutive after the snapshot's seq). The clock
+        resumes from the last journaled reading. JournalDiverged if an outcome differs or an
+        entry is missing."""
+        clock = clock or JournalClock()
+        if snapshot:
+            buf = io.BytesIO(snapshot)
+            seq, last_time, store_args = pickle.load(buf)
+            with _deep_recursion():
+                store = _Unpickler(buf, clock).load()
+        else:
+            seq, last_time, store = 0, 0.0, None
+        journaled = cls(store_args, None, clock=clock, seq=seq, store=store)
+        journaled.last_time = last_time
+        for entry_seq, raw in entries:
+            if entry_seq <= journaled.seq:
+                continue  # covered by the snapshot
+            if entry_seq != journaled.seq + 1:
+                raise JournalDiverged(f"journal gap: entry {entry_seq} follows {journaled.seq}")
+            journaled._replay(pickle.loads(raw))
+        clock.resume(journaled.last_time)
+        journaled.sink = sink
+        return journaled
+
+    def _replay(self, entry: tuple) -> None:
+        verb, now, call, digest, rid = entry
+        self.clock.freeze(now)
+        try:
+            self.store.expire_leases()
+            if verb != "expire":
+                args, kwargs = call
+                result = getattr(self.store, verb)(*args, **kwargs)
+                got = _reservation_id(result)
+                if got != rid:
+                    result = _adopt_id(self.store, got, rid, result)
+                if _digest(verb, result) != digest:
+                    raise JournalDiverged(f"replay of {verb} at entry {self.seq + 1} answered differently")
+        except TandemError as exc:
+            if isinstance(exc, JournalDiverged):
+                raise
+            raise JournalDiverged(f"replay of {verb} at entry {self.seq + 1} failed: {exc.message}") from None
+        finally:
+            self.clock.freeze(None)
+        self.seq += 1
+        self.last_time = now
+
+
+@contextlib.contextmanager
+def _deep_recursion(limit: int = 50_000):
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, limit))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(old)
+
+
+def _reservation_id(result: Any) -> str | None:
+    """The id a Reserve handed out (None for other verbs)."""
+    return getattr(result, "reservation_id", None) if hasattr(result, "block_table") and hasattr(result, "request_id") else None
+
+
+def _adopt_id(store: KVStore, got: str | None, want: str | None, result: Any) -> Any:
+    """Give the reservation replay just created the id the journal recorded (for a core that
+    draws ids at random; a deterministic core never gets here). Mutates the store's maps."""
+    record = store._reservations.get(got) if got else None
+    if record is None or not want:
+        raise JournalDiverged(f"replay created reservation {got!r}, the journal says {want!r}")
+    del store._reservations[got]
+    del record.worker.reservations[got]
+    record.reservation_id = want
+    store._reservations[want] = record.worker.reservations[want] = record
+    return dataclasses.replace(result, reservation_id=want)
