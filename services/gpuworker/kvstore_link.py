@@ -27,6 +27,7 @@ from services.common.errors import (
     TandemError,
     Unavailable,
 )
+from services.common.channels import FAILOVER_OPTIONS, grpc_target
 from services.common.spec import SpecMode
 from services.common.wire import spec_mode_to_proto, tokens_to_proto
 from services.gpuworker.engine.fence import COMPLETE, StepFence
@@ -57,7 +58,7 @@ class KVStoreLink:
     def __init__(self, address: str, *, timeout_s: float = 5.0, channel: grpc.Channel | None = None):
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = channel or grpc.insecure_channel(address)
+        self._channel = channel or grpc.insecure_channel(grpc_target(address), options=FAILOVER_OPTIONS)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self.incarnation = 0
         self._lock = threading.Lock()

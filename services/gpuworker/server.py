@@ -157,7 +157,9 @@ def _kv_usage_probe(settings: WorkerSettings) -> Callable[[], float]:
 
     from tandem.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-    stub = kvstore_pb2_grpc.KVStoreStub(grpc.insecure_channel(settings.kvstore))
+    from services.common.channels import FAILOVER_OPTIONS, grpc_target
+
+    stub = kvstore_pb2_grpc.KVStoreStub(grpc.insecure_channel(grpc_target(settings.kvstore), options=FAILOVER_OPTIONS))
 
     def usage() -> float:
         try:
