@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import io
 import pickle
 import sys
@@ -45,6 +44,7 @@ from services.common.errors import TandemError
 
 from .keys import token_array
 from .store import KVStore
+from .types import PublishResult, ReleaseResult, Reservation, WorkerInfo
 
 # Verbs that may change state, with the arguments that describe them. Every public method of
 # KVStore must be in exactly one of MUTATING / READ_ONLY (a test checks), so a verb added to the
@@ -57,6 +57,9 @@ READ_ONLY = frozenset(
 )
 _TOKEN_ARGS = ("tokens", "new_tokens")
 PICKLE_PROTOCOL = 5
+# Bump when entries or snapshots change meaning: snapshots are the core's object graph, so a
+# kvstore of another format must not load them (RedisLog.load refuses with what to do).
+FORMAT = 1
 
 
 class JournalDiverged(RuntimeError):
@@ -88,9 +91,23 @@ class JournalClock:
         return self._frozen if self._frozen is not None else self.live()
 
 
-def _digest(verb: str, result: Any) -> bytes:
-    """A short digest of what a verb answered (compared on replay)."""
-    return hashlib.blake2b(repr(result).encode(), digest_size=8).digest()
+def _digest(verb: str, result: Any) -> Any:
+    """A compact, deterministic summary of what a verb answered (compared on replay): cheap to
+    compute on every transaction, yet any divergence of tables, counts or ids shows in it."""
+    t = type(result)
+    if t is Reservation:
+        return (result.reservation_id, len(result.block_table), result.block_table[-1:], result.published_blocks,
+                result.num_tokens)
+    if t is PublishResult:
+        r = result.reservation
+        return (len(r.block_table), r.block_table[-1:], r.published_blocks, result.newly_published, result.deduplicated)
+    if t is ReleaseResult:
+        return (result.newly_published, result.deduplicated, result.freed_blocks, result.unpinned_blocks)
+    if t is WorkerInfo:
+        return (result.incarnation, result.pool)
+    if t is list:  # Extend / Trim items
+        return tuple((r.error is None, len(r.block_table), r.block_table[-1:]) for r in result)
+    return result  # bool (Abort), float (Heartbeat)
 
 
 def _portable(kwargs: dict) -> dict:
@@ -202,11 +219,7 @@ class JournaledStore:
         return dropped
 
     def __getattr__(self, name: str):
-        if name in MUTATING:
-            return lambda *a, **kw: self._mutate(name, a, kw)
-        if name in READ_ONLY:
-            return lambda *a, **kw: self._read(name, a, kw)
-        return getattr(self.store, name)
+        return getattr(self.store, name)  # attributes (lease_ttl_s, epoch, ...); verbs are methods
 
     # ------------------------------------------------------------------------ snapshots
     def snapshot(self) -> bytes:
@@ -266,6 +279,24 @@ class JournaledStore:
             self.clock.freeze(None)
         self.seq += 1
         self.last_time = now
+
+
+def _verb(name: str, mutating: bool):
+    if mutating:
+        def method(self, *args, **kwargs):
+            return self._mutate(name, args, kwargs)
+    else:
+        def method(self, *args, **kwargs):
+            return self._read(name, args, kwargs)
+    method.__name__ = name
+    method.__doc__ = getattr(KVStore, name).__doc__
+    return method
+
+
+for _name in MUTATING:
+    setattr(JournaledStore, _name, _verb(_name, True))
+for _name in READ_ONLY:
+    setattr(JournaledStore, _name, _verb(_name, False))
 
 
 @contextlib.contextmanager

@@ -21,8 +21,10 @@ import time
 import redis
 
 from services.common.server import GrpcServer
+from services.common.startup import StartupError
 
-from .redis_backend import Committer, RedisLog
+from .journal import JournalDiverged
+from .redis_backend import Committer, JournalFormatError, RedisLog
 from .settings import KVStoreSettings
 
 log = logging.getLogger(__name__)
@@ -87,10 +89,10 @@ class Leadership:
             keeper = asyncio.get_running_loop().create_task(committer._keep_lease())
             try:
                 store = await asyncio.to_thread(self.log.load, store_args(self.settings), committer.submit, previous=previous)
-            except Exception:
+            except (JournalDiverged, JournalFormatError) as exc:
                 keeper.cancel()
-                log.exception("kvstore recovery from Redis failed")
-                raise
+                await asyncio.to_thread(self.log.resign)  # another kvstore may read it
+                raise StartupError(f"cannot recover the kvstore from {self.settings.redis_url}: {exc}") from None
             self.store = store
             store.waiter = committer.durable
             committer.durable_seq = store.seq

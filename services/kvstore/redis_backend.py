@@ -37,7 +37,7 @@ import redis.asyncio as aredis
 
 from services.common.errors import Unavailable
 
-from .journal import JournaledStore
+from .journal import FORMAT, JournaledStore
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +166,16 @@ class RedisLog:
         k = self.keys
         meta = self.client.get(k["meta"])
         if meta is None:
-            self.client.set(k["meta"], pickle.dumps(store_args))
+            self.client.set(k["meta"], pickle.dumps({"format": FORMAT, "store_args": store_args}))
         else:
             stored = pickle.loads(meta)
+            if not isinstance(stored, dict) or stored.get("format") != FORMAT:
+                found = stored.get("format") if isinstance(stored, dict) else "unknown"
+                raise JournalFormatError(
+                    f"the kvstore journal under {self.prefix!r} has format {found}, this kvstore reads format "
+                    f"{FORMAT}: finish with the version that wrote it, or start over with another --redis-prefix"
+                )
+            stored = stored["store_args"]
             if {k: v for k, v in stored.items() if k != "epoch"} != {k: v for k, v in store_args.items() if k != "epoch"}:
                 log.warning("kvstore settings %s differ from the journal's %s: the journal's are used", store_args, stored)
             store_args = stored
@@ -215,6 +222,10 @@ def _script_error(exc: redis.ResponseError) -> Exception:
     if "GAP" in text:
         return JournalGap(text)
     return exc
+
+
+class JournalFormatError(RuntimeError):
+    """The journal in Redis was written by an incompatible kvstore version."""
 
 
 class JournalGap(RuntimeError):

@@ -178,3 +178,16 @@ def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_journal_of_another_format_is_refused_not_misread(redis_server):
+    import pickle
+
+    from services.kvstore.redis_backend import JournalFormatError
+
+    log = RedisLog(redis_server.url, prefix=unique_prefix())
+    assert log.try_acquire()
+    log.client.set(log.keys["meta"], pickle.dumps({"format": 0, "store_args": ARGS}))
+    with pytest.raises(JournalFormatError, match="format 0"):
+        log.load(ARGS)
+    log.wipe(), log.close()
