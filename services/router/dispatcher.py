@@ -81,6 +81,7 @@ class DispatchConfig:
     queue_retry_max_s: float = 0.5
     max_queue_wait_s: float = 30.0
     kvstore_timeout_s: float = 2.0
+    kvstore_outage_wait_s: float = 10.0  # a new request waits this long for an unreachable kvstore
     worker_probe_timeout_s: float = 1.0
     max_request_s: float = 600.0
 
@@ -159,11 +160,38 @@ def _entry(w: kv_pb.WorkerInfo) -> WorkerEntry:
     )
 
 
+class KVStoreUnavailable(Unavailable):
+    """The kvstore did not answer (down, failing over to a standby, slow): worth waiting for."""
+
+
 def _kv_error(verb: str, err: grpc.aio.AioRpcError) -> Exception:
     code = err.code()
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return Unavailable(f"kvstore {verb} failed: {code.name}: {err.details()}")
+        return KVStoreUnavailable(f"kvstore {verb} failed: {code.name}: {err.details()}")
     return error_for(code.name, f"kvstore {verb}: {err.details()}")
+
+
+class _Outage:
+    """How long one request waits for an unreachable kvstore: up to ``kvstore_outage_wait_s``
+    from its first failed call, and never past its own deadline; then UNAVAILABLE with a hint."""
+
+    def __init__(self, dispatcher: Dispatcher, deadline: float | None):
+        self._d = dispatcher
+        self._deadline = deadline
+        self._until: float | None = None
+        self._delays = backoff_delays(0.05, 0.5)
+
+    async def wait(self, exc: Exception) -> None:
+        clock, config = self._d._clock, self._d.config
+        now = clock()
+        if self._until is None:
+            self._until = now + config.kvstore_outage_wait_s
+        limit = self._until if self._deadline is None else min(self._until, self._deadline - _QUEUE_DEADLINE_MARGIN_S)
+        delay = next(self._delays)
+        if now + delay > limit:
+            raise Unavailable(f"{exc}; the kvstore has not answered for {config.kvstore_outage_wait_s:g} s, "
+                              "retry in a few seconds") from None
+        await asyncio.sleep(delay)
 
 
 class Dispatcher:
@@ -307,9 +335,14 @@ class Dispatcher:
         the kvstore: one reservation on success, nothing otherwise)."""
         delays = backoff_delays(self.config.queue_retry_s, self.config.queue_retry_max_s)
         queued_until: float | None = None
+        outage = _Outage(self, deadline)
         try:
             while True:
-                ranked = await self._plan(job, tenant, prompt_pb, state, deadline)
+                try:
+                    ranked = await self._plan(job, tenant, prompt_pb, state, deadline)
+                except KVStoreUnavailable as exc:
+                    await outage.wait(exc)
+                    continue
                 # One Reserve for the whole preference order: the kvstore takes the first worker
                 # with room, so a full first choice costs no extra round trip.
                 request = kv_pb.ReserveRequest(
@@ -327,6 +360,16 @@ class Dispatcher:
                     self._reclaim_later(request)  # the kvstore may have reserved all the same
                     raise
                 except grpc.aio.AioRpcError as err:
+                    if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        # The kvstore is down or failing over. The identical Reserve is sent again
+                        # (idempotent per request id: a lost one that happened comes back); only
+                        # when we stop waiting is the id reclaimed in the background.
+                        try:
+                            await outage.wait(_kv_error("Reserve", err))
+                        except Unavailable:
+                            self._reclaim_later(request)
+                            raise
+                        continue
                     if err.code() in _NO_ANSWER:
                         self._reclaim_later(request)
                     if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
