@@ -17,11 +17,11 @@ in flight (``publishes_in_flight``).
 Riding through a kvstore outage (a failover to a standby, a restart): a call that failed
 because no kvstore took it is retried in place, with backoff, for up to ``retry_s``, so the FIFO
 order holds and the engine sees an answer, not the outage. Which failures are retried depends on
-the verb: idempotent ones (Extend and Trim name a target capacity, Abort is idempotent) on any
-UNAVAILABLE; the others (Publish appends tokens, Release ends the reservation) only when the call
+the verb: the worker's verbs are safe to resend on any UNAVAILABLE (Extend and Trim name a target
+capacity, Abort is idempotent, Publish says how many tokens the kvstore held before it, a
+resent Release that had landed finds the reservation ended); other calls only when they
 provably changed nothing — no kvstore accepted the connection, or the kvstore answered that it
-lost its Redis lease before the change was durable. A connection cut mid-call is ambiguous for
-those: the answer goes to ``on_done`` as the error it was.
+lost its Redis lease before the change was durable.
 
 Not thread-safe except ``send``/``call`` internals: the engine thread alone sends, calls and
 drains.
@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 
 Done = Callable[[Any], None]  # receives the result, or the exception the call raised
 
-IDEMPOTENT_KINDS = frozenset({"extend", "trim", "abort", "call"})  # "call" = the step's Extend
+# "call" = the step's Extend. Publish carries known_tokens (a resend that landed appends nothing);
+# a resent Release that had landed is answered FAILED_PRECONDITION (ended), which is harmless.
+IDEMPOTENT_KINDS = frozenset({"extend", "trim", "abort", "call", "publish", "release"})
 # gRPC / kvstore texts of UNAVAILABLE answers where the call certainly changed nothing.
 _NOT_DELIVERED = ("failed to connect", "connection refused", "connections to all backends failing",
                   "lost its redis lease", "redis lease was taken over", "unreachable past the lease")

@@ -111,7 +111,9 @@ class KVStoreLink:
 
     # -- reservation verbs ------------------------------------------------------------------------
 
-    def publish(self, reservation_id: str, incarnation: int, new_tokens, final_positions: int) -> kv.PublishResponse:
+    def publish(self, reservation_id: str, incarnation: int, new_tokens, final_positions: int,
+                known_tokens: int = 0) -> kv.PublishResponse:
+        """``known_tokens``: what the kvstore holds before ``new_tokens`` (makes a resend safe)."""
         return self._call(
             self._stub.Publish,
             kv.PublishRequest(
@@ -119,6 +121,7 @@ class KVStoreLink:
                 incarnation=incarnation,
                 new_tokens=tokens_to_proto(new_tokens),
                 final_positions=final_positions,
+                known_tokens=known_tokens,
             ),
         )
 

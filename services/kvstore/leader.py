@@ -20,7 +20,6 @@ import time
 
 import redis
 
-from services.common.server import GrpcServer
 from services.common.startup import StartupError
 
 from .journal import JournalDiverged
@@ -50,7 +49,7 @@ class Leadership:
                             lease_ms=settings.redis_lease_ms)
         self.stop = asyncio.Event()
         self.leading = asyncio.Event()
-        self.server: GrpcServer | None = None
+        self.server = None  # the GrpcServer ``start_server`` returned, while leading
         self.store = None
         self.terms = 0  # leaderships held so far
         self.recovery_s: float | None = None

@@ -200,6 +200,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             incarnation=request.incarnation,
             new_tokens=tokens_from_proto(request.new_tokens, field="new_tokens"),
             final_positions=request.final_positions,
+            known_tokens=request.known_tokens,
         )
         await self._committed()
         return pb.PublishResponse(

@@ -122,12 +122,17 @@ def test_an_outage_is_ridden_through_where_a_retry_is_safe():
         # The step's Extend (idempotent: a target capacity) rides through any UNAVAILABLE.
         fn, calls = _flaky([Unavailable("kvstore: Socket closed"), Unavailable("kvstore: failed to connect to all addresses")])
         assert c.call(fn) == "ok" and len(calls) == 3
-        # A Publish is sent again only when it certainly changed nothing.
+        # The worker's Publish names the tokens the kvstore held before it: resent on any cut.
+        got = []
+        fn, calls = _flaky([Unavailable("kvstore: Stream removed (Socket closed)")])
+        c.send(fn, got.append, kind="publish")
+        assert c.wait_idle(5) and got == ["ok"] and len(calls) == 2
+        # Any other call is sent again only when it certainly changed nothing.
         got = []
         fn, calls = _flaky([Unavailable("kvstore: this instance lost its Redis lease (another kvstore leads); retry")])
-        c.send(fn, got.append, kind="publish")
+        c.send(fn, got.append, kind="other")
         fn2, calls2 = _flaky([Unavailable("kvstore: Socket closed")])
-        c.send(fn2, got.append, kind="publish")
+        c.send(fn2, got.append, kind="other")
         assert c.wait_idle(5)
         assert got[0] == "ok" and len(calls) == 2
         assert isinstance(got[1], Unavailable) and len(calls2) == 1  # ambiguous: not resent
