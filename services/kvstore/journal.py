@@ -123,35 +123,6 @@ def _portable(kwargs: dict) -> dict:
     return out
 
 
-class _Pickler(pickle.Pickler):
-    """Pickles a store without its clock and event subscribers (process-local callables)."""
-
-    def __init__(self, file, store: KVStore):
-        super().__init__(file, protocol=PICKLE_PROTOCOL)
-        self._clock = store._clock
-        self._subscribers = store._events._subscribers
-
-    def persistent_id(self, obj):
-        if obj is self._clock:
-            return "clock"
-        if obj is self._subscribers:
-            return "subscribers"
-        return None
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, clock: JournalClock):
-        super().__init__(file)
-        self._clock = clock
-
-    def persistent_load(self, pid):
-        if pid == "clock":
-            return self._clock
-        if pid == "subscribers":
-            return []
-        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
-
-
 Sink = Callable[[int, bytes], None]  # (seq, encoded entry)
 
 
@@ -226,8 +197,15 @@ class JournaledStore:
         """The whole store state at ``self.seq``, pickled (read-only)."""
         buf = io.BytesIO()
         pickle.dump((self.seq, self.last_time, self.store_args), buf, protocol=PICKLE_PROTOCOL)
-        with _deep_recursion():  # trie nodes and runs point at their parents: pickle recurses
-            _Pickler(buf, self.store).dump(self.store)
+        store, events = self.store, self.store._events
+        # The clock and the event subscribers are process-local callables: not part of the state.
+        clock, subscribers = store._clock, events._subscribers
+        store._clock, events._subscribers = None, []
+        try:
+            with _deep_recursion():  # trie nodes and runs point at their parents: pickle recurses
+                pickle.dump(store, buf, protocol=PICKLE_PROTOCOL)
+        finally:
+            store._clock, events._subscribers = clock, subscribers
         return buf.getvalue()
 
     # ------------------------------------------------------------------------ recovery
@@ -243,7 +221,8 @@ class JournaledStore:
             buf = io.BytesIO(snapshot)
             seq, last_time, store_args = pickle.load(buf)
             with _deep_recursion():
-                store = _Unpickler(buf, clock).load()
+                store = pickle.load(buf)
+            store._clock = clock
         else:
             seq, last_time, store = 0, 0.0, None
         journaled = cls(store_args, None, clock=clock, seq=seq, store=store)

@@ -32,5 +32,5 @@ class KVStoreSettings(BaseSettings):
         1500, ge=200, le=60_000, description="leader lease in Redis; a standby takes over this long after the leader dies"
     )
     snapshot_every: int = Field(
-        20_000, ge=0, description="journal entries between snapshots in Redis (0 = never; recovery replays them all)"
+        10_000, ge=0, description="journal entries between snapshots in Redis (taken in a forked child; 0 = never: recovery replays everything)"
     )

@@ -191,3 +191,43 @@ def test_a_journal_of_another_format_is_refused_not_misread(redis_server):
     with pytest.raises(JournalFormatError, match="format 0"):
         log.load(ARGS)
     log.wipe(), log.close()
+
+
+def test_a_serving_leader_repairs_redis_that_lost_writes(start_kvstore_service):
+    """Redis restarted with ``appendfsync everysec`` and lost the last entries while the leader
+    kept serving: the next append sees the gap and the leader writes its memory back, so a
+    recovery from Redis afterwards has everything that was acknowledged."""
+    svc = start_kvstore_service(backend="redis")
+    kv, lead = svc.kv, svc.leadership
+    w = kv.register("w0")
+    r = kv.reserve(w, "a", range(40), headroom_positions=8)
+    kv.release(r, final_positions=39)
+    log = lead.log
+    assert log.length() == lead.store.seq
+    log.client.rpop(log.keys["journal"], 2)  # the lost second
+    kv.reserve(w, "b", range(40))  # the next write finds the gap and repairs
+    assert log.length() == lead.store.seq
+    recovered = RedisLog(log.url, prefix=log.prefix).load({})
+    assert svc.in_loop(lambda: recovered.store.view().reservations() == lead.store.store.view().reservations())
+    assert recovered.match(list(range(40)))[0].reusable_blocks == 9
+
+
+def test_snapshots_are_taken_while_serving_and_recovery_uses_them(start_kvstore_service):
+    svc = start_kvstore_service(backend="redis", snapshot_every=4)
+    kv, lead = svc.kv, svc.leadership
+    w = kv.register("w0")
+    for i in range(6):
+        r = kv.reserve(w, f"q{i}", range(40 + i), headroom_positions=8)
+        kv.release(r, final_positions=39 + i)
+    log = lead.log
+    end = time.monotonic() + 10
+    while int(log.client.get(log.keys["base"]) or 0) == 0:  # a snapshot landed
+        assert time.monotonic() < end, "no snapshot was written"
+        time.sleep(0.05)
+    kv.reserve(w, "live", range(40))
+    assert log.length() == lead.store.seq
+    base = int(log.client.get(log.keys["base"]))
+    assert 4 <= base <= lead.store.seq and log.client.llen(log.keys["journal"]) == lead.store.seq - base
+    recovered = RedisLog(log.url, prefix=log.prefix).load({})
+    assert recovered.seq == lead.store.seq
+    assert svc.in_loop(lambda: recovered.store.view().reservations() == lead.store.store.view().reservations())
