@@ -64,7 +64,8 @@ def grpc_target(addresses: str) -> str:
             raise InvalidArgument(f"address {part!r} in {addresses!r} must be HOST:PORT")
         host = host.strip("[]")
         try:
-            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            # one family for the whole target (ipv4: or ipv6:): the first address decides
+            infos = socket.getaddrinfo(host, int(port), family=family or 0, type=socket.SOCK_STREAM)
         except OSError as exc:
             raise InvalidArgument(f"cannot resolve {host!r} in {addresses!r}: {exc}") from None
         fam, *_, sockaddr = infos[0]

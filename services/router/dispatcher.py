@@ -164,6 +164,11 @@ class KVStoreUnavailable(Unavailable):
     """The kvstore did not answer (down, failing over to a standby, slow): worth waiting for."""
 
 
+class NoWorkerRegistered(Unavailable):
+    """The kvstore lists no worker (it just restarted empty, or every worker is re-registering):
+    worth waiting for as briefly as an outage."""
+
+
 def _kv_error(verb: str, err: grpc.aio.AioRpcError) -> Exception:
     code = err.code()
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -189,7 +194,7 @@ class _Outage:
         limit = self._until if self._deadline is None else min(self._until, self._deadline - _QUEUE_DEADLINE_MARGIN_S)
         delay = next(self._delays)
         if now + delay > limit:
-            raise Unavailable(f"{exc}; the kvstore has not answered for {config.kvstore_outage_wait_s:g} s, "
+            raise Unavailable(f"{exc} (waited {now - self._until + config.kvstore_outage_wait_s:.1f} s); "
                               "retry in a few seconds") from None
         await asyncio.sleep(delay)
 
@@ -321,7 +326,7 @@ class Dispatcher:
         model = self.config.model_id
         workers = [e for e in self.directory.entries() if not model or e.model_id == model]
         if not workers:
-            return Unavailable("no worker is registered" + (f" for model {model!r}" if model else ""))
+            return NoWorkerRegistered("no worker is registered" + (f" for model {model!r}" if model else ""))
         longest = max(e.max_seq_len for e in workers)
         if job.prompt_tokens > longest:
             return InvalidArgument(
@@ -340,7 +345,7 @@ class Dispatcher:
             while True:
                 try:
                     ranked = await self._plan(job, tenant, prompt_pb, state, deadline)
-                except KVStoreUnavailable as exc:
+                except (KVStoreUnavailable, NoWorkerRegistered) as exc:
                     await outage.wait(exc)
                     continue
                 # One Reserve for the whole preference order: the kvstore takes the first worker

@@ -45,7 +45,7 @@ class RouterSettings(TandemSettings):
     max_queue_wait_s: float = Field(30.0, ge=0, description="longest a request waits for capacity (also bounded by its deadline)")
     kvstore_timeout_s: float = Field(2.0, gt=0, description="deadline cap of each kvstore call")
     kvstore_outage_wait_s: float = Field(
-        10.0, ge=0, description="how long a new request waits for an unreachable kvstore (failover) before UNAVAILABLE"
+        10.0, ge=0, description="how long a new request waits for an unreachable kvstore (failover) or for a worker to (re-)register before UNAVAILABLE"
     )
     worker_probe_timeout_s: float = Field(1.0, gt=0, description="deadline of worker health checks and abort probes")
     max_request_s: float = Field(600.0, gt=0, description="deadline of a worker Generate call when the client set none (and its cap)")

@@ -306,3 +306,15 @@ def test_a_new_request_waits_out_a_short_kvstore_outage(start_service, service_l
         assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE and "retry" in err.details()
         assert worker.requests == []
     rig.wait_no_live_reservations()
+
+
+def test_a_new_request_waits_for_a_worker_to_register(rig):
+    """A kvstore that just restarted empty lists no worker until they re-register: a new request
+    waits for one (bounded, like an outage) instead of failing at once."""
+    router = rig.router(wait=False, kvstore_outage_wait_s=5.0)  # no worker yet
+    workers = []
+    late = threading.Timer(0.5, lambda: workers.append(rig.worker("a")))
+    late.start()
+    _, err = collect(router, text="after a restart", max_new_tokens=2)
+    late.join()
+    assert err is None and len(workers[0].requests) == 1
