@@ -203,7 +203,7 @@ def worker_settings(args, model_dir: Path, a: int | None):
     kw = dict(model=str(model_dir), spec_mode="eagle3", device=args.device,
               backend="flashinfer" if gpu else "torch", dtype="bfloat16" if gpu else "float32",
               num_blocks=kv_blocks(args), forced_acceptance=a)
-    for name in ("cuda_graphs", "overlap_steps", "max_batch_tokens"):
+    for name in ("cuda_graphs", "overlap_steps", "max_batch_tokens", "chunk_size", "gil_switch_interval_ms"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     return WorkerSettings(**kw)
@@ -617,6 +617,8 @@ def parse_args(argv):
     p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
                    help="worker setting overlap_steps (default: the worker's)")
     p.add_argument("--max-batch-tokens", type=int, help="worker setting (default: the worker's)")
+    p.add_argument("--chunk-size", type=int, help="worker setting (default: the worker's)")
+    p.add_argument("--gil-switch-interval-ms", type=float, help="worker setting (default: Python's)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0, help="load + warm-up before SERVING")
     p.add_argument("--model-dir", type=Path, help="where to save the model (default: a temporary folder)")
     p.add_argument("--seed", type=int, default=0)
