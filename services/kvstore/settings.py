@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -34,3 +34,10 @@ class KVStoreSettings(BaseSettings):
     snapshot_every: int = Field(
         10_000, ge=0, description="journal entries between snapshots in Redis (taken in a forked child; 0 = never: recovery replays everything)"
     )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be redis://HOST:PORT/DB, rediss://HOST:PORT/DB (TLS) or unix:///path/to/socket")
+        return value
