@@ -163,6 +163,8 @@ def start_kvstore_service(start_service, request):
             if "redis_url" not in overrides:
                 settings = settings.model_copy(update=dict(
                     redis_url=request.getfixturevalue("redis_server").url, redis_prefix=unique_prefix()))
+            if "redis_lease_ms" not in overrides:  # a loaded CI box must not lose the lease mid-test
+                settings = settings.model_copy(update=dict(redis_lease_ms=10_000))
 
             async def start():
                 from services.kvstore.leader import Leadership

@@ -541,7 +541,7 @@ class RedisMachine(JournalMachine):
         from services.kvstore.redis_backend import RedisLog
         from tests.redis_server import unique_prefix
 
-        self.log = RedisLog(self.url, prefix=unique_prefix())
+        self.log = RedisLog(self.url, prefix=unique_prefix(), lease_ms=600_000)  # nobody renews it here
         assert self.log.try_acquire()
         super().__init__()
 
