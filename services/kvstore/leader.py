@@ -81,13 +81,15 @@ class Leadership:
         return False
 
     async def run(self) -> None:
-        previous = None
+        previous, previous_epoch, acknowledged = None, 0, 0
         while await self._acquire():
             started = time.monotonic()
             committer = Committer(self.log, lambda: self.store, snapshot_every=self.settings.snapshot_every)
             keeper = asyncio.get_running_loop().create_task(committer._keep_lease())
             try:
-                store = await asyncio.to_thread(self.log.load, store_args(self.settings), committer.submit, previous=previous)
+                store = await asyncio.to_thread(self.log.load, store_args(self.settings), committer.submit,
+                                                previous=previous, previous_epoch=previous_epoch,
+                                                acknowledged=acknowledged)
             except (JournalDiverged, JournalFormatError) as exc:
                 keeper.cancel()
                 await asyncio.to_thread(self.log.resign)  # another kvstore may read it
@@ -109,7 +111,8 @@ class Leadership:
             if committer.lost.is_set():
                 stopping.cancel()
                 await self.server.stop(0)
-                previous = store  # kept: Redis may have lost what we acknowledged (see RedisLog.load)
+                # kept: Redis may have lost what we acknowledged (see RedisLog.load)
+                previous, previous_epoch, acknowledged = store, self.log.epoch(), committer.durable_seq
             else:
                 lost.cancel()
                 await self.server.stop()

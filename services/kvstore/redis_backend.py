@@ -135,6 +135,10 @@ class RedisLog:
             self._resign(keys=[self.keys["lease"]], args=[self.token])
             self.token = None
 
+    def epoch(self) -> int:
+        """The fencing epoch of the lease we hold (0 if none)."""
+        return int(self.token.split(":", 1)[0]) if self.token else 0
+
     def holder(self) -> str | None:
         value = self.client.get(self.keys["lease"])
         return value.decode() if value else None
@@ -161,11 +165,17 @@ class RedisLog:
         base, n = self.client.pipeline().get(self.keys["base"]).llen(self.keys["journal"]).execute()
         return int(base or 0) + n
 
-    def load(self, store_args: dict, sink=None, *, previous: JournaledStore | None = None, clock=None) -> JournaledStore:
+    def load(self, store_args: dict, sink=None, *, previous: JournaledStore | None = None, previous_epoch: int = 0,
+             acknowledged: int = 0, clock=None) -> JournaledStore:
         """The store the journal describes (we must hold the lease). The genesis arguments in
-        Redis win over ``store_args`` (replay needs the originals). With ``previous`` (our own
-        store before a lost lease), Redis is checked against it: fewer entries than we
-        acknowledged means Redis lost writes, and our memory is written back as a snapshot."""
+        Redis win over ``store_args`` (replay needs the originals).
+
+        ``previous`` is our own store from before we lost the lease (``previous_epoch`` the
+        fencing epoch we held, ``acknowledged`` the entries we had answered for). It is kept only
+        if nobody led in between (our new epoch is the next one) and Redis holds no more than it:
+        then fewer entries than ``acknowledged`` means Redis lost writes, and our memory — which
+        has them, plus transactions nobody was answered for, harmless to keep — is written back as
+        a snapshot. Otherwise Redis is the truth."""
         k = self.keys
         meta = self.client.get(k["meta"])
         if meta is None:
@@ -183,10 +193,12 @@ class RedisLog:
                 log.warning("kvstore settings %s differ from the journal's %s: the journal's are used", store_args, stored)
             store_args = stored
         have = self.length()
-        if previous is not None and have <= previous.seq:
-            if have < previous.seq:
+        nobody_between = previous is not None and self.epoch() == previous_epoch + 1
+        if nobody_between and have <= previous.seq:
+            if have < acknowledged:
                 log.error("Redis holds %d journal entries but this kvstore acknowledged %d: Redis lost writes "
-                          "(appendfsync / restart); repairing from memory", have, previous.seq)
+                          "(appendfsync / restart); repairing from memory", have, acknowledged)
+            if have < previous.seq:
                 self.write_snapshot(previous.seq, previous.snapshot())
             previous.sink = sink
             previous.clock.resume(previous.last_time)

@@ -96,8 +96,20 @@ def test_redis_that_lost_acknowledged_writes_is_repaired_from_memory(redis_serve
     _fill(store)
     log.client.rpop(log.keys["journal"], 2)  # what a crash with everysec may do
     assert log.length() == store.seq - 2
-    kept = log.load(ARGS, None, previous=store)
+    epoch = log.epoch()
+    log.resign()
+    assert log.try_acquire() and log.epoch() == epoch + 1  # nobody led in between
+    kept = log.load(ARGS, None, previous=store, previous_epoch=epoch, acknowledged=store.seq)
     assert kept is store and log.length() == store.seq
+    # Had another kvstore led in between, Redis would be the truth, never our memory.
+    other = RedisLog(redis_server.url, prefix=log.prefix, lease_ms=60_000)
+    log.resign()
+    assert other.try_acquire()
+    other.resign()
+    assert log.try_acquire()
+    fresh_from_redis = log.load(ARGS, None, previous=store, previous_epoch=epoch + 1, acknowledged=store.seq)
+    assert fresh_from_redis is not store and fresh_from_redis.seq == log.length()
+    other.close()
     fresh = log.load(ARGS, None)
     assert fresh.store.view().reservations() == store.store.view().reservations()
     log.wipe(), log.close()
