@@ -245,7 +245,7 @@ class KVClient:
 
     def abort(self, r) -> bool:
         """Abort (mutates); returns ``aborted``."""
-        req = self.pb.AbortRequest(reservation_id=r.reservation_id, incarnation=r.incarnation)
+        req = self.pb.AbortRequest(reservation_id=r.reservation_id, incarnation=r.incarnation, worker_id=getattr(r, "worker_id", ""))
         return self.stub.Abort(req, timeout=self.timeout).aborted
 
     def capacity(self, verb: str, *items: tuple[Any, int]) -> list[Any]:

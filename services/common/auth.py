@@ -129,3 +129,15 @@ def load_channel_credentials(
     cert = _read_pem(cert_file, "TLS client certificate") if cert_file else None
     key = _read_pem(key_file, "TLS client key") if key_file else None
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def suite_credentials(settings) -> tuple[grpc.ServerCredentials | None, grpc.ChannelCredentials | None]:
+    """(server, channel) credentials for mTLS inside the suite from a service's ``tls_cert`` /
+    ``tls_key`` / ``tls_ca`` settings; (None, None) when they are unset (insecure mode). The
+    server requires a client certificate signed by ``tls_ca``; the channel presents
+    ``tls_cert`` and verifies the server against ``tls_ca`` (read-only)."""
+    if not getattr(settings, "tls_cert", ""):
+        return None, None
+    server = load_server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
+    channel = load_channel_credentials(settings.tls_ca, settings.tls_cert, settings.tls_key)
+    return server, channel

@@ -35,6 +35,15 @@ from services.common.startup import StartupError, check_port_free
 log = logging.getLogger(__name__)
 
 INTERNAL_MESSAGE = "internal error (see server logs)"
+# Accept the clients' keepalive pings (services.common.channels.KEEPALIVE_OPTIONS) and ping idle
+# clients ourselves, so a vanished caller's streams end instead of holding their resources.
+SERVER_KEEPALIVE_OPTIONS: tuple[tuple[str, object], ...] = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 4_000),
+    ("grpc.http2.max_ping_strikes", 0),
+)
 
 
 def status_code_of(error: TandemError) -> grpc.StatusCode:
@@ -96,6 +105,7 @@ class GrpcServer:
                 ("grpc.max_receive_message_length", max_receive_bytes),
                 ("grpc.max_send_message_length", max_receive_bytes),
                 ("grpc.so_reuseport", 0),
+                *SERVER_KEEPALIVE_OPTIONS,
             ],
             maximum_concurrent_rpcs=max_concurrent_rpcs,
         )

@@ -83,6 +83,7 @@ class DispatchConfig:
     kvstore_timeout_s: float = 2.0
     worker_probe_timeout_s: float = 1.0
     max_request_s: float = 600.0
+    idle_timeout_s: float = 60.0  # a worker stream silent this long fails UNAVAILABLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +158,21 @@ def _entry(w: kv_pb.WorkerInfo) -> WorkerEntry:
         vocab_size=w.vocab_size,
         max_seq_len=w.max_seq_len,
     )
+
+
+async def _with_idle_timeout(call, idle_s: float):
+    """The messages of a server stream; UNAVAILABLE (as a worker failure) when none comes for
+    ``idle_s`` seconds — a frozen worker (SIGSTOP) keeps its connection open, keepalive may not
+    notice, and the client's deadline can be minutes away."""
+    it = call.__aiter__()
+    while True:
+        try:
+            msg = await asyncio.wait_for(it.__anext__(), idle_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise _WorkerFailed("UNAVAILABLE", f"the worker sent nothing for {idle_s:g} s (idle timeout)") from None
+        yield msg
 
 
 def _kv_error(verb: str, err: grpc.aio.AioRpcError) -> Exception:
@@ -368,11 +384,10 @@ class Dispatcher:
                 stop_token_ids=job.sampling.stop_token_ids,
             ),
             spec=worker_pb.SpecParams(num_draft_tokens=job.num_draft_tokens),
+            # only its name: the worker reads blocks and reused prefix from the kvstore
             reservation=worker_pb.ReservationRef(
                 reservation_id=reservation.reservation_id,
                 incarnation=reservation.incarnation,
-                block_table=reservation.block_table,
-                reused_positions=reservation.reused_positions,
             ),
         )
         span = self._tracer.start_span(
@@ -385,7 +400,7 @@ class Dispatcher:
                 request, timeout=self._timeout(deadline, self.config.max_request_s)
             )
         try:
-            async for msg in call:
+            async for msg in _with_idle_timeout(call, self.config.idle_timeout_s):
                 progress.acknowledged = True
                 ids = tuple(msg.token_ids)
                 if ids and max(ids) >= self._tokenizer.vocab_size:
@@ -488,12 +503,14 @@ class Dispatcher:
                        arrival: float) -> AsyncIterator[TextDelta | Completion]:
         """Serve ``job`` for ``tenant``: yields deltas, then one Completion. ``deadline`` is the
         client's (monotonic seconds, None = none). Raises typed errors (see ``retry``)."""
-        if job.request_id in self._live:
-            raise AlreadyExists(f"request {job.request_id!r} is already running on this router")
-        self._live.add(job.request_id)
+        # request ids are the tenant's: scoped by it here and in every id sent on
+        scoped = f"{tenant.scope}/{job.request_id}"
+        if scoped in self._live:
+            raise AlreadyExists(f"request {job.request_id[:64]!r} is already running on this router")
+        self._live.add(scoped)
         try:
             prompt_pb = tokens_to_proto(job.prompt)
-            state = AttemptState(job.request_id, self.config.max_attempts)
+            state = AttemptState(scoped, self.config.max_attempts)
             while True:
                 with self._tracer.start_as_current_span("reserve") as span:
                     entry, reservation = await self._reserve(job, tenant, prompt_pb, state, deadline)
@@ -529,7 +546,7 @@ class Dispatcher:
                 finally:
                     self.directory.end(entry.worker_id)
         finally:
-            self._live.discard(job.request_id)
+            self._live.discard(scoped)
 
     # ----------------------------------------------------------------------------- list workers
     async def _health(self, address: str) -> str:

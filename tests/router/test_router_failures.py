@@ -30,10 +30,12 @@ def test_failure_before_the_first_token_retries_on_the_next_worker(rig):
     msgs, err = collect(router, text="retry me", max_new_tokens=5, request_id="r1")
     assert err is None, err
     assert msgs[-1].usage.worker_id == "b"
-    assert [r.request_id for r in bad.requests] == ["r1"]
-    assert [r.request_id for r in good.requests] == ["r1~1"]  # a fresh kvstore request id per attempt
-    assert bad.ended == {"r1": "aborted"} and good.ended == {"r1~1": "released"}
-    _wait(lambda: bad.abort_probes == ["r1"])  # the router checked who ends a's reservation
+    scope = bad.requests[0].request_id.partition("/")[0]  # the tenant's (request ids are per tenant)
+    r1 = f"{scope}/r1"
+    assert [r.request_id for r in bad.requests] == [r1]
+    assert [r.request_id for r in good.requests] == [f"{r1}~1"]  # a fresh kvstore request id per attempt
+    assert bad.ended == {r1: "aborted"} and good.ended == {f"{r1}~1": "released"}
+    _wait(lambda: bad.abort_probes == [r1])  # the router checked who ends a's reservation
     rig.free(load)
     rig.wait_no_live_reservations()
 
