@@ -28,7 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import TandemError
+from services.common.errors import InvalidArgument, TandemError
 from services.common.interceptors import WrappingInterceptor, wrap_handler
 from services.common.startup import StartupError, check_port_free
 
@@ -60,14 +60,47 @@ async def abort_with_status(exc: BaseException, context: grpc.aio.ServicerContex
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 
 
+class _Malformed:
+    """What a request that does not parse deserializes to (see ``ErrorMappingInterceptor``)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _tolerant(deserializer):
+    """``deserializer`` that returns a :class:`_Malformed` instead of raising: gRPC would answer
+    a parse failure with UNKNOWN, the parser's internals and a traceback per call."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, invalid UTF-8, ...
+            return _Malformed(type(exc).__name__)
+
+    return deserialize
+
+
 class ErrorMappingInterceptor(WrappingInterceptor):
-    """Map exceptions escaping any handler to status codes (see module docstring)."""
+    """Map exceptions escaping any handler to status codes (see module docstring); a request
+    message that does not parse (bad protobuf, invalid UTF-8 in a string) is INVALID_ARGUMENT
+    with one log line, and the handler never runs."""
 
     def wrap(self, handler, method):
         async def on_error(exc: BaseException, context: grpc.aio.ServicerContext) -> None:
             await abort_with_status(exc, context, method)
 
-        return wrap_handler(handler, on_error=on_error)
+        def start(request, context) -> None:
+            if isinstance(request, _Malformed):
+                log.warning("malformed %s request from %s (%s)", method, context.peer(), request.reason)
+                raise InvalidArgument("the request message does not parse (malformed protobuf or invalid UTF-8)")
+
+        if hasattr(handler, "_replace"):
+            handler = handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
+        return wrap_handler(handler, start=start, on_error=on_error)
 
 
 @dataclass

@@ -47,6 +47,13 @@ OTHER_ENV_NAMES = frozenset({
 # What Kubernetes injects for a Service named e.g. "tandem-kvstore" (docker links too).
 SERVICE_LINK = re.compile(r"^TANDEM_[A-Z0-9_]+?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)?)$")
 SERVICE_LINK_VALUE = re.compile(r"^(tcp|udp|sctp)://")
+# Fields whose values are never printed (bearer tokens, salt secrets): errors show "***".
+SECRET_FIELD = re.compile(r"(^|_)(secret|token|tenants|password)($|_)")
+
+
+def shown_value(field: str, value: object) -> str:
+    """``value`` of setting ``field`` as an error message may show it: masked if secret (pure)."""
+    return "'***'" if SECRET_FIELD.search(field) else repr(value)
 
 
 class TandemSettings(BaseSettings):
@@ -160,7 +167,7 @@ def settings_from_args(cls: type[S], args: argparse.Namespace, environ: Mapping[
             field = ".".join(str(p) for p in err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
             where = f"--{field.replace('_', '-')} / {prefix}{field.upper()}: " if field else ""
-            got = f" (got {err.get('input')!r})" if field else ""
+            got = f" (got {shown_value(field, err.get('input'))})" if field else ""
             problems.append(f"{where}{msg}{got}")
         raise StartupError("invalid configuration: " + "; ".join(problems), EXIT_CONFIG) from None
 

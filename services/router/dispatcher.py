@@ -213,6 +213,8 @@ class Dispatcher:
         self._clock = clock
         self._live: set[str] = set()
         self._cleanup: set[asyncio.Task] = set()
+        # worker id -> (incarnation, most draft tokens it accepts), from its Info answer
+        self._draft_limits: dict[str, tuple[int, int]] = {}
 
     # --------------------------------------------------------------------------------- helpers
     def _timeout(self, deadline: float | None, cap_s: float) -> float:
@@ -224,13 +226,29 @@ class Dispatcher:
         self._tokenizer = tokenizer
 
     async def worker_model(self, entry: WorkerEntry) -> str:
-        """The model a worker says it serves (``Info.model_name``; "" when it names none)."""
+        """The model a worker says it serves (``Info.model_name``; "" when it names none). This
+        is the probe before a worker gets requests: Unavailable unless its health is SERVING
+        and it answers Info (then it is asked again on the next review)."""
+        health = await self._health(entry.address)
+        if health != "SERVING":
+            raise Unavailable(f"worker {entry.worker_id} is {health}")
         try:
             info = await self._worker_stub(entry.address).Info(
                 worker_pb.InfoRequest(), timeout=self.config.worker_probe_timeout_s)
         except grpc.aio.AioRpcError as err:
             raise Unavailable(f"worker {entry.worker_id} Info: {err.code().name}") from None
+        if len(self._draft_limits) > 4096:  # bounded: workers come and go
+            self._draft_limits.clear()
+        self._draft_limits[entry.worker_id] = (entry.incarnation, info.max_draft_tokens)
         return info.model_name
+
+    def draft_tokens_for(self, entry: WorkerEntry, wanted: int) -> int:
+        """``wanted`` draft tokens capped by what the worker said it accepts (read-only): the
+        router's own limit may be larger than a worker's, and such a request must not fail."""
+        limit = self._draft_limits.get(entry.worker_id)
+        if limit is None or limit[0] != entry.incarnation:
+            return wanted
+        return min(wanted, limit[1])
 
     def _worker_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         return worker_pb2_grpc.WorkerStub(self._channels.get(address))
@@ -383,7 +401,7 @@ class Dispatcher:
                 max_new_tokens=job.sampling.max_new_tokens,
                 stop_token_ids=job.sampling.stop_token_ids,
             ),
-            spec=worker_pb.SpecParams(num_draft_tokens=job.num_draft_tokens),
+            spec=worker_pb.SpecParams(num_draft_tokens=self.draft_tokens_for(entry, job.num_draft_tokens)),
             # only its name: the worker reads blocks and reused prefix from the kvstore
             reservation=worker_pb.ReservationRef(
                 reservation_id=reservation.reservation_id,

@@ -45,6 +45,7 @@ class Script:
     fail_before_first: bool = False
     fail_after: int | None = None  # UNAVAILABLE after this many tokens
     delay_s: float = 0.0  # before each token
+    max_draft_tokens: int = 8  # what Info says the worker accepts
 
     def token(self, i: int) -> int:
         data = self.text.encode("utf-8")
@@ -147,7 +148,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         return wpb.AbortResponse()
 
     async def Info(self, request, context):
-        return wpb.InfoResponse(worker_id=self.worker_id, running=len(self.running))
+        return wpb.InfoResponse(worker_id=self.worker_id, running=len(self.running),
+                                max_draft_tokens=self.script.max_draft_tokens)
 
 
 @dataclass
