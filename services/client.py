@@ -22,6 +22,14 @@ def _number(kind, low: float, inclusive: bool = True):
     return parse
 
 
+class _RefuseToken(argparse.Action):
+    """``--token VALUE`` is refused (exit 2) without echoing the value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("--token is not accepted (a command line is visible to every user): "
+                     "use --token-file PATH or the TANDEM_TOKEN variable")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="text prompt")
     parser.add_argument("--router", default=os.environ.get("TANDEM_ROUTER_ADDRESS", "127.0.0.1:50050"), help="router host:port")
@@ -30,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-tokens", type=_number(int, 0), default=None, help="draft tokens per step (0 = off; default: router's)")
     # never a flag with the token itself: argv is visible to every user of the machine (ps)
     parser.add_argument("--token-file", default="", help="file holding the bearer token (tenant); default: $TANDEM_TOKEN")
+    parser.add_argument("--token", action=_RefuseToken, help=argparse.SUPPRESS)
     parser.add_argument("--timeout-s", type=_number(float, 0.0, inclusive=False), default=120.0, help="deadline of the request")
 
 

@@ -72,7 +72,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if rid in self._pending:
                 continue  # Generate is reading it: the kvstore will refuse it (ended)
             if request_id is not None and request_id in owned:
-                self.runner.cancel(request_id, Unavailable("the request was ended by the router"))
+                self.runner.cancel(request_id, Cancelled("its reservation was ended by the router"))
                 continue
             self._claims.pop(rid, None)
             confirm.append(rid)

@@ -139,6 +139,7 @@ class _Progress:
 
     def __init__(self, tokenizer: Tokenizer):
         self.acknowledged = False  # any message received: the worker owns the reservation
+        self.left_registry = False  # its worker incarnation left the kvstore registry mid-stream
         self.tokens: list[int] = []
         self.first_token_at: float | None = None
         self.decoder = StreamDecoder(tokenizer)
@@ -213,6 +214,8 @@ class Dispatcher:
         self._clock = clock
         self._live: set[str] = set()
         self._cleanup: set[asyncio.Task] = set()
+        # (worker id, incarnation) -> the streams running there: ended when it leaves the registry
+        self._streams: dict[tuple[str, int], dict[int, tuple[object, _Progress]]] = {}
         # worker id -> (incarnation, most draft tokens it accepts), from its Info answer
         self._draft_limits: dict[str, tuple[int, int]] = {}
 
@@ -263,7 +266,17 @@ class Dispatcher:
             raise _kv_error("ListWorkers", err) from None
         entries = [_entry(w) for w in resp.workers]
         self.directory.replace(entries)
+        self._end_streams_of_departed({(e.worker_id, e.incarnation) for e in entries})
         return entries
+
+    def _end_streams_of_departed(self, registered: set[tuple[str, int]]) -> None:
+        """Cancel the streams of worker incarnations that left the registry (lease lapsed,
+        re-registered): their blocks are gone, and a frozen worker would hold them forever.
+        The client sees UNAVAILABLE (mutates the calls)."""
+        for key in [k for k in self._streams if k not in registered]:
+            for call, progress in self._streams.pop(key).values():
+                progress.left_registry = True
+                call.cancel()
 
     # ---------------------------------------------------------------------------------- planning
     async def _plan(self, job: GenerateJob, tenant: Tenant, prompt_pb, state: AttemptState,
@@ -417,6 +430,8 @@ class Dispatcher:
             call = self._worker_stub(entry.address).Generate(
                 request, timeout=self._timeout(deadline, self.config.max_request_s)
             )
+        key = (entry.worker_id, entry.incarnation)
+        self._streams.setdefault(key, {})[id(call)] = (call, progress)
         try:
             async for msg in _with_idle_timeout(call, self.config.idle_timeout_s):
                 progress.acknowledged = True
@@ -436,8 +451,20 @@ class Dispatcher:
             raise _WorkerFailed("UNAVAILABLE", "the worker ended the stream without a final message")
         except grpc.aio.AioRpcError as err:
             span.set_attribute("rpc.grpc.status_code", err.code().value[0])
+            if progress.left_registry:
+                raise _WorkerFailed("UNAVAILABLE", f"worker {entry.worker_id} left the registry") from None
             raise _WorkerFailed(err.code().name, err.details() or "") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if progress.left_registry and not (task is not None and task.cancelling()):
+                raise _WorkerFailed("UNAVAILABLE", f"worker {entry.worker_id} left the registry") from None
+            raise
         finally:
+            streams = self._streams.get(key)
+            if streams is not None:
+                streams.pop(id(call), None)
+                if not streams:
+                    del self._streams[key]
             if not call.done():
                 call.cancel()
             span.end()

@@ -255,3 +255,26 @@ def test_a_reserve_whose_answer_was_lost_is_reclaimed(start_service, service_loo
     assert worker.requests == []
     assert rig.stats().reservations_created == 1
     rig.wait_no_live_reservations()
+
+
+def test_row9_a_silent_worker_stream_fails_on_the_idle_timeout(rig):
+    """Issue 8 row 9: a worker that stops sending (frozen: its connection stays open) ends the
+    stream with UNAVAILABLE after --idle-timeout-s, not after the 600 s request deadline."""
+    slow = rig.worker("a", Script(delay_s=30.0))
+    router = rig.router(idle_timeout_s=0.5, max_attempts=1)
+    started = time.monotonic()
+    _, err = collect(router, text="anyone there?", max_new_tokens=3, timeout=20)
+    assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "idle timeout" in err.details() and time.monotonic() - started < 5
+    assert len(slow.requests) == 1
+    rig.wait_no_live_reservations()
+
+
+def test_row15_draft_tokens_are_capped_at_the_worker_limit(rig):
+    """Issue 8 row 15: the router allows 16 drafts, the worker 8: a request for 12 runs with 8."""
+    worker = rig.worker("a", Script(max_draft_tokens=8))
+    router = rig.router(max_draft_tokens=16)
+    msgs, err = collect(router, text="speculate a lot", max_new_tokens=3, num_draft_tokens=12)
+    assert err is None, err
+    assert worker.requests[-1].spec.num_draft_tokens == 8
+    rig.wait_no_live_reservations()
