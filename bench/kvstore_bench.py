@@ -26,6 +26,12 @@ in the same run with the same client. Every configuration runs 3 times; the medi
     python bench/kvstore_bench.py                       # full run (a few minutes on 2 cores)
     python bench/kvstore_bench.py --quick               # smoke run
     python bench/kvstore_bench.py --json out.json --plot docs/img/kvstore_bench.png
+    python bench/kvstore_bench.py --skip-inprocess --workers 1 --tls both   # mTLS overhead (issue 8)
+
+``--tls on`` runs the gRPC phases with mutual TLS as deployed: a throwaway CA, the kvstore with its
+certificate, Match/Reserve over a channel with a router certificate and each worker's
+RegisterWorker/Publish/Release/Abort over a channel with that worker's certificate (the roles the
+kvstore enforces). ``--tls both`` runs plaintext and mTLS back to back in every run.
 """
 
 from __future__ import annotations
@@ -291,10 +297,40 @@ class ServerProcess:
         os.unlink(self._log.name)
 
 
-def start_kvstore_process() -> ServerProcess:
+def start_kvstore_process(certs: dict | None = None) -> ServerProcess:
     argv = [sys.executable, "-m", "services.cli", "--log-level", "INFO", "kvstore", "--port", "0",
             "--lease-ttl-s", "3600"]
+    if certs is not None:
+        kv = certs["kvstore"]
+        argv += ["--tls-cert", kv.cert, "--tls-key", kv.key, "--tls-ca", kv.ca]
     return ServerProcess(argv, r"kvstore serving on (\S+)")
+
+
+def make_certs(directory: str, num_workers: int) -> dict:
+    """A throwaway CA: the kvstore's, a router's and one certificate per benchmark worker."""
+    from services.common.certs import LocalCA
+
+    ca = LocalCA(days=1)
+    certs = {"kvstore": ca.write(directory, "kvstore", "kvstore"), "router": ca.write(directory, "router", "bench")}
+    for spec in worker_specs(num_workers):
+        certs[spec.worker_id] = ca.write(directory, "worker", spec.worker_id)
+    return certs
+
+
+def open_channels(address: str, certs: dict | None, num_workers: int):
+    """(router channel, {worker id: channel}): one plaintext channel for all, or one mTLS
+    channel per identity."""
+    import grpc
+
+    if certs is None:
+        ch = grpc.aio.insecure_channel(address)
+        return ch, {spec.worker_id: ch for spec in worker_specs(num_workers)}
+    from services.common.auth import load_channel_credentials
+
+    def secure(files):
+        return grpc.aio.secure_channel(address, load_channel_credentials(files.ca, files.cert, files.key))
+
+    return secure(certs["router"]), {spec.worker_id: secure(certs[spec.worker_id]) for spec in worker_specs(num_workers)}
 
 
 def start_echo_process() -> ServerProcess:
@@ -341,12 +377,14 @@ async def bench_echo(address: str, n: int, server_pid: int) -> PhaseResult:
 class GrpcKV:
     """The benchmark's kvstore client: one ``grpc.aio`` channel, packed tokens, per-RPC latencies."""
 
-    def __init__(self, channel, num_workers: int):
+    def __init__(self, channel, num_workers: int, worker_channels: dict | None = None):
         from tandem.common.v1 import common_pb2
         from tandem.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 
         self.pb, self.common = kvstore_pb2, common_pb2
-        self.stub = kvstore_pb2_grpc.KVStoreStub(channel)
+        self.stub = kvstore_pb2_grpc.KVStoreStub(channel)  # as the router: Match, Reserve, Stats
+        # as each worker: RegisterWorker, Publish, Release, Abort (the owner's calls)
+        self.worker_stubs = {wid: kvstore_pb2_grpc.KVStoreStub(ch) for wid, ch in (worker_channels or {}).items()}
         self.num_workers = num_workers
         self.rpc_lat: dict[str, list[int]] = {"Match": [], "Reserve": [], "Publish": [], "Release": []}
 
@@ -354,7 +392,7 @@ class GrpcKV:
         """(Re-)register every worker: a new incarnation starts from an empty pool (mutates)."""
         pb = self.pb
         for spec in worker_specs(self.num_workers):
-            await self.stub.RegisterWorker(
+            await self.worker(spec.worker_id).RegisterWorker(
                 pb.RegisterWorkerRequest(
                     worker_id=spec.worker_id, address=spec.address, model_id=spec.model_id,
                     spec_mode=spec.spec_mode.value, block_size=spec.block_size, num_blocks=spec.num_blocks,
@@ -362,6 +400,9 @@ class GrpcKV:
                 ),
                 timeout=10,
             )
+
+    def worker(self, worker_id: str):
+        return self.worker_stubs.get(worker_id, self.stub)
 
     async def warm(self, work: Workload) -> None:
         await self.register()
@@ -385,9 +426,10 @@ class GrpcKV:
         r = (await self._timed("Reserve", stub.Reserve, pb.ReserveRequest(
             worker_id=w.worker_id, incarnation=w.incarnation, request_id=rid, tokens=tok,
             headroom_positions=HEADROOM))).reservation
-        await self._timed("Publish", stub.Publish, pb.PublishRequest(
+        owner = self.worker(w.worker_id)
+        await self._timed("Publish", owner.Publish, pb.PublishRequest(
             reservation_id=r.reservation_id, incarnation=r.incarnation, final_positions=len(toks) // 4))
-        await self._timed("Release", stub.Release, pb.ReleaseRequest(
+        await self._timed("Release", owner.Release, pb.ReleaseRequest(
             reservation_id=r.reservation_id, incarnation=r.incarnation))
         return r.reused_positions
 
@@ -402,70 +444,78 @@ class GrpcKV:
 
 
 async def bench_kvstore_grpc(work: Workload, address: str, server_pid: int, num_workers: int, n_match: int,
-                             n_reserve: int, n_cycle: int) -> list[PhaseResult]:
-    """Match alone, Reserve alone and full cycles against a kvstore at ``address``."""
-    import grpc
-
+                             n_reserve: int, n_cycle: int, certs: dict | None = None) -> list[PhaseResult]:
+    """Match alone, Reserve alone and full cycles against a kvstore at ``address`` (mTLS with
+    ``certs``)."""
     total = SYSTEM_LEN + FRESH_LEN
-    async with grpc.aio.insecure_channel(address) as ch:
-        kv = GrpcKV(ch, num_workers)
-        pb, common, stub = kv.pb, kv.common, kv.stub
+    ch, worker_channels = open_channels(address, certs, num_workers)
+    try:
+        return await _bench_kvstore_grpc(work, ch, worker_channels, server_pid, num_workers, n_match, n_reserve, n_cycle, total)
+    finally:
+        for c in {id(c): c for c in [ch, *worker_channels.values()]}.values():
+            await c.close()
 
-        # Match alone.
-        await kv.warm(work)
-        hits = 0
-        match_reqs = [pb.MatchRequest(tokens=common.TokenIds(packed=t)) for _, t in work.requests("match", n_match)]
 
-        async def match(req):
+async def _bench_kvstore_grpc(work, ch, worker_channels, server_pid, num_workers, n_match, n_reserve, n_cycle, total):
+    kv = GrpcKV(ch, num_workers, worker_channels)
+    pb, common, stub = kv.pb, kv.common, kv.stub
+
+    # Match alone.
+    await kv.warm(work)
+    hits = 0
+    match_reqs = [pb.MatchRequest(tokens=common.TokenIds(packed=t)) for _, t in work.requests("match", n_match)]
+
+    async def match(req):
+        nonlocal hits
+        resp = await stub.Match(req, timeout=10)
+        hits += max(w.reusable_positions for w in resp.workers)
+
+    with Meter(server_pid) as meter:
+        lat = await _closed_loop(match_reqs, match, IN_FLIGHT)
+    results = [_phase("match", n_match, meter, lat, hits / (n_match * total))]
+
+    # Reserve alone: timed waves of RESERVE_WAVE reservations, each wave aborted untimed.
+    await kv.warm(work)
+    reqs = work.requests("reserve", n_reserve)
+    hits, lat, meter = 0, [], Meter(server_pid)
+    for start in range(0, n_reserve, RESERVE_WAVE):
+        wave = []
+        for j in range(start, min(start + RESERVE_WAVE, n_reserve)):
+            tok = common.TokenIds(packed=reqs[j][1])
+            # untimed: route like a router would, to the worker holding the prefix
+            w = pick((await stub.Match(pb.MatchRequest(tokens=tok), timeout=10)).workers, j)
+            wave.append(pb.ReserveRequest(worker_id=w.worker_id, incarnation=w.incarnation, request_id=f"rv-{j}",
+                                          tokens=tok, headroom_positions=HEADROOM))
+        live = []
+
+        async def reserve(req):
             nonlocal hits
-            resp = await stub.Match(req, timeout=10)
-            hits += max(w.reusable_positions for w in resp.workers)
+            r = (await stub.Reserve(req, timeout=10)).reservation
+            hits += r.reused_positions
+            live.append(r)
 
-        with Meter(server_pid) as meter:
-            lat = await _closed_loop(match_reqs, match, IN_FLIGHT)
-        results = [_phase("match", n_match, meter, lat, hits / (n_match * total))]
+        with meter:
+            lat += await _closed_loop(wave, reserve, IN_FLIGHT)
+        # the owning worker's Abort (from anyone else it would only mark them ending)
+        await asyncio.gather(*(kv.worker(r.worker_id).Abort(pb.AbortRequest(
+            reservation_id=r.reservation_id, incarnation=r.incarnation, worker_id=r.worker_id), timeout=10)
+            for r in live))
+    results.append(_phase("reserve", n_reserve, meter, lat, hits / (n_reserve * total)))
 
-        # Reserve alone: timed waves of RESERVE_WAVE reservations, each wave aborted untimed.
-        await kv.warm(work)
-        reqs = work.requests("reserve", n_reserve)
-        hits, lat, meter = 0, [], Meter(server_pid)
-        for start in range(0, n_reserve, RESERVE_WAVE):
-            wave = []
-            for j in range(start, min(start + RESERVE_WAVE, n_reserve)):
-                tok = common.TokenIds(packed=reqs[j][1])
-                # untimed: route like a router would, to the worker holding the prefix
-                w = pick((await stub.Match(pb.MatchRequest(tokens=tok), timeout=10)).workers, j)
-                wave.append(pb.ReserveRequest(worker_id=w.worker_id, incarnation=w.incarnation, request_id=f"rv-{j}",
-                                              tokens=tok, headroom_positions=HEADROOM))
-            live = []
+    # Full cycles, IN_FLIGHT at a time.
+    await kv.warm(work)
+    hits = 0
+    jobs = [(i, f"c-{i}", t) for i, (_, t) in enumerate(work.requests("cycle", n_cycle))]
 
-            async def reserve(req):
-                nonlocal hits
-                r = (await stub.Reserve(req, timeout=10)).reservation
-                hits += r.reused_positions
-                live.append(r)
+    async def counted_cycle(job):
+        nonlocal hits
+        reused = await kv.cycle(job)  # not `hits += await ...`: that reads hits before awaiting
+        hits += reused
 
-            with meter:
-                lat += await _closed_loop(wave, reserve, IN_FLIGHT)
-            await asyncio.gather(*(stub.Abort(pb.AbortRequest(reservation_id=r.reservation_id,
-                                                              incarnation=r.incarnation), timeout=10)
-                                   for r in live))
-        results.append(_phase("reserve", n_reserve, meter, lat, hits / (n_reserve * total)))
-
-        # Full cycles, IN_FLIGHT at a time.
-        await kv.warm(work)
-        hits = 0
-        jobs = [(i, f"c-{i}", t) for i, (_, t) in enumerate(work.requests("cycle", n_cycle))]
-
-        async def counted_cycle(job):
-            nonlocal hits
-            reused = await kv.cycle(job)  # not `hits += await ...`: that reads hits before awaiting
-            hits += reused
-
-        with Meter(server_pid) as meter:
-            lat = await _closed_loop(jobs, counted_cycle, IN_FLIGHT)
-        results.append(_phase("cycle", n_cycle, meter, lat, hits / (n_cycle * total), kv.rpc_lat))
-        await kv.check()
+    with Meter(server_pid) as meter:
+        lat = await _closed_loop(jobs, counted_cycle, IN_FLIGHT)
+    results.append(_phase("cycle", n_cycle, meter, lat, hits / (n_cycle * total), kv.rpc_lat))
+    await kv.check()
     return results
 
 
@@ -508,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet-load", type=float, default=0.0,
                         help="before each run wait (up to --quiet-wait-s) until the 1-min load average is below this")
     parser.add_argument("--quiet-wait-s", type=float, default=300.0)
+    parser.add_argument("--tls", choices=("off", "on", "both"), default="off",
+                        help="gRPC phases over mTLS (on), plaintext (off) or both, back to back")
     args = parser.parse_args(argv)
 
     scale = 0.05 if args.quick else 1.0
@@ -545,14 +597,18 @@ def main(argv: list[str] | None = None) -> int:
                 record("grpc", [asyncio.run(bench_echo(echo.address, n_echo, echo.proc.pid))])
             finally:
                 echo.stop()
+            modes = {"off": [False], "on": [True], "both": [False, True]}[args.tls]
             for nw in worker_counts:
-                print(f"-- gRPC kvstore (separate process), {nw} worker(s)", flush=True)
-                server = start_kvstore_process()
-                try:
-                    record(f"grpc/{nw}w", asyncio.run(bench_kvstore_grpc(
-                        work, server.address, server.proc.pid, nw, n_rpc_match, n_rpc_reserve, n_rpc_cycle)))
-                finally:
-                    server.stop()
+                for mtls in modes:
+                    print(f"-- gRPC kvstore (separate process), {nw} worker(s){', mTLS' if mtls else ''}", flush=True)
+                    with tempfile.TemporaryDirectory() as certs_dir:
+                        certs = make_certs(certs_dir, nw) if mtls else None
+                        server = start_kvstore_process(certs)
+                        try:
+                            record(f"grpc{'-mtls' if mtls else ''}/{nw}w", asyncio.run(bench_kvstore_grpc(
+                                work, server.address, server.proc.pid, nw, n_rpc_match, n_rpc_reserve, n_rpc_cycle, certs)))
+                        finally:
+                            server.stop()
 
     summary = {k: _median_phase(v) for k, v in raw.items()}
     echo = summary.get("grpc/echo", {})
@@ -560,8 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'config':18s} {'ops/s':>8s} {'x echo':>7s} {'p50 ms':>7s} {'p99 ms':>7s} {'hit':>6s}"
           f" {'CPU us/op':>9s} {'srv us/op':>9s} {'srv x echo':>10s}")
     for k, s in summary.items():
-        rpcs = RPCS_PER_CYCLE if k.startswith("grpc/") and k.endswith("/cycle") else 1
-        if echo and k.startswith("grpc/"):
+        rpcs = RPCS_PER_CYCLE if k.startswith("grpc") and k.endswith("/cycle") else 1
+        if echo and k.startswith("grpc"):
             # throughput ratio, and the same ratio from server CPU per RPC (robust to machine load)
             s["x_echo"] = s["ops_per_s"] * rpcs / echo["ops_per_s"]
             s["x_echo_server_cpu"] = echo["server_cpu_us"] / (s["server_cpu_us"] / rpcs)
@@ -627,7 +683,7 @@ def plot(summary: dict, path: Path, info: dict) -> None:
         a.set_title("in-process, one call at a time")
         a.set_ylabel("operations / s")
         a.legend(fontsize=8)
-    rpc = {k.removeprefix("grpc/"): v for k, v in summary.items() if k.startswith("grpc/")}
+    rpc = {k.removeprefix("grpc/"): v for k, v in summary.items() if k.startswith("grpc")}
     if rpc:
         per = {k: RPCS_PER_CYCLE if k.endswith("cycle") else 1 for k in rpc}
         names = [f"{k} (×{per[k]})" if per[k] > 1 else k for k in rpc]
