@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,6 +81,8 @@ async def start_worker(
     With ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
     :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
     """
+    if settings.gil_switch_interval_ms is not None:
+        sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
     server_credentials, channel_credentials = suite_credentials(settings)
     link = KVStoreLink(settings.kvstore, timeout_s=settings.rpc_timeout_s, credentials=channel_credentials)
     courier = KVStoreCourier()
