@@ -186,11 +186,11 @@ async def _heartbeat(identity: WorkerIdentity, runner: EngineRunner, servicer: W
         await asyncio.sleep(period_s)
         try:
             beat = await asyncio.to_thread(identity.link.heartbeat, identity.worker_id)
-            if beat.ending_reservation_ids:
-                # the router ended these: stop what runs in them; confirm the rest (no step writes them)
-                incarnation = identity.link.incarnation
-                for rid in servicer.on_ending(list(beat.ending_reservation_ids)):
-                    await asyncio.to_thread(identity.link.abort, rid, incarnation)
+            # the router ended these: stop what runs in them; confirm the rest (no step writes
+            # them). Called on every beat: it also forgets the claims of finished requests.
+            incarnation = identity.link.incarnation
+            for rid in servicer.on_ending(list(beat.ending_reservation_ids)):
+                await asyncio.to_thread(identity.link.abort, rid, incarnation)
         except (FailedPrecondition, NotFound):
             # The kvstore dropped us (lease lapsed or it restarted): our reservations are gone, so
             # fail what runs and come back as a new incarnation.
