@@ -35,7 +35,7 @@ async def start_kvstore(
     """
     store = store or KVStore(
         lease_ttl_s=settings.lease_ttl_s, max_tokens=settings.max_tokens, events_per_worker=settings.events_per_worker,
-        max_num_blocks=settings.max_num_blocks, max_items=settings.max_items_per_call,
+        max_num_blocks=settings.max_num_blocks, max_items=settings.max_items_per_call, max_workers=settings.max_workers,
     )
     server_credentials, _ = suite_credentials(settings)
     servicer = KVStoreServicer(store, event_queue=settings.event_queue)

@@ -25,4 +25,5 @@ class KVStoreSettings(TandemSettings):
     )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port on host (unset = off, 0 = any free port)")
     max_num_blocks: int = Field(1 << 20, ge=1, le=MAX_BLOCKS_PER_WORKER, description="largest num_blocks a worker may register (each block costs the kvstore a record)")
+    max_workers: int = Field(1024, ge=1, description="registered workers at most (bounds every Match and ListWorkers reply)")
     max_items_per_call: int = Field(MAX_ITEMS_PER_CALL, ge=1, le=1 << 16, description="most items in one Extend or Trim call")

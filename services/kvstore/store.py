@@ -86,6 +86,7 @@ class KVStore:
         max_num_blocks: int = validation.MAX_BLOCKS_PER_WORKER,
         max_items: int = validation.MAX_ITEMS_PER_CALL,
         new_id: Callable[[], str] | None = None,
+        max_workers: int = 1024,
     ):
         """``epoch`` tells this store's life apart from earlier ones (default: wall-clock µs):
         incarnations count up from ``epoch + 1`` and reservation ids embed it, so ids handed out
@@ -112,6 +113,7 @@ class KVStore:
         # 128 random bits per reservation id: unguessable. Tests that replay runs inject a counter.
         self._new_id = new_id or (lambda: "r-" + secrets.token_hex(16))
         self.max_items = validation.count("max_items", max_items, minimum=1)
+        self.max_workers = validation.count("max_workers", max_workers, minimum=1)  # bounds Match replies
         self._by_request: dict[str, ReservationRecord] = {}
         self._tombstones: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (worker, incarnation)
         self._last_incarnation = self.epoch
@@ -125,8 +127,10 @@ class KVStore:
         reservations and trie residency are dropped (CLEARED event). Returns the new incarnation."""
         self.expire_leases()
         spec = validation.worker_spec(spec, self.max_num_blocks)
-        self.tick += 1
         old = self._workers.get(spec.worker_id)
+        if old is None and len(self._workers) >= self.max_workers:
+            raise ResourceExhausted(f"the kvstore holds its limit of {self.max_workers} workers")
+        self.tick += 1
         if old is not None:
             self._drop_worker(old)
         self._last_incarnation += 1
