@@ -444,77 +444,80 @@ class GrpcKV:
 
 
 async def bench_kvstore_grpc(work: Workload, address: str, server_pid: int, num_workers: int, n_match: int,
-                             n_reserve: int, n_cycle: int, certs: dict | None = None) -> list[PhaseResult]:
+                             n_reserve: int, n_cycle: int, certs: dict | None = None,
+                             phases: tuple[str, ...] = ("match", "reserve", "cycle")) -> list[PhaseResult]:
     """Match alone, Reserve alone and full cycles against a kvstore at ``address`` (mTLS with
     ``certs``)."""
     total = SYSTEM_LEN + FRESH_LEN
     ch, worker_channels = open_channels(address, certs, num_workers)
     try:
-        return await _bench_kvstore_grpc(work, ch, worker_channels, server_pid, num_workers, n_match, n_reserve, n_cycle, total)
+        return await _bench_kvstore_grpc(work, ch, worker_channels, server_pid, num_workers, n_match, n_reserve, n_cycle, total,
+                                         phases)
     finally:
         for c in {id(c): c for c in [ch, *worker_channels.values()]}.values():
             await c.close()
 
 
-async def _bench_kvstore_grpc(work, ch, worker_channels, server_pid, num_workers, n_match, n_reserve, n_cycle, total):
+async def _bench_kvstore_grpc(work, ch, worker_channels, server_pid, num_workers, n_match, n_reserve, n_cycle, total, phases):
     kv = GrpcKV(ch, num_workers, worker_channels)
     pb, common, stub = kv.pb, kv.common, kv.stub
 
-    # Match alone.
-    await kv.warm(work)
-    hits = 0
-    match_reqs = [pb.MatchRequest(tokens=common.TokenIds(packed=t)) for _, t in work.requests("match", n_match)]
+    results: list[PhaseResult] = []
+    if "match" in phases:  # Match alone.
+        await kv.warm(work)
+        hits = 0
+        match_reqs = [pb.MatchRequest(tokens=common.TokenIds(packed=t)) for _, t in work.requests("match", n_match)]
 
-    async def match(req):
-        nonlocal hits
-        resp = await stub.Match(req, timeout=10)
-        hits += max(w.reusable_positions for w in resp.workers)
-
-    with Meter(server_pid) as meter:
-        lat = await _closed_loop(match_reqs, match, IN_FLIGHT)
-    results = [_phase("match", n_match, meter, lat, hits / (n_match * total))]
-
-    # Reserve alone: timed waves of RESERVE_WAVE reservations, each wave aborted untimed.
-    await kv.warm(work)
-    reqs = work.requests("reserve", n_reserve)
-    hits, lat, meter = 0, [], Meter(server_pid)
-    for start in range(0, n_reserve, RESERVE_WAVE):
-        wave = []
-        for j in range(start, min(start + RESERVE_WAVE, n_reserve)):
-            tok = common.TokenIds(packed=reqs[j][1])
-            # untimed: route like a router would, to the worker holding the prefix
-            w = pick((await stub.Match(pb.MatchRequest(tokens=tok), timeout=10)).workers, j)
-            wave.append(pb.ReserveRequest(worker_id=w.worker_id, incarnation=w.incarnation, request_id=f"rv-{j}",
-                                          tokens=tok, headroom_positions=HEADROOM))
-        live = []
-
-        async def reserve(req):
+        async def match(req):
             nonlocal hits
-            r = (await stub.Reserve(req, timeout=10)).reservation
-            hits += r.reused_positions
-            live.append(r)
+            resp = await stub.Match(req, timeout=10)
+            hits += max(w.reusable_positions for w in resp.workers)
 
-        with meter:
-            lat += await _closed_loop(wave, reserve, IN_FLIGHT)
-        # the owning worker's Abort (from anyone else it would only mark them ending)
-        await asyncio.gather(*(kv.worker(r.worker_id).Abort(pb.AbortRequest(
-            reservation_id=r.reservation_id, incarnation=r.incarnation, worker_id=r.worker_id), timeout=10)
-            for r in live))
-    results.append(_phase("reserve", n_reserve, meter, lat, hits / (n_reserve * total)))
+        with Meter(server_pid) as meter:
+            lat = await _closed_loop(match_reqs, match, IN_FLIGHT)
+        results.append(_phase("match", n_match, meter, lat, hits / (n_match * total)))
 
-    # Full cycles, IN_FLIGHT at a time.
-    await kv.warm(work)
-    hits = 0
-    jobs = [(i, f"c-{i}", t) for i, (_, t) in enumerate(work.requests("cycle", n_cycle))]
+    if "reserve" in phases:  # Reserve alone: timed waves of RESERVE_WAVE reservations, each wave aborted untimed.
+        await kv.warm(work)
+        reqs = work.requests("reserve", n_reserve)
+        hits, lat, meter = 0, [], Meter(server_pid)
+        for start in range(0, n_reserve, RESERVE_WAVE):
+            wave = []
+            for j in range(start, min(start + RESERVE_WAVE, n_reserve)):
+                tok = common.TokenIds(packed=reqs[j][1])
+                # untimed: route like a router would, to the worker holding the prefix
+                w = pick((await stub.Match(pb.MatchRequest(tokens=tok), timeout=10)).workers, j)
+                wave.append(pb.ReserveRequest(worker_id=w.worker_id, incarnation=w.incarnation, request_id=f"rv-{j}",
+                                              tokens=tok, headroom_positions=HEADROOM))
+            live = []
 
-    async def counted_cycle(job):
-        nonlocal hits
-        reused = await kv.cycle(job)  # not `hits += await ...`: that reads hits before awaiting
-        hits += reused
+            async def reserve(req):
+                nonlocal hits
+                r = (await stub.Reserve(req, timeout=10)).reservation
+                hits += r.reused_positions
+                live.append(r)
 
-    with Meter(server_pid) as meter:
-        lat = await _closed_loop(jobs, counted_cycle, IN_FLIGHT)
-    results.append(_phase("cycle", n_cycle, meter, lat, hits / (n_cycle * total), kv.rpc_lat))
+            with meter:
+                lat += await _closed_loop(wave, reserve, IN_FLIGHT)
+            # the owning worker's Abort (from anyone else it would only mark them ending)
+            await asyncio.gather(*(kv.worker(r.worker_id).Abort(pb.AbortRequest(
+                reservation_id=r.reservation_id, incarnation=r.incarnation, worker_id=r.worker_id), timeout=10)
+                for r in live))
+        results.append(_phase("reserve", n_reserve, meter, lat, hits / (n_reserve * total)))
+
+    if "cycle" in phases:  # Full cycles, IN_FLIGHT at a time.
+        await kv.warm(work)
+        hits = 0
+        jobs = [(i, f"c-{i}", t) for i, (_, t) in enumerate(work.requests("cycle", n_cycle))]
+
+        async def counted_cycle(job):
+            nonlocal hits
+            reused = await kv.cycle(job)  # not `hits += await ...`: that reads hits before awaiting
+            hits += reused
+
+        with Meter(server_pid) as meter:
+            lat = await _closed_loop(jobs, counted_cycle, IN_FLIGHT)
+        results.append(_phase("cycle", n_cycle, meter, lat, hits / (n_cycle * total), kv.rpc_lat))
     await kv.check()
     return results
 
@@ -558,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet-load", type=float, default=0.0,
                         help="before each run wait (up to --quiet-wait-s) until the 1-min load average is below this")
     parser.add_argument("--quiet-wait-s", type=float, default=300.0)
+    parser.add_argument("--phases", default="match,reserve,cycle", help="gRPC phases to run (comma-separated)")
     parser.add_argument("--tls", choices=("off", "on", "both"), default="off",
                         help="gRPC phases over mTLS (on), plaintext (off) or both, back to back")
     args = parser.parse_args(argv)
@@ -606,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
                         server = start_kvstore_process(certs)
                         try:
                             record(f"grpc{'-mtls' if mtls else ''}/{nw}w", asyncio.run(bench_kvstore_grpc(
-                                work, server.address, server.proc.pid, nw, n_rpc_match, n_rpc_reserve, n_rpc_cycle, certs)))
+                                work, server.address, server.proc.pid, nw, n_rpc_match, n_rpc_reserve, n_rpc_cycle, certs,
+                                tuple(args.phases.split(",")))))
                         finally:
                             server.stop()
 
