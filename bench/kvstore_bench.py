@@ -333,9 +333,12 @@ def open_channels(address: str, certs: dict | None, num_workers: int):
     return secure(certs["router"]), {spec.worker_id: secure(certs[spec.worker_id]) for spec in worker_specs(num_workers)}
 
 
-def start_echo_process() -> ServerProcess:
-    return ServerProcess([sys.executable, str(ROOT / "bench" / "echo_server.py"), "--port", "0"],
-                         r"PORT (\d+)", address_format="127.0.0.1:{}")
+def start_echo_process(certs: dict | None = None) -> ServerProcess:
+    argv = [sys.executable, str(ROOT / "bench" / "echo_server.py"), "--port", "0"]
+    if certs is not None:
+        kv = certs["kvstore"]
+        argv += ["--tls-cert", kv.cert, "--tls-key", kv.key, "--tls-ca", kv.ca]
+    return ServerProcess(argv, r"PORT (\d+)", address_format="127.0.0.1:{}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -358,11 +361,10 @@ async def _closed_loop(jobs, fn, in_flight: int) -> list[int]:
     return lat
 
 
-async def bench_echo(address: str, n: int, server_pid: int) -> PhaseResult:
-    import grpc
-
+async def bench_echo(address: str, n: int, server_pid: int, certs: dict | None = None) -> PhaseResult:
     payload = os.urandom(ECHO_PAYLOAD)
-    async with grpc.aio.insecure_channel(address) as ch:
+    ch, _ = open_channels(address, certs, 0)
+    async with ch:
         echo = ch.unary_unary("/tandem.bench.Echo/Echo", request_serializer=None, response_deserializer=None)
 
         async def one(_):
@@ -595,13 +597,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"-- in-process, {nw} worker(s)", flush=True)
                 record(f"inproc/{nw}w", run_inprocess(work, nw, n_inp_match, n_inp_cycle))
         if not args.skip_grpc:
-            print("-- gRPC echo baseline (separate process)", flush=True)
-            echo = start_echo_process()
-            try:
-                record("grpc", [asyncio.run(bench_echo(echo.address, n_echo, echo.proc.pid))])
-            finally:
-                echo.stop()
             modes = {"off": [False], "on": [True], "both": [False, True]}[args.tls]
+            for mtls in modes:
+                print(f"-- gRPC echo baseline (separate process){', mTLS' if mtls else ''}", flush=True)
+                with tempfile.TemporaryDirectory() as certs_dir:
+                    certs = make_certs(certs_dir, 0) if mtls else None
+                    echo = start_echo_process(certs)
+                    try:
+                        record("grpc-mtls" if mtls else "grpc", [asyncio.run(bench_echo(echo.address, n_echo, echo.proc.pid, certs))])
+                    finally:
+                        echo.stop()
             for nw in worker_counts:
                 for mtls in modes:
                     print(f"-- gRPC kvstore (separate process), {nw} worker(s){', mTLS' if mtls else ''}", flush=True)
@@ -616,12 +621,14 @@ def main(argv: list[str] | None = None) -> int:
                             server.stop()
 
     summary = {k: _median_phase(v) for k, v in raw.items()}
-    echo = summary.get("grpc/echo", {})
+    echoes = {"grpc": summary.get("grpc/echo", {}), "grpc-mtls": summary.get("grpc-mtls/echo", {})}
+    echo = echoes["grpc"]
     print(f"\n== median of {runs} run(s); a gRPC cycle is {RPCS_PER_CYCLE} RPCs: its 'x echo' compares RPC/s")
     print(f"{'config':18s} {'ops/s':>8s} {'x echo':>7s} {'p50 ms':>7s} {'p99 ms':>7s} {'hit':>6s}"
           f" {'CPU us/op':>9s} {'srv us/op':>9s} {'srv x echo':>10s}")
     for k, s in summary.items():
         rpcs = RPCS_PER_CYCLE if k.startswith("grpc") and k.endswith("/cycle") else 1
+        echo = echoes.get(k.split("/", 1)[0], {})  # an mTLS phase against the mTLS echo
         if echo and k.startswith("grpc"):
             # throughput ratio, and the same ratio from server CPU per RPC (robust to machine load)
             s["x_echo"] = s["ops_per_s"] * rpcs / echo["ops_per_s"]
