@@ -26,7 +26,6 @@ from services.common.errors import (
     InvalidArgument,
     NotFound,
     TandemError,
-    Unavailable,
 )
 from services.common.spec import lookahead_span
 from services.common.wire import spec_mode_to_proto, tokens_from_proto

@@ -21,7 +21,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.wire import tokens_to_proto  # noqa: F401 - keeps the import order of the suite
 from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
 from tandem.router.v1 import router_pb2
 from trust_rig import TIMEOUT, TrustRig, make_pki, tls
