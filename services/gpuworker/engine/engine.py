@@ -25,11 +25,12 @@ thread.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 
 import torch
 
-from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, TandemError
 from services.gpuworker.attention.base import AttentionBackend, AttentionKind, BatchLayout
 from services.gpuworker.engine.acceptance import accept_greedy, accept_sampled_batch
 from services.gpuworker.engine.capacity import BlockSource, blocks_for
@@ -43,6 +44,8 @@ from services.gpuworker.engine.scheduler import ScheduledWork, draft_budget, sch
 from services.gpuworker.kv.pool import KVPool
 from services.gpuworker.model.draft import DraftModel
 from services.gpuworker.model.llama import TargetModel
+
+log = logging.getLogger(__name__)
 
 TRIM_POLICIES = ("unneeded", "rejected")
 GRAPH_MODES = ("off", "pad", "capture")
@@ -158,6 +161,9 @@ class Engine:
         # completion of the last step's device work: a block it wrote is freed only after it
         self.last_fence: StepFence = COMPLETE
         self._lagging: _LaggingTokens | None = None  # overlap: the last step's tokens, on their way
+        self._committed = False  # this step moved request state (tokens, lengths): see step()
+        self._in_step: list[RequestState] = []  # the states the running step scheduled
+        self._emitted: dict[str, list[int]] = {}  # the running step's tokens so far, per request
 
     def _make_graphs(self, target: TargetModel, draft: DraftModel | None, draft_pool: KVPool | None) -> ForwardGraphs | None:
         """The padded/captured uniform forwards (None with ``graphs="off"``): the target over
@@ -357,15 +363,69 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> StepReport:
         """Run one batched step (see the module docstring). Mutates the pools, the requests and the
-        block source. Finished requests are reported once and dropped."""
+        block source. Finished requests are reported once and dropped.
+
+        Failure isolation: if the step raises (anything but a ``TandemError``, which is the block
+        source's or a caller's) before any request's tokens or lengths moved, the requests of
+        the step that never completed a step are the suspects (a malformed request fails its
+        first step): they alone end, as ``FinishReason.ERROR`` results after the device finished
+        the failed work; the others keep their state and simply run again next step. A failure
+        after that point, or one with no suspect, is raised (the caller fails everything)."""
+        self._committed = False
+        self._in_step: list[RequestState] = []
+        self._emitted: dict[str, list[int]] = {}
+        try:
+            report = self._step()
+        except TandemError:
+            raise
+        except Exception as exc:
+            suspects = [s for s in self._in_step if not s.proven and self._states.get(s.request_id) is s]
+            if self._committed or not suspects:
+                raise
+            return self._isolate(suspects, exc)
+        for s in self._in_step:
+            s.proven = True
+        return report
+
+    def _isolate(self, suspects: list[RequestState], exc: Exception) -> StepReport:
+        """End ``suspects`` after a failed, uncommitted step (see ``step``); report the tokens
+        the step had already read back for the others (overlap). Mutates."""
+        log.warning("engine step failed (%s: %s); dropping the %d request(s) in their first step: %s",
+                    type(exc).__name__, exc, len(suspects), ", ".join(s.request_id for s in suspects))
+        # their blocks are freed after this fence: behind whatever the failed step had queued
+        self.last_fence = fence = StepFence.record(self.device)
+        for s in suspects:
+            s.finish_reason = FinishReason.ERROR
+        results = {}
+        for rid, tokens in {**self._emitted, **{s.request_id: [] for s in suspects}}.items():
+            s = self._states.get(rid)
+            if s is None or (not tokens and not s.finished):
+                continue
+            if s.finished:
+                s.drafts = s.draft_probs = s.chain_hidden = None
+            results[rid] = RequestStepResult(
+                request_id=rid, new_token_ids=list(tokens), proposed_drafts=0, accepted_drafts=0,
+                logical_len=s.logical_len, target_len=s.target_len, publishable_positions=s.draft_len,
+                block_table=list(s.block_table), block_size=self.block_size, blocks_written=[],
+                capacity_before=s.capacity, capacity_after=s.capacity, finish_reason=s.finish_reason,
+                error=exc if s.finish_reason is FinishReason.ERROR else None, counts=s.counts,
+            )
+            if s.finished:
+                del self._states[rid]
+        return StepReport(results=results, extend_wants={}, trim_keeps={}, target_tokens=0, draft_tokens=0,
+                          fence=fence)
+
+    def _step(self) -> StepReport:
         cfg = self.config
         states = sorted(self._states.values(), key=lambda s: s.arrival)
         work = schedule([s for s in states if not s.last_step], max_batch_tokens=cfg.max_batch_tokens,
                         max_batch_size=cfg.max_batch_size, chunk_size=cfg.chunk_size, max_seq_len=self.max_seq_len)
+        self._in_step = [w.state for w in work]
         cap_before = {s.request_id: s.capacity for s in states}
         results: dict[str, RequestStepResult] = {}
         written: dict[str, list[tuple[int, int]]] = {s.request_id: [] for s in states}
         emitted: dict[str, list[int]] = {w.state.request_id: [] for w in work}
+        self._emitted = emitted  # tokens read back so far: reported even if the step fails
         verified: dict[str, tuple[int, int]] = {}
         errors: dict[str, Exception] = {}
 
@@ -384,6 +444,7 @@ class Engine:
         # the previous step's tokens, read back while the device runs this step's target forward
         self._resolve_lagging(emitted)
         if launched is not None:
+            self._committed = True  # from here on, request state moves: no isolation (see step)
             fill_jobs = self._accept(work, *launched, emitted, verified)
         if self.drafter is not None:  # ended on a read-back token outside this step: final fill
             in_work = {w.state.request_id for w in work}
@@ -423,6 +484,7 @@ class Engine:
                 verified=rid in verified,
                 finish_reason=s.finish_reason,
                 error=errors.get(rid),
+                counts=s.counts,
             )
             if s.finished:
                 del self._states[rid]
@@ -620,7 +682,7 @@ class Engine:
         lag, self._lagging = self._lagging, None
         if lag is None:
             return
-        values = lag.values()
+        values = lag.values()  # tokens land in ``emitted``: reported even if the step then fails
         for s, row in lag.entries:
             if self._states.get(s.request_id) is not s or s.pending_token is None:
                 continue  # aborted meanwhile
