@@ -695,11 +695,14 @@ def plot(summary: dict, path: Path, info: dict) -> None:
         a.set_title("in-process, one call at a time")
         a.set_ylabel("operations / s")
         a.legend(fontsize=8)
+    else:
+        a.set_axis_off()
+        a.text(0.5, 0.5, "in-process phases not run", ha="center", va="center", transform=a.transAxes)
     rpc = {k.removeprefix("grpc/"): v for k, v in summary.items() if k.startswith("grpc")}
     if rpc:
         per = {k: RPCS_PER_CYCLE if k.endswith("cycle") else 1 for k in rpc}
         names = [f"{k} (×{per[k]})" if per[k] > 1 else k for k in rpc]
-        colors = ["#999999" if k == "echo" else "#55a868" for k in rpc]
+        colors = ["#999999" if k.endswith("echo") else "#8172b2" if k.startswith("grpc-mtls") else "#55a868" for k in rpc]
         b.bar(names, [v["ops_per_s"] * per[k] for k, v in rpc.items()], color=colors)
         c.bar(names, [v["server_cpu_us"] / per[k] for k, v in rpc.items()], color=colors)
         if "echo" in rpc:
