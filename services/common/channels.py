@@ -24,11 +24,14 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # HTTP/2 keepalive on every channel: a peer that stops answering (SIGSTOP, a dead host, a cut
 # network) is noticed within ~time + timeout and its calls fail UNAVAILABLE instead of hanging.
 # Servers permit pings this often (services.common.server.SERVER_KEEPALIVE_OPTIONS).
-KEEPALIVE_TIME_MS = 5_000
-KEEPALIVE_TIMEOUT_MS = 3_000
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
 KEEPALIVE_OPTIONS: tuple[tuple[str, object], ...] = (
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # gRPC core times a keepalive ping out by the HTTP/2 ping timeout (default 60 s), not only
+    # keepalive_timeout_ms: without this a frozen peer is noticed after a minute
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 )

@@ -40,6 +40,7 @@ INTERNAL_MESSAGE = "internal error (see server logs)"
 SERVER_KEEPALIVE_OPTIONS: tuple[tuple[str, object], ...] = (
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 4_000),
     ("grpc.http2.max_ping_strikes", 0),
