@@ -9,23 +9,19 @@ a clean audit, every service SERVING. ~40 s here.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 
 from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
 from tandem.router.v1 import router_pb2
-from trust_rig import TIMEOUT, TrustRig, make_pki, tls
+from trust_rig import TIMEOUT, TrustRig, make_pki, spawn_worker, wait_workers
 
-ROOT = Path(__file__).resolve().parents[2]
 SOAK_S = 25.0
 MAX_NEW = 24
 PROMPTS = [
@@ -38,32 +34,14 @@ OK_ERRORS = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.Status
              grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
-def _spawn(rig: TrustRig, name: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
-           **{f"TANDEM_WORKER_{k.upper()}": v for k, v in tls(rig.pki[name]).items()}}
-    argv = [sys.executable, "-m", "services.cli", "worker", "--kvstore", rig.kv.address, "--port", "0", "--worker-id", name,
-            "--heartbeat-s", "0.2", "--num-blocks", "256", "--model", "tiny", "--spec-mode", "eagle3"]
-    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _wait_workers(rig: TrustRig, names: set[str], timeout_s: float = 60.0) -> None:
-    end = time.monotonic() + timeout_s
-    while True:
-        listed = {w.worker_id for w in rig.kv_as("router").ListWorkers(kv_pb.ListWorkersRequest(), timeout=5).workers}
-        if names <= listed:
-            return
-        assert time.monotonic() < end, f"workers {names - listed} never registered"
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_soak_mixed_traffic_and_failures(tmp_path, start_service):
     rig = TrustRig(make_pki(tmp_path), start_service)
     procs: dict[str, subprocess.Popen] = {}
     try:
         rig.start_kvstore()
-        procs = {name: _spawn(rig, name) for name in ("w0", "w1")}
-        _wait_workers(rig, {"w0", "w1"})
+        procs = {name: spawn_worker(rig, name) for name in ("w0", "w1")}
+        wait_workers(rig, {"w0", "w1"})
         rig.start_router(idle_timeout_s=2.0, worker_probe_timeout_s=0.5, failed_worker_cooldown_s=1.0, max_queue_wait_s=2.0)
         time.sleep(1.2)  # the router probes both workers
         reference = {p: rig.generate(p, max_new_tokens=MAX_NEW)[0] for p in PROMPTS}
@@ -129,7 +107,7 @@ def test_soak_mixed_traffic_and_failures(tmp_path, start_service):
         time.sleep(3)
         procs["w0"].send_signal(signal.SIGKILL)
         procs["w0"].wait(10)
-        procs["w0"] = _spawn(rig, "w0")
+        procs["w0"] = spawn_worker(rig, "w0")
         time.sleep(max(0.0, SOAK_S - (time.monotonic() - started)))
         stop.set()
         for t in threads:
@@ -139,7 +117,7 @@ def test_soak_mixed_traffic_and_failures(tmp_path, start_service):
         assert not unexpected, unexpected[:5]
         assert tally["wrong"] == 0
         assert tally["ok"] >= 10 and tally["outside_aborts"] >= 1, tally
-        _wait_workers(rig, {"w0", "w1"})
+        wait_workers(rig, {"w0", "w1"})
         stats = rig.wait_settled(timeout_s=20.0)
         assert (stats.live_reservations, stats.ending_reservations) == (0, 0), stats
         assert all(w.pool.in_use == 0 for w in stats.workers), stats

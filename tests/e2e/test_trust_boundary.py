@@ -233,3 +233,45 @@ def test_row13_malformed_messages_are_invalid_argument(rig):
     for payload in (bad_utf8, truncated):  # GenerateRequest.text is field 1
         assert code_of(stream, payload, timeout=5, metadata=[("authorization", "Bearer tokA")]) == grpc.StatusCode.INVALID_ARGUMENT
     assert rig.invariants().ok
+
+
+def test_row9_a_frozen_worker_ends_its_streams_with_unavailable(pki, start_service):
+    """SIGSTOP a worker process mid-stream: its lease lapses, it leaves the registry, and the
+    router ends its stream with UNAVAILABLE in seconds (it used to hang until the 600 s deadline);
+    the kvstore dropped its blocks."""
+    import signal
+
+    from trust_rig import spawn_worker, wait_workers
+
+    rig = TrustRig(pki, start_service)
+    proc = None
+    try:
+        rig.start_kvstore()
+        proc = spawn_worker(rig, "w1")
+        wait_workers(rig, {"w1"})
+        rig.start_router()
+        call = rig.router.stub.Generate(router_pb2.GenerateRequest(text=PROMPT, max_new_tokens=4000), timeout=120)
+        assert next(call).token_ids
+        proc.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in call:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 15
+        stats = rig.wait_settled()
+        assert (stats.live_reservations, stats.ending_reservations, len(stats.workers)) == (0, 0, 0)
+        assert rig.invariants().ok
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait(10)
+        rig.close()
+
+
+def test_row15_the_router_takes_its_draft_limit_from_the_worker(rig):
+    """The router allows 16 draft tokens, the worker 8: a request for 12 runs (with 8) instead of
+    reserving and then failing."""
+    ids, usage = rig.generate(PROMPT, token="tokA", max_new_tokens=6, num_draft_tokens=12)
+    assert len(ids) == 6 and usage.completion_tokens == 6

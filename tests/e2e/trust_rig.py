@@ -7,8 +7,12 @@ certificates for the services and for the test's own callers, and stubs that cal
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,6 +25,7 @@ from tandem.router.v1 import router_pb2, router_pb2_grpc
 from tandem.worker.v1 import worker_pb2_grpc
 
 TIMEOUT = 30.0
+ROOT = Path(__file__).resolve().parents[2]
 IDENTITIES = {
     "kvstore": ("kvstore", "kvstore"),
     "w0": ("worker", "w0"),
@@ -144,6 +149,25 @@ class TrustRig:
             if msg.HasField("usage"):
                 usage = msg.usage
         return ids, usage
+
+
+def spawn_worker(rig: TrustRig, name: str) -> subprocess.Popen:
+    """A worker process (tiny model) with ``name``'s certificate, so a test can SIGSTOP/SIGKILL it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+           **{f"TANDEM_WORKER_{k.upper()}": v for k, v in tls(rig.pki[name]).items()}}
+    argv = [sys.executable, "-m", "services.cli", "worker", "--kvstore", rig.kv.address, "--port", "0", "--worker-id", name,
+            "--heartbeat-s", "0.2", "--num-blocks", "256", "--model", "tiny", "--spec-mode", "eagle3"]
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def wait_workers(rig: TrustRig, names: set[str], timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while True:
+        listed = {w.worker_id for w in rig.kv_as("router").ListWorkers(kv_pb.ListWorkersRequest(), timeout=5).workers}
+        if names <= listed:
+            return
+        assert time.monotonic() < end, f"workers {names - listed} never registered"
+        time.sleep(0.1)
 
 
 def code_of(call, *args, **kwargs) -> grpc.StatusCode:
