@@ -117,7 +117,7 @@ def _methods(module, service: str):
 @pytest.fixture
 def rig(tmp_path, start_service):
     rig = TrustRig(make_pki(tmp_path), start_service)
-    rig.start_kvstore()
+    rig.start_kvstore(lease_ttl_s=30.0)  # a loaded CI machine must not lapse the worker's lease mid-fuzz
     rig.start_worker("w0")
     rig.start_router(tenants="tokA=alice", max_new_tokens=4)
     yield rig
@@ -163,7 +163,7 @@ def test_fuzz_every_rpc_of_every_service(rig):
         calls = []
         for _ in range(n):
             channel, (method, cls, streaming), metadata = rng.choice(pool)
-            timeout = 0.3 if method.endswith("WatchEvents") else 10.0  # a valid watch follows forever
+            timeout = 0.3 if method.endswith("WatchEvents") else 30.0  # a valid watch follows forever
             calls.append((channel, method, streaming, _payload(cls, rng), metadata, timeout))
         with ThreadPoolExecutor(8) as ex:
             return [(c[1], *r) for c, r in zip(calls, ex.map(lambda c: _call(*c), calls))]

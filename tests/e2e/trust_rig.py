@@ -68,7 +68,8 @@ class TrustRig:
         from services.kvstore.server import start_kvstore
         from services.kvstore.settings import KVStoreSettings
 
-        settings = KVStoreSettings(host="127.0.0.1", port=0, grace_s=0.0, lease_ttl_s=1.5, **tls(self.pki["kvstore"]), **overrides)
+        settings = KVStoreSettings(**{"host": "127.0.0.1", "port": 0, "grace_s": 0.0, "lease_ttl_s": 1.5,
+                                      **tls(self.pki["kvstore"]), **overrides})
         self.kv = self.start_service(lambda: start_kvstore(settings), credentials(self.pki["router"]))
         return self.kv
 
