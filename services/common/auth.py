@@ -131,6 +131,13 @@ def load_channel_credentials(
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
+def warn_if_insecure(settings, logger) -> None:
+    """One warning line when a service runs without mTLS (insecure mode trusts every caller)."""
+    if not getattr(settings, "tls_cert", ""):
+        logger.warning("no --tls-cert/--tls-key/--tls-ca: insecure mode, every caller that reaches this "
+                       "service is trusted with every role (bind it to loopback or a private network)")
+
+
 def suite_credentials(settings) -> tuple[grpc.ServerCredentials | None, grpc.ChannelCredentials | None]:
     """(server, channel) credentials for mTLS inside the suite from a service's ``tls_cert`` /
     ``tls_key`` / ``tls_ca`` settings; (None, None) when they are unset (insecure mode). The

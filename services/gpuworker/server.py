@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from services.common.errors import FailedPrecondition, NotFound, TandemError
-from services.common.auth import suite_credentials
+from services.common.auth import suite_credentials, warn_if_insecure
 from services.common.metrics import ServiceMetrics
 from services.common.peers import PeerRoleInterceptor
 from services.common.server import GrpcServer, ServiceBinding
@@ -84,6 +84,7 @@ async def start_worker(
     if settings.gil_switch_interval_ms is not None:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
     server_credentials, channel_credentials = suite_credentials(settings)
+    warn_if_insecure(settings, log)
     link = KVStoreLink(settings.kvstore, timeout_s=settings.rpc_timeout_s, credentials=channel_credentials)
     courier = KVStoreCourier()
     source = ReservationBlockSource(link, courier)

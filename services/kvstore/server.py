@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 
 from opentelemetry import trace
 
-from services.common.auth import suite_credentials
+from services.common.auth import suite_credentials, warn_if_insecure
 from services.common.metrics import ServiceMetrics
 from services.common.peers import PeerRoleInterceptor
 from services.common.server import GrpcServer, ServiceBinding
@@ -17,6 +18,8 @@ from services.kvstore.servicer import ROLE_RULES, KVStoreServicer
 from services.kvstore.settings import KVStoreSettings
 from services.kvstore.store import KVStore
 from tandem.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 
@@ -38,6 +41,7 @@ async def start_kvstore(
         max_num_blocks=settings.max_num_blocks, max_items=settings.max_items_per_call, max_workers=settings.max_workers,
     )
     server_credentials, _ = suite_credentials(settings)
+    warn_if_insecure(settings, log)
     servicer = KVStoreServicer(store, event_queue=settings.event_queue)
     interceptors: list = []
     provider = tracer_provider or trace.get_tracer_provider()

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from services.common.auth import BearerAuthInterceptor, load_channel_credentials, load_server_credentials, suite_credentials
+from services.common.auth import (
+    BearerAuthInterceptor,
+    load_channel_credentials,
+    load_server_credentials,
+    suite_credentials,
+    warn_if_insecure,
+)
 from services.common.channels import ChannelPool, open_channel
 from services.common.errors import TandemError, Unavailable
 from services.common.metrics import ServiceMetrics
@@ -107,6 +113,8 @@ async def start_router(
         log.info("no --salt-secret-file: tenant cache salts use a random secret of this process "
                  "(routers of one deployment need the same secret to share the cache)")
     tenants = TenantRegistry.from_settings(settings.tenants, settings.shared_tenants, secret=secret)
+    if not settings.upstream_ca_file:
+        warn_if_insecure(settings, log)
     # upstream (kvstore, workers): the explicit upstream_* files, else the suite's mTLS identity
     upstream = (
         load_channel_credentials(settings.upstream_ca_file, settings.upstream_cert_file, settings.upstream_key_file)
