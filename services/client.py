@@ -22,13 +22,23 @@ def _number(kind, low: float, inclusive: bool = True):
     return parse
 
 
+class _RefuseToken(argparse.Action):
+    """``--token VALUE`` is refused (exit 2) without echoing the value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("--token is not accepted (a command line is visible to every user): "
+                     "use --token-file PATH or the TANDEM_TOKEN variable")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="text prompt")
     parser.add_argument("--router", default=os.environ.get("TANDEM_ROUTER_ADDRESS", "127.0.0.1:50050"), help="router host:port")
     parser.add_argument("--max-new-tokens", type=_number(int, 1), default=64, help="tokens to generate (>= 1; default 64)")
     parser.add_argument("--temperature", type=_number(float, 0.0), default=0.0, help="0 = greedy (default)")
     parser.add_argument("--draft-tokens", type=_number(int, 0), default=None, help="draft tokens per step (0 = off; default: router's)")
-    parser.add_argument("--token", default=os.environ.get("TANDEM_TOKEN"), help="bearer token (tenant)")
+    # never a flag with the token itself: argv is visible to every user of the machine (ps)
+    parser.add_argument("--token-file", default="", help="file holding the bearer token (tenant); default: $TANDEM_TOKEN")
+    parser.add_argument("--token", action=_RefuseToken, help=argparse.SUPPRESS)
     parser.add_argument("--timeout-s", type=_number(float, 0.0, inclusive=False), default=120.0, help="deadline of the request")
 
 
@@ -79,6 +89,17 @@ def generate_and_print(
     return 0
 
 
+def read_token(token_file: str = "", environ=None) -> str | None:
+    """The bearer token from ``token_file`` (stripped) or ``$TANDEM_TOKEN``; None if neither."""
+    environ = os.environ if environ is None else environ
+    if token_file:
+        try:
+            return open(token_file, encoding="utf-8").read().strip() or None
+        except OSError as exc:
+            raise SystemExit(f"tandem generate: error: cannot read --token-file {token_file!r}: {exc.strerror or exc}")
+    return environ.get("TANDEM_TOKEN") or None
+
+
 def run(args: argparse.Namespace) -> int:
     return generate_and_print(
         args.router,
@@ -86,6 +107,6 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         draft_tokens=args.draft_tokens,
-        token=args.token,
+        token=read_token(args.token_file),
         timeout_s=args.timeout_s,
     )

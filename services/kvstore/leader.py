@@ -35,6 +35,9 @@ def store_args(settings: KVStoreSettings) -> dict:
         lease_ttl_s=settings.lease_ttl_s,
         max_tokens=settings.max_tokens,
         events_per_worker=settings.events_per_worker,
+        max_num_blocks=settings.max_num_blocks,
+        max_items=settings.max_items_per_call,
+        max_workers=settings.max_workers,
         epoch=time.time_ns() // 1000,
     )
 
