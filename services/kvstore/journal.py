@@ -7,8 +7,8 @@ built with the same constructor arguments reproduces the exact state — pools, 
 trie, pins, eviction order, ticks, incarnations, reservation ids. Each entry also carries the
 verb's observable outcome (a digest), checked on replay, so a divergence (a core change that is
 not deterministic, a corrupted journal) is an error at recovery, never a silent difference. The
-one outcome that may legitimately differ is a reservation id drawn at random by a future core:
-replay then adopts the journaled id (``_adopt_id``).
+one input that is no argument — the random reservation id the core draws — is journaled too, and
+replay hands the core that id through its ``new_id`` hook.
 
     handler ─▶ JournaledStore.reserve(...) ─▶ clock frozen at t ─▶ KVStore.reserve(...)
                       │ success                                         │
@@ -30,9 +30,9 @@ Plain synchronous Python, no network: the Redis transport lives in ``redis_backe
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import pickle
+import secrets
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -53,7 +53,8 @@ MUTATING = frozenset(
     {"register_worker", "heartbeat", "reserve", "reserve_first", "extend", "trim", "publish", "release", "suspend", "abort"}
 )
 READ_ONLY = frozenset(
-    {"list_workers", "match", "get_reservation", "stats", "check_invariants", "events_since", "view", "subscribe"}
+    {"list_workers", "match", "get_reservation", "reservation_prompt", "ending_for", "stats", "check_invariants",
+     "events_since", "view", "subscribe"}
 )
 _TOKEN_ARGS = ("tokens", "new_tokens")
 PICKLE_PROTOCOL = 5
@@ -136,11 +137,18 @@ class JournaledStore:
                  seq: int = 0, store: KVStore | None = None):
         self.store_args = dict(store_args)
         self.clock = clock or JournalClock()
-        self.store = store if store is not None else KVStore(clock=self.clock, **self.store_args)
+        self._replay_id: str | None = None  # the id the core must draw next, during replay
+        self.store = store if store is not None else KVStore(clock=self.clock, new_id=self._new_id, **self.store_args)
         self.sink = sink
         self.seq = seq  # entries committed to this store so far (a snapshot counts for its seq)
         self.last_time = 0.0  # the clock reading of the last entry
         self.waiter: Callable[[int], Any] | None = None  # seq -> awaitable | None (the backend's)
+
+    def _new_id(self) -> str:
+        """The core's reservation-id source: random (as the core's own), or during replay the
+        journaled one."""
+        rid, self._replay_id = self._replay_id, None
+        return rid if rid is not None else "r-" + secrets.token_hex(16)
 
     def durable(self):
         """An awaitable done once everything journaled so far is durable, or None if it is
@@ -198,14 +206,14 @@ class JournaledStore:
         buf = io.BytesIO()
         pickle.dump((self.seq, self.last_time, self.store_args), buf, protocol=PICKLE_PROTOCOL)
         store, events = self.store, self.store._events
-        # The clock and the event subscribers are process-local callables: not part of the state.
-        clock, subscribers = store._clock, events._subscribers
-        store._clock, events._subscribers = None, []
+        # The clock, id source and event subscribers are process-local callables, not state.
+        clock, new_id, subscribers = store._clock, store._new_id, events._subscribers
+        store._clock, store._new_id, events._subscribers = None, None, []
         try:
             with _deep_recursion():  # trie nodes and runs point at their parents: pickle recurses
                 pickle.dump(store, buf, protocol=PICKLE_PROTOCOL)
         finally:
-            store._clock, events._subscribers = clock, subscribers
+            store._clock, store._new_id, events._subscribers = clock, new_id, subscribers
         return buf.getvalue()
 
     # ------------------------------------------------------------------------ recovery
@@ -226,6 +234,8 @@ class JournaledStore:
         else:
             seq, last_time, store = 0, 0.0, None
         journaled = cls(store_args, None, clock=clock, seq=seq, store=store)
+        if store is not None:
+            store._new_id = journaled._new_id
         journaled.last_time = last_time
         for entry_seq, raw in entries:
             if entry_seq <= journaled.seq:
@@ -244,11 +254,10 @@ class JournaledStore:
             self.store.expire_leases()
             if verb != "expire":
                 args, kwargs = call
+                self._replay_id = rid
                 result = getattr(self.store, verb)(*args, **kwargs)
-                got = _reservation_id(result)
-                if got != rid:
-                    result = _adopt_id(self.store, got, rid, result)
-                if _digest(verb, result) != digest:
+                self._replay_id = None  # unused when Reserve was an idempotent retry
+                if _reservation_id(result) != rid or _digest(verb, result) != digest:
                     raise JournalDiverged(f"replay of {verb} at entry {self.seq + 1} answered differently")
         except TandemError as exc:
             if isinstance(exc, JournalDiverged):
@@ -292,15 +301,3 @@ def _reservation_id(result: Any) -> str | None:
     """The id a Reserve handed out (None for other verbs)."""
     return getattr(result, "reservation_id", None) if hasattr(result, "block_table") and hasattr(result, "request_id") else None
 
-
-def _adopt_id(store: KVStore, got: str | None, want: str | None, result: Any) -> Any:
-    """Give the reservation replay just created the id the journal recorded (for a core that
-    draws ids at random; a deterministic core never gets here). Mutates the store's maps."""
-    record = store._reservations.get(got) if got else None
-    if record is None or not want:
-        raise JournalDiverged(f"replay created reservation {got!r}, the journal says {want!r}")
-    del store._reservations[got]
-    del record.worker.reservations[got]
-    record.reservation_id = want
-    store._reservations[want] = record.worker.reservations[want] = record
-    return dataclasses.replace(result, reservation_id=want)
