@@ -171,6 +171,11 @@ class NoWorkerRegistered(Unavailable):
     worth waiting for as briefly as an outage."""
 
 
+class AllCoolingDown(Unavailable):
+    """Every compatible worker is in its failure cooldown (other requests failed on it, none of
+    this request's attempts did): waited for like an outage, not answered at once."""
+
+
 async def _with_idle_timeout(call, idle_s: float):
     """The messages of a server stream; UNAVAILABLE (as a worker failure) when none comes for
     ``idle_s`` seconds — a frozen worker (SIGSTOP) keeps its connection open, keepalive may not
@@ -363,6 +368,10 @@ class Dispatcher:
                 model_id=self.config.model_id, exclude=state.excluded,
             )
         if not ranked:
+            if candidates and not state.failures and not any(c.healthy for c in candidates):
+                # Nothing failed for this request: every worker is cooling down after other
+                # requests' failures (e.g. a kvstore restart ended their streams). Waitable.
+                raise AllCoolingDown(state.no_worker_left().message)
             if candidates:
                 raise state.no_worker_left()
             raise Unavailable("the workers changed while routing; try again")
@@ -392,7 +401,7 @@ class Dispatcher:
             while True:
                 try:
                     ranked = await self._plan(job, tenant, prompt_pb, state, deadline)
-                except (KVStoreUnavailable, NoWorkerRegistered) as exc:
+                except (KVStoreUnavailable, NoWorkerRegistered, AllCoolingDown) as exc:
                     await outage.wait(exc)
                     continue
                 # One Reserve for the whole preference order: the kvstore takes the first worker

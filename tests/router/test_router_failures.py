@@ -340,3 +340,19 @@ def test_row15_draft_tokens_are_capped_at_the_worker_limit(rig):
     assert err is None, err
     assert worker.requests[-1].spec.num_draft_tokens == 8
     rig.wait_no_live_reservations()
+
+
+def test_a_new_request_waits_out_a_cooldown_it_did_not_cause(rig):
+    """Another request's stream failed on the only worker (as when a kvstore restart ends running
+    streams): the worker cools down, and a new request waits for it (bounded, like an outage)
+    instead of being refused at once; without the wait it is refused."""
+    script = Script(fail_after=1)
+    worker = rig.worker("a", script)
+    router = rig.router(failed_worker_cooldown_s=0.8, kvstore_outage_wait_s=5.0, max_attempts=1)
+    _, err = collect(router, text="fails after a token", max_new_tokens=4)
+    assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE  # and the worker cools down
+    script.fail_after = None
+    started = time.monotonic()
+    _, err = collect(router, text="waits for the cooldown", max_new_tokens=2)
+    assert err is None and len(worker.requests) == 2 and time.monotonic() - started >= 0.3
+    rig.wait_no_live_reservations()
