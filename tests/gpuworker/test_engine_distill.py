@@ -18,8 +18,8 @@ def test_distill_trains_saves_and_measures(tmp_path):
     res = distill_draft("tiny", str(tmp_path), 30, spec_mode=SpecMode.EAGLE3, **SMALL)
     assert res.loss_last < res.loss_first
     assert 1.0 <= res.acceptance_before <= 4.0 and 1.0 <= res.acceptance_after <= 4.0
-    meta = json.loads((tmp_path / "tandem_draft.json").read_text())
-    assert meta["draft"]["spec_mode"] == "EAGLE3"
+    meta = json.loads((tmp_path / "eagle3" / "config.json").read_text())  # the public layout
+    assert meta["architectures"] == ["LlamaForCausalLMEagle3"]
     target, draft, _ = load_model(str(tmp_path), spec_mode=SpecMode.EAGLE3)
     tiny_target, random_draft, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3)
     for a, b in zip(target.state_dict().values(), tiny_target.state_dict().values()):

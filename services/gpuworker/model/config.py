@@ -34,7 +34,9 @@ class LlamaConfig:
     # None or {"rope_type": "llama3"|"linear"|"default", "factor": ..., ...} (HF field names)
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q/k/v/o (Llama)
+    qkv_bias: bool = False  # bias on q/k/v only (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each q/k head before RoPE (Qwen3)
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -166,34 +168,55 @@ def tiny_config() -> LlamaConfig:
 
 
 def default_eagle3_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """Low, middle and high target layers whose outputs EAGLE-3 fuses (indices into layers)."""
+    """Low, middle and high target layers whose outputs EAGLE-3 fuses (indices into layers).
+
+    Deep targets: what SGLang, vLLM and SpecForge pick when a checkpoint names none (the inputs of
+    layers 2, L/2 and L-3, i.e. the outputs of layers 1, L/2-1, L-4), so a draft Tandem trains
+    matches theirs. Shallow targets (where those collide): first, middle and last layer."""
+    engines = (1, num_layers // 2 - 1, num_layers - 4)
+    if num_layers >= 8:
+        return engines
     return (0, num_layers // 2, num_layers - 1) if num_layers >= 3 else tuple(range(num_layers))
 
 
 @dataclass(frozen=True)
 class DraftConfig:
-    """The draft layers of a one-model speculative setup (``tandem_draft.json`` "draft" section).
+    """The draft layers of a one-model speculative setup.
 
-    EAGLE-3: one decoder layer (``num_modules`` = 1) fed by ``aux_layers``. MTP: ``num_modules``
-    = K chained modules. Attention geometry (heads, head_dim) is the target's, so draft and target
-    share attention plans; ``intermediate_size`` is the draft layers' MLP width."""
+    EAGLE-3: one decoder layer (``num_modules`` = 1) fed by ``aux_layers`` (indices of target
+    layers whose *outputs* are fused). MTP: ``num_modules`` = K chained modules. Attention geometry
+    (heads, kv heads, head_dim) is the target's, so draft and target share attention plans;
+    ``intermediate_size`` is the draft layers' MLP width.
+
+    EAGLE-3 only (what public checkpoints vary in, see ``model/eagle3_format.py``):
+    ``draft_vocab_size`` rows in the draft's LM head (0 = the target's whole vocabulary; fewer:
+    a reduced vocabulary mapped to target ids by ``d2t``); ``layer`` the draft layer's own config
+    (hidden size, RMSNorm eps, RoPE; None = the target's); ``norm_before_residual`` (the residual
+    is the normed hidden, as some checkpoints train it); ``own_embedding`` (the checkpoint brings
+    its own token embedding instead of sharing the target's)."""
 
     spec_mode: SpecMode
     num_modules: int
     intermediate_size: int
     aux_layers: tuple[int, ...] = field(default_factory=tuple)
+    draft_vocab_size: int = 0
+    layer: LlamaConfig | None = None
+    norm_before_residual: bool = False
+    own_embedding: bool = False
 
     def __post_init__(self) -> None:
         if self.spec_mode not in (SpecMode.EAGLE3, SpecMode.MTP):
             raise InvalidArgument(f"no built-in draft layers for spec mode {self.spec_mode.name}")
         if self.spec_mode is SpecMode.EAGLE3 and (self.num_modules != 1 or len(self.aux_layers) != 3):
             raise InvalidArgument("an EAGLE-3 draft has one module and exactly three aux layers")
-        if self.spec_mode is SpecMode.MTP and self.aux_layers:
-            raise InvalidArgument("an MTP draft takes no aux layers")
+        if self.spec_mode is SpecMode.MTP and (self.aux_layers or self.draft_vocab_size or self.layer):
+            raise InvalidArgument("an MTP draft takes no aux layers, reduced vocabulary or own layer config")
         if not isinstance(self.num_modules, int) or self.num_modules < 1:
             raise InvalidArgument(f"num_modules must be >= 1, got {self.num_modules!r}")
         if not isinstance(self.intermediate_size, int) or self.intermediate_size < 1:
             raise InvalidArgument("draft intermediate_size must be a positive integer")
+        if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
+            raise InvalidArgument(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size!r}")
 
     @property
     def span(self) -> int:
@@ -202,6 +225,7 @@ class DraftConfig:
     @classmethod
     def default_for(cls, target: LlamaConfig, spec_mode: SpecMode, mtp_depth: int = 1) -> "DraftConfig":
         if spec_mode is SpecMode.EAGLE3:
+            check_eagle3_target(target)
             return cls(spec_mode, 1, target.intermediate_size, default_eagle3_aux_layers(target.num_layers))
         if spec_mode is SpecMode.MTP:
             try:
@@ -212,6 +236,7 @@ class DraftConfig:
         raise InvalidArgument(f"no built-in draft layers for spec mode {spec_mode.name}")
 
     def to_json(self) -> dict[str, Any]:
+        """The legacy ``tandem_draft.json`` "draft" section (MTP drafts; full-vocabulary EAGLE-3)."""
         return {
             "spec_mode": self.spec_mode.name,
             "num_modules": self.num_modules,
@@ -230,3 +255,12 @@ class DraftConfig:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"bad draft section in tandem_draft.json: {exc!r}") from exc
+
+
+def check_eagle3_target(target: LlamaConfig) -> None:
+    """EAGLE-3 fuses three distinct target layers: a target with fewer cannot have a draft."""
+    if target.num_layers < 3:
+        raise InvalidArgument(
+            f"EAGLE-3 needs a target with at least 3 layers (it fuses a low, middle and high layer); "
+            f"this one has {target.num_layers}"
+        )
