@@ -15,6 +15,13 @@ from services.common.spec import SpecMode, lookahead_span
 from services.common.tokenizer import TINY_BOS_ID, TINY_EOS_ID, TINY_VOCAB_SIZE  # noqa: E402
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Llama-shaped families: the same decoder with the switches that differ (transformers' modelling)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", {}),
+    "mistral": ("MistralForCausalLM", {}),
+    "qwen2": ("Qwen2ForCausalLM", {"qkv_bias": True}),  # bias on q/k/v, none on o
+    "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True}),  # RMSNorm per q/k head before RoPE
+}
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,7 @@ class LlamaConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"  # which family's config.json this came from (written back by to_hf)
 
     def __post_init__(self) -> None:
         for name in (
@@ -62,6 +70,8 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise InvalidArgument(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.model_type not in FAMILIES:
+            raise InvalidArgument(f"model_type {self.model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in _SUPPORTED_ROPE_TYPES:
             raise InvalidArgument(
@@ -77,8 +87,8 @@ class LlamaConfig:
         """Read a Hugging Face ``config.json`` dict (transformers v4 ``rope_theta``/``rope_scaling``
         or v5 ``rope_parameters``). Raises ``InvalidArgument`` for what this decoder cannot run."""
         model_type = d.get("model_type", "llama")
-        if model_type != "llama":
-            raise InvalidArgument(f"model_type {model_type!r} is not supported (only 'llama')")
+        if model_type not in FAMILIES:
+            raise InvalidArgument(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise InvalidArgument(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -98,6 +108,13 @@ class LlamaConfig:
                     rope_scaling = None
             eos = d.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            max_seq_len = int(d.get("max_position_embeddings", 2048))
+            window = d.get("sliding_window")
+            uses_window = d.get("use_sliding_window", model_type == "mistral")
+            if uses_window and window is not None and int(window) < max_seq_len:
+                # sliding-window attention equals full attention while sequences fit the window;
+                # serve only those, rather than compute something else past it
+                max_seq_len = int(window)
             return cls(
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
@@ -106,7 +123,7 @@ class LlamaConfig:
                 num_heads=heads,
                 num_kv_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or hidden // heads),
-                max_seq_len=int(d.get("max_position_embeddings", 2048)),
+                max_seq_len=max_seq_len,
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
@@ -115,6 +132,8 @@ class LlamaConfig:
                 mlp_bias=bool(d.get("mlp_bias", False)),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                model_type=model_type,
+                **FAMILIES[model_type][1],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"bad config.json: {exc!r}") from exc
@@ -122,8 +141,8 @@ class LlamaConfig:
     def to_hf(self) -> dict[str, Any]:
         """The transformers-v4-style ``config.json`` dict (v5 reads it too)."""
         d: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [FAMILIES[self.model_type][0]],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
