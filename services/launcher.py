@@ -48,7 +48,7 @@ class UpSettings(BaseSettings):
     revision: str = Field("", description="hub revision of --model ('' = main)")
     spec_mode: Literal["none", "eagle3", "mtp"] = Field("eagle3", description="draft kind of every worker")
     draft_model: str = Field("", description="draft of every worker: folder or hub id (public EAGLE-3 layout), 'random' (benchmarks), '' = the model's own")
-    served_model_name: str = Field("", max_length=128, description="name the workers serve the model under ('' = --model)")
+    served_model_name: str = Field("", max_length=128, description="explicit model identity of every worker (mixed into the KV-cache namespace)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when a GPU is visible")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="unset: bfloat16 on CUDA, float32 on CPU")
     kv_memory_fraction: float | None = Field(None, gt=0, le=1, description="KV share of free GPU memory per worker (unset: 0.9 on CUDA)")

@@ -131,7 +131,7 @@ async def start_worker(
         device=str(device),
         draft=draft,
         link=link,
-        model_name=settings.served_model_name or settings.model,
+        model_name=settings.model,
     )
     server.add_binding(ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(runner, identity, tracer_provider=tracer_provider), SERVICE_NAME))
     if settings.metrics_port is not None:

@@ -19,7 +19,7 @@ class WorkerSettings(TandemSettings):
     worker_id: str = Field("worker0", min_length=1, max_length=128, description="name in the kvstore registry")
     model: str = Field("tiny", description="model folder (config.json + *.safetensors), hub id (org/name), 'demo' (the shipped demo model) or 'tiny' (random weights, for tests)")
     revision: str = Field("", description="hub revision (branch, tag or commit) of --model ('' = main)")
-    served_model_name: str = Field("", max_length=128, description="name the model is served and namespaced under ('' = --model); mixed into the cache namespace with the weights' digest")
+    served_model_name: str = Field("", max_length=128, description="explicit model identity: mixed into the KV-cache namespace with the weights' digest, so two deployments share cached KV only under the same name ('' = the digest alone)")
     spec_mode: Literal["none", "eagle3", "mtp"] = Field("eagle3", description="draft kind")
     draft_model: str = Field("", description="the draft: a folder or hub id (public EAGLE-3 layout, or tandem_draft.json for MTP), 'random' for seeded random weights (benchmarks only), '' = the model folder's own (an error if it has none)")
     draft_revision: str = Field("", description="hub revision of --draft-model ('' = main)")

@@ -285,3 +285,22 @@ def test_draft_from_its_own_folder(tmp_path):
         load_model("tiny", spec_mode=SpecMode.EAGLE3, draft_model=tmp_path / "empty")
     with pytest.raises(NotFound, match="neither a folder nor a hub id"):
         load_model("tiny", spec_mode=SpecMode.EAGLE3, draft_model=tmp_path / "missing")
+
+
+def test_mtp_draft_from_its_own_folder(tmp_path):
+    """The MTP layout (docs/drafts.md) loads from a folder of its own, paired with the target;
+    another depth there is refused, not replaced by random weights."""
+    target, draft, _ = load_model("tiny", spec_mode=SpecMode.MTP, mtp_depth=2, seed=4)
+    with torch.no_grad():
+        draft.mtp[1].eh_proj.weight.mul_(3.0)
+    save_draft(draft, tmp_path / "mtp")
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "mtp" / "draft.safetensors")))
+    assert "mtp.1.eh_proj.weight" in names and not any(n.startswith(("embed", "lm_head")) for n in names)
+    _, d2, _ = load_model("tiny", spec_mode=SpecMode.MTP, mtp_depth=2, seed=4, draft_model=tmp_path / "mtp")
+    for name, w in draft.draft_state_dict().items():
+        assert torch.equal(d2.draft_state_dict()[name], w), name
+    assert d2.num_kv_layers == 2
+    with pytest.raises(InvalidArgument, match="MTP draft of 2 modules"):
+        load_model("tiny", spec_mode=SpecMode.MTP, mtp_depth=3, draft_model=tmp_path / "mtp")
