@@ -203,7 +203,7 @@ def worker_settings(args, model_dir: Path, a: int | None):
     kw = dict(model=str(model_dir), spec_mode="eagle3", draft_model="random", device=args.device,
               backend="flashinfer" if gpu else "torch", dtype="bfloat16" if gpu else "float32",
               num_blocks=kv_blocks(args), forced_acceptance=a)
-    for name in ("cuda_graphs", "overlap_steps", "max_batch_tokens"):
+    for name in ("cuda_graphs", "overlap_steps", "max_batch_tokens", "chunk_size", "gil_switch_interval_ms"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     return WorkerSettings(**kw)
@@ -281,13 +281,42 @@ async def served_level(stub, level: Level, prompts: Prompts, max_s: float, prefi
     return traces, time.monotonic() - t0
 
 
-async def served_suite(args, router: str, a: int, prompts: Prompts, log) -> dict:
+def cpu_now(suite) -> dict[str, float]:
+    """CPU seconds used so far by each suite process and by this (client) process."""
+    return {**suite.cpu_seconds(), "client": sum(os.times()[:2])}
+
+
+def profile_level(args, suite, level: Level, out_dir: Path | None) -> list[subprocess.Popen]:
+    """``--profile LEVEL``: py-spy records the worker and router (and the GIL holder) while the
+    named level runs, as collapsed stacks in ``out_dir`` (where the host time of each goes)."""
+    wanted = {name.replace(" ", "") for name in (args.profile or "").split(",")}
+    if level.name.replace(" ", "") not in wanted or out_dir is None:
+        return []
+    import shutil
+
+    # the binary: $PY_SPY, on PATH, or beside this interpreter (pip install --target puts it in bin/)
+    pyspy = os.environ.get("PY_SPY") or shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    procs = []
+    for name, proc in suite.procs:
+        if name == "kvstore":
+            continue
+        for gil in (False, True):
+            dest = out_dir / f"pyspy_{name}_{level.name.replace(' ', '')}{'_gil' if gil else ''}.txt"
+            cmd = [pyspy, "record", "--pid", str(proc.pid), "--duration",
+                   str(max(1, int(args.level_max_s) - 1)), "--rate", "200", "--format", "raw", "--threads",
+                   "--nonblocking", "-o", str(dest)] + (["--gil"] if gil else [])
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return procs
+
+
+async def served_suite(args, suite, a: int, prompts: Prompts, log) -> dict:
     """First request right after SERVING, a warm-up per k, then every measured level."""
     import grpc
 
     from tandem.router.v1 import router_pb2_grpc
 
     out = {"levels": []}
+    router = suite.router
     async with grpc.aio.insecure_channel(router) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         levels = levels_of(args, a)
@@ -303,12 +332,20 @@ async def served_suite(args, router: str, a: int, prompts: Prompts, log) -> dict
                 traces, wall = await served_level(stub, warm, prompts, args.level_max_s, f"a{a}")
                 log(f"  warm-up {warm.name}: {len(traces)} requests in {wall:.1f} s")
                 warmed.add(level.k)
+            cpu0 = cpu_now(suite)
+            profilers = profile_level(args, suite, level, args.json.parent if args.json else None)
             traces, wall = await served_level(stub, level, prompts, args.level_max_s, f"a{a}")
+            cpu1 = cpu_now(suite)
+            for p in profilers:
+                p.wait(timeout=30)
             stats = {**asdict(level), **level_stats(traces, wall)}
+            # share of one core each process used during the level (1.0 = a core busy)
+            stats["cpu_cores"] = {k: round((cpu1[k] - cpu0.get(k, 0.0)) / wall, 2) for k in cpu1} if wall > 0 else {}
             out["levels"].append(stats)
             log(f"  served {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
                 f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms, "
-                f"{stats['tokens_per_msg']:.2f} tok/msg, hit {100 * stats['hit_rate']:.0f} %"
+                f"{stats['tokens_per_msg']:.2f} tok/msg, hit {100 * stats['hit_rate']:.0f} %, cores "
+                + " ".join(f"{k} {v:.2f}" for k, v in stats["cpu_cores"].items())
                 + (f", {stats['failed']} failed: {stats['errors']}" if stats["failed"] else ""))
     return out
 
@@ -329,7 +366,7 @@ def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log) -> 
             raise
         log(f"[served a={a}] all SERVING after {time.monotonic() - t0:.1f} s")
         try:
-            result = asyncio.run(served_suite(args, suite.router, a, prompts, log))
+            result = asyncio.run(served_suite(args, suite, a, prompts, log))
         finally:
             suite.stop()
         if result["first_error"] or any(r["failed"] for r in result["levels"]):
@@ -580,10 +617,13 @@ def parse_args(argv):
     p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
                    help="worker setting overlap_steps (default: the worker's)")
     p.add_argument("--max-batch-tokens", type=int, help="worker setting (default: the worker's)")
+    p.add_argument("--chunk-size", type=int, help="worker setting (default: the worker's)")
+    p.add_argument("--gil-switch-interval-ms", type=float, help="worker setting (default: Python's)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0, help="load + warm-up before SERVING")
     p.add_argument("--model-dir", type=Path, help="where to save the model (default: a temporary folder)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: c 1,4; a 0,3; prompt 64; 16 new tokens")
+    p.add_argument("--profile", help="served levels to profile with py-spy, e.g. 'c64 k0,c64 k3 a3' (files beside --json)")
     p.add_argument("--json", type=Path, help="write every figure here")
     p.add_argument("--plot", type=Path, help="write the PNG here")
     p.add_argument("--from-json", type=Path, help="no run: table and --plot from an earlier --json")

@@ -140,8 +140,8 @@ def graph_mode(settings: WorkerSettings) -> str:
 
 def engine_config(settings: WorkerSettings) -> EngineConfig:
     return EngineConfig(
-        max_batch_tokens=settings.max_batch_tokens,
-        chunk_size=settings.chunk_size,
+        max_batch_tokens=settings.step_tokens,
+        chunk_size=settings.prefill_chunk,
         max_batch_size=settings.max_batch_size,
         max_draft_tokens=settings.max_draft_tokens,
         forced_acceptance=settings.forced_acceptance,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,6 +79,8 @@ async def start_worker(
     With ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
     :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
     """
+    if settings.gil_switch_interval_ms is not None:
+        sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
     link = KVStoreLink(settings.kvstore, timeout_s=settings.rpc_timeout_s)
     courier = KVStoreCourier()
     source = ReservationBlockSource(link, courier)

@@ -36,8 +36,15 @@ class WorkerSettings(TandemSettings):
     backend: Literal["torch", "flashinfer"] = Field("torch", description="attention backend")
     device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="model and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
-    max_batch_tokens: int = Field(256, ge=2, description="target tokens per engine step")
-    chunk_size: int = Field(64, ge=1, description="prompt positions per request per step")
+    max_batch_tokens: int | None = Field(
+        None, ge=2, description="target tokens per engine step (unset: 2048 on CUDA, where a prefill chunk is one eager forward whatever its size; 256 on CPU)"
+    )
+    chunk_size: int | None = Field(
+        None, ge=1, description="prompt positions per request per step (unset: max_batch_tokens on CUDA, 64 on CPU)"
+    )
+    gil_switch_interval_ms: float | None = Field(
+        None, gt=0, le=100, description="Python's thread switch interval in this process (sys.setswitchinterval; unset: Python's 5 ms). The engine thread and the gRPC event loop share the GIL"
+    )
     max_batch_size: int = Field(64, ge=1, description="requests per step")
     max_draft_tokens: int = Field(8, ge=0, le=32, description="largest k a request may ask for")
     max_running: int = Field(256, ge=1, description="requests admitted at once; more get RESOURCE_EXHAUSTED")
@@ -50,6 +57,22 @@ class WorkerSettings(TandemSettings):
     extend_watermark_blocks: int = Field(2, ge=0, le=1024, description="extend a request's KV capacity ahead of need once fewer than this many blocks of headroom are left")
     extend_chunk_blocks: int = Field(4, ge=1, le=1024, description="blocks of headroom each ahead-of-need Extend asks for")
     forced_acceptance: int | None = Field(None, ge=0, le=32, description="BENCHMARKS ONLY: accept exactly this many drafts per verify, whatever they are (output is no longer the model's)")
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def step_tokens(self) -> int:
+        """``max_batch_tokens`` as set, or its device default."""
+        return self.max_batch_tokens if self.max_batch_tokens is not None else (2048 if self.on_cuda else 256)
+
+    @property
+    def prefill_chunk(self) -> int:
+        """``chunk_size`` as set, or its device default."""
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return self.step_tokens if self.on_cuda else 64
 
     @model_validator(mode="after")
     def _check(self) -> "WorkerSettings":

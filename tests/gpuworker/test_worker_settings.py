@@ -1,0 +1,54 @@
+"""Worker settings whose defaults depend on the device (step budget, prefill chunk, GIL interval)."""
+
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from services.gpuworker.build import engine_config
+from services.gpuworker.settings import WorkerSettings
+
+
+def test_step_budget_defaults_follow_the_device():
+    cpu = WorkerSettings(device="cpu")
+    assert (cpu.step_tokens, cpu.prefill_chunk) == (256, 64)
+    # on CUDA a prefill chunk is one eager forward whatever its size: one chunk per prompt
+    gpu = WorkerSettings(device="cuda:0", backend="flashinfer", dtype="bfloat16")
+    assert (gpu.step_tokens, gpu.prefill_chunk) == (2048, 2048)
+    cfg = engine_config(gpu)
+    assert (cfg.max_batch_tokens, cfg.chunk_size) == (2048, 2048)
+
+
+def test_explicit_step_budget_wins_on_every_device():
+    s = WorkerSettings(device="cuda:0", max_batch_tokens=512, chunk_size=128)
+    assert (s.step_tokens, s.prefill_chunk) == (512, 128)
+    s = WorkerSettings(device="cuda:0", max_batch_tokens=512)
+    assert s.prefill_chunk == 512
+    s = WorkerSettings(device="cpu", chunk_size=8)
+    assert (s.step_tokens, s.prefill_chunk) == (256, 8)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, 1000])
+def test_gil_switch_interval_is_bounded(bad):
+    with pytest.raises(ValidationError):
+        WorkerSettings(gil_switch_interval_ms=bad)
+
+
+def test_gil_switch_interval_is_applied_by_the_worker(monkeypatch):
+    import asyncio
+
+    from services.gpuworker import server
+
+    seen = []
+    monkeypatch.setattr(sys, "setswitchinterval", seen.append)
+
+    class Stop(Exception):
+        pass
+
+    def no_kvstore(*a, **k):  # stop right after the interval is set: nothing else is under test
+        raise Stop
+
+    monkeypatch.setattr(server, "KVStoreLink", no_kvstore)
+    with pytest.raises(Stop):
+        asyncio.run(server.start_worker(WorkerSettings(gil_switch_interval_ms=0.5)))
+    assert seen == [0.0005]
