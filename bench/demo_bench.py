@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,29 +44,39 @@ def run(args) -> dict:
     prompts = [tok.encode(t)[: args.prompt_len + 1] for t in held_out_text(args.prompts, args.prompt_len)]
     per = blocks_for(args.prompt_len + 1 + args.max_new_tokens + max(args.k) + 1, 16)
     num_blocks = args.batch * per + 8
-    rows, outputs = [], {}
-    models = None
-    for k in [0, *args.k]:
+    setups, models = {}, None
+    ks = [0, *args.k]
+    for k in ks:
         settings = WorkerSettings(model=args.model, spec_mode="eagle3", device=args.device,
                                   backend="flashinfer" if gpu else "torch", num_blocks=num_blocks)
         source = LocalBlockSource(num_blocks, settings.block_size)
         built = build_engine(settings, lambda _n: source, models=models)
         models = (built.target, built.draft)
-        setup = LocalSetup(built.engine, source, built.target, built.draft)
+        setups[k] = LocalSetup(built.engine, source, built.target, built.draft)
         if gpu:
             built.engine.warmup()
-        generate(setup, prompts[: args.batch], max_new_tokens=8, k=k)  # warm-up, not timed
-        done, wall = [], 0.0
-        for i in range(0, len(prompts), args.batch):
-            start = time.perf_counter()
-            done += generate(setup, prompts[i : i + args.batch], max_new_tokens=args.max_new_tokens, k=k)
-            wall += time.perf_counter() - start
-        steps = sum(c.decode_steps for c in done)
-        accepted = sum(c.accepted_drafts for c in done)
-        tokens = sum(len(c.tokens) for c in done)
-        outputs[k] = [c.tokens for c in done]
-        row = {"k": k, "batch": args.batch, "requests": len(done), "tokens": tokens, "wall_s": round(wall, 3),
-               "tokens_per_s": round(tokens / wall, 1),
+        generate(setups[k], prompts[: args.batch], max_new_tokens=8, k=k)  # warm-up, not timed
+    # the machine may be shared: every repeat runs each k once, interleaved; medians reported
+    walls = {k: [] for k in ks}
+    outputs, stats = {}, {}
+    for _ in range(args.repeats):
+        for k in ks:
+            done, wall = [], 0.0
+            for i in range(0, len(prompts), args.batch):
+                start = time.perf_counter()
+                done += generate(setups[k], prompts[i : i + args.batch], max_new_tokens=args.max_new_tokens, k=k)
+                wall += time.perf_counter() - start
+            walls[k].append(wall)
+            outputs[k] = [c.tokens for c in done]
+            stats[k] = (sum(c.decode_steps for c in done), sum(c.accepted_drafts for c in done),
+                        sum(len(c.tokens) for c in done), len(done))
+    rows = []
+    for k in ks:
+        steps, accepted, tokens, n = stats[k]
+        med = statistics.median(walls[k])
+        row = {"k": k, "batch": args.batch, "requests": n, "tokens": tokens, "repeats": args.repeats,
+               "wall_s_median": round(med, 3), "wall_s_all": [round(w, 3) for w in walls[k]],
+               "tokens_per_s": round(tokens / med, 1),
                "acceptance_length": round((steps + accepted) / max(steps, 1), 3) if k else 1.0,
                "identical_to_k0": outputs[k] == outputs[0]}
         rows.append(row)
@@ -106,6 +117,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every k (medians reported)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--png", default=None)
     args = ap.parse_args()
