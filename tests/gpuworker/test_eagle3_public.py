@@ -41,7 +41,7 @@ def _rope(x, pos, theta):
     return x * cos + rot * sin
 
 
-def _public_checkpoint(folder, *, seed, theta, eps, norm_before_residual, aux_key, aux_ids):
+def _public_checkpoint(folder, *, seed, theta, eps, norm_before_residual, aux_key, aux_ids, own_embed=False, as_bin=False):
     """Write a public-layout EAGLE-3 draft (config.json + model.safetensors) straight from the
     layout definition. Returns (weights dict, d2t as target ids, config dict)."""
     g = torch.Generator().manual_seed(seed)
@@ -61,6 +61,8 @@ def _public_checkpoint(folder, *, seed, theta, eps, norm_before_residual, aux_ke
         "norm.weight": 1 + r(H, s=0.2),
         "lm_head.weight": r(VD, H, s=0.5),
     }
+    if own_embed:  # some heads ship their own token embedding; then it is used, not the target's
+        w["embed_tokens.weight"] = r(512, H, s=1.0)
     target_ids = torch.sort(torch.randperm(512, generator=g)[:VD]).values
     w["d2t"] = target_ids - torch.arange(VD)  # offsets: target id = draft id + d2t[draft id]
     t2d = torch.zeros(512, dtype=torch.bool)
@@ -78,7 +80,10 @@ def _public_checkpoint(folder, *, seed, theta, eps, norm_before_residual, aux_ke
     else:
         config["eagle_aux_hidden_state_layer_ids"] = aux_ids
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in w.items()}, str(folder / "model.safetensors"))
+    if as_bin:  # EAGLE's own releases are torch pickles
+        torch.save({k: v.contiguous() for k, v in w.items()}, str(folder / "pytorch_model.bin"))
+    else:
+        save_file({k: v.contiguous() for k, v in w.items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config))
     return w, target_ids, config
 
@@ -167,6 +172,8 @@ def _hf_aux(hf, tokens, out_layers):
     dict(theta=10000.0, eps=1e-5, norm_before_residual=True, aux_key="eagle_config", aux_ids=[2, 0, 1]),
     # vLLM's top-level key counts layer INPUTS: ids 1, 2, 3 are the outputs of layers 0, 1, 2
     dict(theta=20000.0, eps=1e-5, norm_before_residual=False, aux_key="top", aux_ids=[1, 2, 3]),
+    dict(theta=10000.0, eps=1e-5, norm_before_residual=False, aux_key="eagle_config", aux_ids=[0, 1, 2],
+         own_embed=True, as_bin=True),
 ])
 def test_public_eagle3_checkpoint_proposes_what_the_reference_proposes(tmp_path, hf_target, make_backend, variant):
     folder, hf = hf_target
@@ -175,7 +182,8 @@ def test_public_eagle3_checkpoint_proposes_what_the_reference_proposes(tmp_path,
     out_layers = variant["aux_ids"] if variant["aux_key"] == "eagle_config" else [i - 1 for i in variant["aux_ids"]]
     assert draft.aux_layers == tuple(out_layers) and draft.draft_vocab_size == VD
     backend = make_backend(target, BS)
-    embed = target.embed_tokens.weight.detach()
+    embed = w.get("embed_tokens.weight", target.embed_tokens.weight.detach())
+    assert (draft.embed_tokens is target.embed_tokens) == ("embed_tokens.weight" not in w)
     for seed in range(3):
         tokens = [256] + torch.randint(0, 256, (14,), generator=torch.Generator().manual_seed(seed)).tolist()
         aux = _hf_aux(hf, tokens[:-1], out_layers)
