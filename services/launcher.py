@@ -237,6 +237,15 @@ def choose_workers(s: UpSettings) -> list[WorkerPlan]:
     return plans
 
 
+def check_model(s: UpSettings) -> None:
+    """Refuse a model / spec mode / draft that cannot go together before starting anything (the
+    workers would exit with the same line, and be restarted, again and again)."""
+    from services.gpuworker.build import preflight
+    from services.gpuworker.settings import WorkerSettings
+
+    preflight(WorkerSettings(model=s.model, spec_mode=s.spec_mode, draft_model=s.draft_model, revision=s.revision))
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         s = settings_from_args(UpSettings, args)
@@ -247,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"serving the tiny model with its distilled draft from {distilled}")
             elif s.spec_mode != "none":
                 print("serving the tiny model with a random draft (run `tandem distill-draft tiny` for a trained one)")
+        check_model(s)
         plans = choose_workers(s)
         where = "CPU" if plans[0].device == "cpu" else f"{len(plans)} GPU(s), {plans[0].backend}, {plans[0].dtype}"
         print(f"starting kvstore, {len(plans)} worker(s) on {where} and router (model {s.model}) ...", flush=True)

@@ -153,3 +153,10 @@ def test_version_and_global_flags_after_the_subcommand():
     assert args.log_level == "DEBUG"
     assert build_parser("generate").parse_args(["--log-level", "error", "generate", "hi"]).log_level == "ERROR"
     assert build_parser("generate").parse_args(["generate", "hi"]).log_level == "INFO"
+
+
+def test_tandem_up_refuses_a_model_without_the_draft_before_starting_anything():
+    proc = tandem("up", "--spec-mode", "mtp", "--router-port", "0", "--kvstore-port", "0", "--worker-base-port", "0")
+    assert proc.returncode == 2
+    assert "cannot load model 'demo': demo has no MTP draft: give --draft-model" in one_error_line(proc)
+    assert "starting kvstore" not in proc.stdout
