@@ -72,3 +72,23 @@ def test_sliding_window_caps_the_served_length():
     for family in FAMILIES:
         c = LlamaConfig.from_hf({**common, "model_type": family})
         assert LlamaConfig.from_hf(c.to_hf()) == c
+
+
+def test_eagle3_drafts_of_other_families_round_trip_in_the_public_layout(tmp_path):
+    """A draft Tandem builds for a Qwen3 target is a plain Llama layer (the public layout), so it
+    saves and loads back; speculative greedy output equals plain greedy output."""
+    from services.common.spec import SpecMode
+    from services.gpuworker.engine.local import build_local, generate
+    from services.gpuworker.model.loader import load_draft, save_draft
+
+    _write(tmp_path / "m", "qwen3", seed=3, head_dim=16, num_hidden_layers=4)
+    target, draft, _ = load_model(tmp_path / "m", spec_mode=SpecMode.EAGLE3, draft_model="random")
+    assert draft.midlayer.self_attn.q_norm is None and draft.midlayer.self_attn.q_proj.bias is None
+    save_draft(draft, tmp_path / "d", own_folder=True)
+    again = load_draft(target, tmp_path / "d", spec_mode=SpecMode.EAGLE3)
+    for k, v in draft.draft_state_dict().items():
+        assert torch.equal(again.draft_state_dict()[k], v), k
+    prompts = [[1, 5, 9, 2], [7, 7, 3]]
+    plain = generate(build_local(models=(target, None), num_blocks=32), prompts, max_new_tokens=12)
+    spec = generate(build_local(models=(target, again), num_blocks=32), prompts, max_new_tokens=12, k=3)
+    assert [c.tokens for c in spec] == [c.tokens for c in plain]

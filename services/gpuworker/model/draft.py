@@ -109,7 +109,8 @@ class DraftOutput:
 
 class DraftModel(nn.Module):
     """Common part of the draft kinds. Shares the target's embedding (and, for MTP, its LM head)
-    by reference: they are not parameters of the draft and not in ``draft_state_dict()``."""
+    by reference: they are not parameters of the draft and not in ``draft_state_dict()`` (an
+    EAGLE-3 head that ships its own embedding has it as a parameter instead)."""
 
     fingerprint: str = ""  # set by the loader: identifies the draft config + weights
 
@@ -199,8 +200,10 @@ class Eagle3Draft(DraftModel):
     def __init__(self, target: TargetModel, config: DraftConfig):
         super().__init__(target, config)
         tc = target.config
-        # the draft layer's own shape and RoPE, positions up to the target's max_seq_len
-        lc = dataclasses.replace(config.layer or tc, max_seq_len=tc.max_seq_len, vocab_size=tc.vocab_size)
+        # the draft layer's own shape and RoPE, positions up to the target's max_seq_len; a plain
+        # Llama layer whatever the target's family (the public layout is a Llama layer)
+        lc = dataclasses.replace(config.layer or tc, max_seq_len=tc.max_seq_len, vocab_size=tc.vocab_size,
+                                 model_type="llama", qkv_bias=False, qk_norm=False)
         if (lc.num_heads, lc.num_kv_heads, lc.head_dim) != (tc.num_heads, tc.num_kv_heads, tc.head_dim):
             raise InvalidArgument(
                 f"the draft's attention ({lc.num_heads} heads, {lc.num_kv_heads} kv heads, head_dim "
