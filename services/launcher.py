@@ -48,6 +48,7 @@ class UpSettings(BaseSettings):
     revision: str = Field("", description="hub revision of --model ('' = main)")
     spec_mode: Literal["none", "eagle3", "mtp"] = Field("eagle3", description="draft kind of every worker")
     draft_model: str = Field("", description="draft of every worker: folder or hub id (public EAGLE-3 layout), 'random' (benchmarks), '' = the model's own")
+    draft_revision: str = Field("", description="hub revision of --draft-model ('' = main)")
     served_model_name: str = Field("", max_length=128, description="explicit model identity of every worker (mixed into the KV-cache namespace)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when a GPU is visible")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="unset: bfloat16 on CUDA, float32 on CPU")
@@ -174,6 +175,7 @@ def worker_argv(s: UpSettings, plan: WorkerPlan, port: int, kv_addr: str) -> lis
             "--model", s.model, "--spec-mode", s.spec_mode, "--num-blocks", str(num_blocks), *plan.flags(),
             *(["--draft-model", s.draft_model] if s.draft_model else []),
             *(["--revision", s.revision] if s.revision else []),
+            *(["--draft-revision", s.draft_revision] if s.draft_revision else []),
             *(["--served-model-name", s.served_model_name] if s.served_model_name else []),
             *_metrics(s, 2 + plan.index)]
 
@@ -243,7 +245,8 @@ def check_model(s: UpSettings) -> None:
     from services.gpuworker.build import preflight
     from services.gpuworker.settings import WorkerSettings
 
-    preflight(WorkerSettings(model=s.model, spec_mode=s.spec_mode, draft_model=s.draft_model, revision=s.revision))
+    preflight(WorkerSettings(model=s.model, spec_mode=s.spec_mode, draft_model=s.draft_model, revision=s.revision,
+                             draft_revision=s.draft_revision))
 
 
 def run(args: argparse.Namespace) -> int:
