@@ -52,8 +52,6 @@ class Job:
     published_blocks: int = 0  # what the kvstore confirmed
     publish_sent_blocks: int = 0  # what Publishes already sent will publish
     first_token_at: float | None = None
-    decode_steps: int = 0
-    accepted_drafts: int = 0
 
 class Outbox:
     """Events for the asyncio handlers, delivered once per engine-loop turn: one
@@ -250,11 +248,11 @@ class EngineRunner:
                 job.first_token_at = time.monotonic()
             job.tokens.extend(result.new_token_ids)
             self._outbox.post(job, "tokens", list(result.new_token_ids))
-        if result.verified:  # a decode step: 1 target token + accepted drafts
-            job.decode_steps += 1
-            job.accepted_drafts += result.accepted_drafts
         if result.finish_reason is FinishReason.CAPACITY:
             self._fail(rid, result.error or ResourceExhausted("no KV capacity left for this request"))
+            return
+        if result.finish_reason is FinishReason.ERROR:  # its first step failed; neighbours run on
+            self._fail(rid, result.error)  # not a TandemError: the client sees INTERNAL, no details
             return
         try:
             if result.finished:
@@ -335,7 +333,7 @@ class EngineRunner:
 
         self.courier.send(lambda: self.link.release(job.reservation_id, job.incarnation, new_tokens, final),
                           released, kind="release", after=self.engine.last_fence)
-        self._outbox.post(job, "done", result.finish_reason, self._usage(job))
+        self._outbox.post(job, "done", result.finish_reason, self._usage(job, result))
 
     def _fail(self, rid: str, exc: Exception) -> None:
         job = self._jobs.pop(rid)
@@ -360,15 +358,15 @@ class EngineRunner:
     def engine_has(self, rid: str) -> bool:
         return rid in self.engine.request_ids()
 
-    def _usage(self, job: Job) -> Usage:
+    def _usage(self, job: Job, result) -> Usage:
         generated = len(job.tokens) - len(job.spec.prompt_ids)
+        counts = result.counts  # the engine's totals: one owner, one formula
         return Usage(
             prompt_tokens=len(job.spec.prompt_ids),
             cached_tokens=job.spec.reused_positions,
             completion_tokens=generated,
-            # tokens produced per decode step: 1 + accepted drafts on average
-            mean_acceptance_length=(1.0 + job.accepted_drafts / job.decode_steps) if job.decode_steps else 1.0,
-            decode_steps=job.decode_steps,
+            mean_acceptance_length=counts.acceptance_length,
+            decode_steps=counts.decode_steps,
             time_to_first_token_s=(job.first_token_at - job.arrived) if job.first_token_at else 0.0,
         )
 

@@ -23,7 +23,7 @@ from services.gpuworker.attention.base import get_backend
 from services.gpuworker.engine.capacity import LocalBlockSource
 from services.gpuworker.engine.engine import Engine, EngineConfig
 from services.gpuworker.engine.report import StepReport
-from services.gpuworker.engine.request import FinishReason, RequestSpec
+from services.gpuworker.engine.request import DecodeCounts, FinishReason, RequestSpec
 from services.gpuworker.engine.sampling import GREEDY, SamplingParams
 from services.gpuworker.model.draft import DraftModel
 from services.gpuworker.model.llama import TargetModel
@@ -45,16 +45,25 @@ class Completion:
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
-    decode_steps: int = 0
-    proposed_drafts: int = 0
-    accepted_drafts: int = 0
+    counts: DecodeCounts = DecodeCounts()  # the engine's totals, as of the last result
     publishable_positions: int = 0
     block_table: list[int] = dataclasses.field(default_factory=list)
 
     @property
+    def decode_steps(self) -> int:
+        return self.counts.decode_steps
+
+    @property
+    def proposed_drafts(self) -> int:
+        return self.counts.proposed_drafts
+
+    @property
+    def accepted_drafts(self) -> int:
+        return self.counts.accepted_drafts
+
+    @property
     def acceptance_length(self) -> float:
-        """Mean tokens per verify step (1.0 without speculation)."""
-        return (self.decode_steps + self.accepted_drafts) / self.decode_steps if self.decode_steps else 0.0
+        return self.counts.acceptance_length
 
 
 def build_local(
@@ -132,9 +141,7 @@ def run_until_done(
         for rid, r in report.results.items():
             c = done.setdefault(rid, Completion())
             c.tokens.extend(r.new_token_ids)
-            c.decode_steps += int(r.verified)
-            c.proposed_drafts += r.proposed_drafts
-            c.accepted_drafts += r.accepted_drafts
+            c.counts = r.counts
             c.publishable_positions = r.publishable_positions
             c.block_table = list(r.block_table)
             if r.finished:

@@ -6,7 +6,7 @@ The worker service turns a report into kvstore verbs and client messages:
 * ``publishable_positions`` → ``Publish`` the full blocks below it (``publishable_blocks``);
 * ``extend`` / ``trim`` → already issued through the ``BlockSource`` (at most one batched call
   each per step); the report repeats what was asked and the new tables;
-* ``finish_reason`` → ``Release`` (or ``Abort`` for ``CAPACITY``) — the engine has dropped the
+* ``finish_reason`` → ``Release`` (or ``Abort`` for ``CAPACITY`` and ``ERROR``) — the engine has dropped the
   request, and every step that wrote its blocks has completed.
 """
 
@@ -16,7 +16,7 @@ import dataclasses
 
 from services.gpuworker.engine.fence import COMPLETE, StepFence
 
-from services.gpuworker.engine.request import FinishReason
+from services.gpuworker.engine.request import DecodeCounts, FinishReason
 
 
 @dataclasses.dataclass
@@ -42,6 +42,8 @@ class RequestStepResult:
     # What the block source answered when it could not extend this request: the step then ran
     # smaller (fewer drafts, a shorter chunk) or, with FinishReason.CAPACITY, not at all.
     error: Exception | None = None
+    # the request's totals after this step (the engine keeps them; callers read, never recount)
+    counts: DecodeCounts = DecodeCounts()
 
     @property
     def finished(self) -> bool:

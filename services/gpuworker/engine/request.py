@@ -42,6 +42,28 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # a stop token was generated (it is part of the output)
     MAX_SEQ_LEN = "max_seq_len"  # prompt + output reached the engine's max_seq_len
     CAPACITY = "capacity"  # the block source could not grow the reservation; no progress possible
+    ERROR = "error"  # the request's first step failed; it alone was dropped (``Engine.step``)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodeCounts:
+    """A request's speculation counts so far: the one place they are kept (the engine's
+    ``RequestState``) and the one formula read from them. Immutable snapshot; ``+`` pools
+    several requests."""
+
+    decode_steps: int = 0  # target forwards that produced tokens after the prompt (verify steps)
+    proposed_drafts: int = 0
+    accepted_drafts: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens a decode step produced: 1 + accepted drafts per step (1.0 before the
+        first decode step, and always without speculation)."""
+        return 1.0 + self.accepted_drafts / self.decode_steps if self.decode_steps else 1.0
+
+    def __add__(self, other: "DecodeCounts") -> "DecodeCounts":
+        return DecodeCounts(self.decode_steps + other.decode_steps, self.proposed_drafts + other.proposed_drafts,
+                            self.accepted_drafts + other.accepted_drafts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +116,7 @@ class RequestState:
     # it is not scheduled again, only resolved.
     pending_token: torch.Tensor | None = None
     last_step: bool = False
+    proven: bool = False  # it took part in a step that completed (step-failure isolation)
     finish_reason: FinishReason | None = None
     decode_steps: int = 0
     accepted_drafts_total: int = 0
@@ -102,6 +125,10 @@ class RequestState:
     @property
     def request_id(self) -> str:
         return self.spec.request_id
+
+    @property
+    def counts(self) -> DecodeCounts:
+        return DecodeCounts(self.decode_steps, self.proposed_drafts_total, self.accepted_drafts_total)
 
     @property
     def num_prompt(self) -> int:
