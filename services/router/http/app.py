@@ -1,0 +1,276 @@
+"""The OpenAI-compatible HTTP front: a thin adapter over the router's :class:`Dispatcher`.
+
+    HTTP request ──▶ bearer token → tenant (the gRPC path's TenantRegistry)
+                 ──▶ JSON body → schema (400s) → prompt ids (chat template) → jobs.build_job
+                 ──▶ Dispatcher.generate (the same routing, reservation and settling as gRPC)
+                 ──▶ one JSON response, or server-sent events ending in ``data: [DONE]``
+
+Errors before the first token are HTTP errors in OpenAI's shape (see ``errors``); after it, a
+stream carries one ``data: {"error": ...}`` event and ends. A client that disconnects cancels its
+request: the cancellation reaches ``Dispatcher.generate``, which cancels the worker call (the
+worker aborts the reservation) or settles a reservation no worker acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from services.common.auth import bearer_token
+from services.common.chat_template import ChatTemplate, load_chat_template, normalize_messages
+from services.common.errors import TandemError, Unavailable
+from services.router.dispatcher import Completion, Dispatcher, TextDelta
+from services.router.http.errors import ModelNotFound, RequestError, http_error
+from services.router.http.schema import ChatCompletionRequest, CompletionRequest, parse
+from services.router.jobs import GenerateJob, RequestLimits, build_job
+from services.router.tenants import Tenant, TenantRegistry
+
+log = logging.getLogger(__name__)
+
+# OpenAI's finish reasons; the worker's "max_seq_len" is a length limit too.
+FINISH_REASONS = {"stop": "stop", "length": "length", "max_seq_len": "length", "abort": "abort"}
+
+
+def _json(status: int, body: dict) -> Response:
+    return Response(json.dumps(body, separators=(",", ":")), status_code=status, media_type="application/json")
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def usage_body(usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, awaitable):
+    """Await ``awaitable`` unless the client disconnects first (then cancel it: ClientGone)."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        raise ClientGone
+    finally:
+        watch.cancel()
+
+
+class OpenAIFront:
+    """Routes of the HTTP front. ``source()`` returns the router's current (tokenizer, limits,
+    model name): all None until ``--model auto`` learned the model from a worker."""
+
+    def __init__(self, dispatcher: Dispatcher, tenants: TenantRegistry, source: Callable[[], tuple],
+                 *, clock: Callable[[], float] = time.time):
+        self.dispatcher = dispatcher
+        self.tenants = tenants
+        self._source = source
+        self._clock = clock
+        self._templates: dict[str, ChatTemplate] = {}
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ])
+
+    # ------------------------------------------------------------------------------- helpers
+    def _tenant(self, request: Request) -> Tenant:
+        header = request.headers.get("authorization")
+        return self.tenants.authenticate(bearer_token([("authorization", header)] if header else []))
+
+    def _bound(self) -> tuple:
+        tokenizer, limits, model = self._source()
+        if tokenizer is None or limits is None or not model:
+            raise Unavailable("no worker is registered yet, so the router does not know its model")
+        return tokenizer, limits, model
+
+    @staticmethod
+    def _check_model(asked: str, served: str) -> None:
+        if asked not in (served, Path(served).name):
+            raise ModelNotFound(asked)
+
+    async def _body(self, request: Request, schema):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise RequestError("the request body is not valid JSON") from None
+        return parse(schema, body)
+
+    def _template(self, model: str) -> ChatTemplate:
+        if model not in self._templates:
+            self._templates[model] = load_chat_template(model)
+        return self._templates[model]
+
+    @staticmethod
+    def _job(req, limits: RequestLimits, tokenizer, *, text=None, token_ids=None, max_tokens: int) -> GenerateJob:
+        return build_job(
+            text=text,
+            token_ids=token_ids,
+            max_new_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k in (None, -1) else req.top_k,
+            seed=req.seed or 0,
+            num_draft_tokens=req.num_draft_tokens,
+            stop_token_ids=req.stop_token_ids or (),
+            limits=limits,
+            tokenizer=tokenizer,
+        )
+
+    async def _handle(self, request: Request, run) -> Response:
+        """Run a handler; every typed error becomes OpenAI's JSON error with its HTTP status."""
+        try:
+            return await run()
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; for the access log
+        except TandemError as exc:
+            status, body = http_error(exc)
+            return _json(status, body)
+        except Exception as exc:  # a bug: logged with its trace, never shown to the client
+            log.exception("HTTP %s %s failed", request.method, request.url.path)
+            status, body = http_error(exc)
+            return _json(status, body)
+
+    # -------------------------------------------------------------------------------- routes
+    async def models(self, request: Request) -> Response:
+        async def run():
+            self._tenant(request)
+            _tok, _lim, model = self._source()
+            data = [{"id": model, "object": "model", "created": 0, "owned_by": "tandem"}] if model else []
+            return _json(200, {"object": "list", "data": data})
+
+        return await self._handle(request, run)
+
+    async def completions(self, request: Request) -> Response:
+        async def run():
+            tenant = self._tenant(request)
+            req: CompletionRequest = await self._body(request, CompletionRequest)
+            tokenizer, limits, model = self._bound()
+            self._check_model(req.model, model)
+            text, ids = req.single_prompt()
+            job = self._job(req, limits, tokenizer, text=text, token_ids=ids, max_tokens=req.max_tokens or 16)
+            return await self._respond(request, req, job, tenant, model, chat=False)
+
+        return await self._handle(request, run)
+
+    async def chat_completions(self, request: Request) -> Response:
+        async def run():
+            tenant = self._tenant(request)
+            req: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
+            tokenizer, limits, model = self._bound()
+            self._check_model(req.model, model)
+            messages = normalize_messages([m.model_dump() for m in req.messages])
+            ids = self._template(model).encode(messages, tokenizer, add_generation_prompt=req.add_generation_prompt)
+            max_tokens = req.token_limit() or limits.max_new_tokens
+            job = self._job(req, limits, tokenizer, token_ids=ids, max_tokens=max_tokens)
+            return await self._respond(request, req, job, tenant, model, chat=True)
+
+        return await self._handle(request, run)
+
+    # ------------------------------------------------------------------------------ responses
+    async def _respond(self, request: Request, req, job: GenerateJob, tenant: Tenant, model: str, *, chat: bool) -> Response:
+        events = self.dispatcher.generate(job, tenant, deadline=None, arrival=time.monotonic())
+        shape = _Shape(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(self._clock()), model, chat)
+        if not req.stream:
+            return _json(200, await until_disconnect(request, shape.collect(events)))
+        # Pull the first event before answering 200, so that a request failing before its first
+        # token (capacity, no worker, bad prompt) gets its HTTP status, not an SSE error.
+        try:
+            first = await until_disconnect(request, anext(events))
+        except BaseException:
+            await events.aclose()
+            raise
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(shape.stream(first, events, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+
+class _Shape:
+    """The response objects of one request (completion or chat; whole or chunks)."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool):
+        self.rid, self.created, self.model, self.chat = rid, created, model, chat
+
+    def _envelope(self, choices: list, *, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def _choice(self, text: str, finish: str | None, *, chunk: bool, first: bool = False) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        if chunk:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+
+    async def collect(self, events: AsyncIterator) -> dict:
+        pieces: list[str] = []
+        async for event in events:
+            pieces.append(event.text)
+            if isinstance(event, Completion):
+                finish = FINISH_REASONS.get(event.usage.finish_reason, "length")
+                body = self._envelope([self._choice("".join(pieces), finish, chunk=False)], chunk=False)
+                body["usage"] = usage_body(event.usage)
+                return body
+        raise Unavailable("the request ended without an answer")
+
+    async def stream(self, first: TextDelta | Completion, events: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
+        """SSE lines; closing this generator (client gone) closes ``events``, which cancels the request."""
+        try:
+            event, opening = first, True
+            while True:
+                final = isinstance(event, Completion)
+                if event.text or opening:
+                    yield _sse(self._envelope([self._choice(event.text, None, chunk=True, first=opening)], chunk=True))
+                    opening = False
+                if final:
+                    finish = FINISH_REASONS.get(event.usage.finish_reason, "length")
+                    yield _sse(self._envelope([self._choice("", finish, chunk=True)], chunk=True))
+                    if include_usage:
+                        body = self._envelope([], chunk=True)
+                        body["usage"] = usage_body(event.usage)
+                        yield _sse(body)
+                    break
+                event = await anext(events)
+        except TandemError as exc:
+            _status, body = http_error(exc)
+            yield _sse(body)
+        except StopAsyncIteration:
+            _status, body = http_error(Unavailable("the request ended without an answer"))
+            yield _sse(body)
+        except Exception as exc:
+            log.exception("HTTP stream %s failed", self.rid)
+            _status, body = http_error(exc)
+            yield _sse(body)
+        finally:
+            await events.aclose()
+        yield "data: [DONE]\n\n"
