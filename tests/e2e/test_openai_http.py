@@ -157,3 +157,31 @@ def test_client_that_disconnects_mid_stream_leaks_no_reservation(front):
     assert w.pool.in_use == 0
     prompt_blocks = len(ByteTokenizer().encode(prompt)) // 16
     assert w.published_blocks <= prompt_blocks + 16, w  # stopped within a few steps of the hang-up
+
+
+def test_stop_strings_cut_the_text_the_same_with_and_without_speculation(front):
+    """A stop string taken from the middle of the greedy answer ends it right before the
+    earliest match, with speculation on and off alike (token-identical greedy output), streamed
+    or not; the rest is never generated to the end (the reservation is aborted, nothing leaks)."""
+    api = client(front)
+    prompt = LONG_PREFIX + "Stop somewhere."
+    ids, full, _ = front.generate(prompt, token="tokA", max_new_tokens=48, num_draft_tokens=0)
+    # the tiny random model writes mostly invalid UTF-8: stop on its last ASCII letter, first seen at n
+    letter = [t for t in ids if chr(t).isascii() and chr(t).isalpha()][-1]
+    n = ids.index(letter)
+    stop, expected = chr(letter), ByteTokenizer().decode(ids[:n])
+    answers = []
+    for k in (0, 1, 4):
+        r = api.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0, stop=[stop, "\x00never"],
+                                   extra_body={"num_draft_tokens": k})
+        answers.append((r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens))
+        chunks = list(api.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0, stop=stop,
+                                             stream=True, extra_body={"num_draft_tokens": k}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert answers[0] == (expected, "stop", n + 1)  # the token completing the stop counts; none after it
+    assert answers == [answers[0]] * 3
+    chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=30,
+                                       temperature=0, stop="\n")
+    assert "\n" not in chat.choices[0].message.content
+    assert front.wait_no_live_reservations().live_reservations == 0
+    assert front.invariants().ok

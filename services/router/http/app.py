@@ -37,8 +37,6 @@ from services.router.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger(__name__)
 
-# OpenAI's finish reasons; the worker's "max_seq_len" is a length limit too.
-FINISH_REASONS = {"stop": "stop", "length": "length", "max_seq_len": "length", "abort": "abort"}
 
 
 def _json(status: int, body: dict) -> Response:
@@ -139,9 +137,11 @@ class OpenAIFront:
             temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k in (None, -1) else req.top_k,
-            seed=req.seed or 0,
+            seed=req.seed,
             num_draft_tokens=req.num_draft_tokens,
             stop_token_ids=req.stop_token_ids or (),
+            stop_strings=req.stop_strings(),
+            ignore_eos=req.ignore_eos,
             limits=limits,
             tokenizer=tokenizer,
         )
@@ -237,7 +237,7 @@ class _Shape:
         async for event in events:
             pieces.append(event.text)
             if isinstance(event, Completion):
-                finish = FINISH_REASONS.get(event.usage.finish_reason, "length")
+                finish = event.usage.finish_reason
                 body = self._envelope([self._choice("".join(pieces), finish, chunk=False)], chunk=False)
                 body["usage"] = usage_body(event.usage)
                 return body
@@ -253,7 +253,7 @@ class _Shape:
                     yield _sse(self._envelope([self._choice(event.text, None, chunk=True, first=opening)], chunk=True))
                     opening = False
                 if final:
-                    finish = FINISH_REASONS.get(event.usage.finish_reason, "length")
+                    finish = event.usage.finish_reason
                     yield _sse(self._envelope([self._choice("", finish, chunk=True)], chunk=True))
                     if include_usage:
                         body = self._envelope([], chunk=True)

@@ -4,7 +4,7 @@ Field defaults are OpenAI's: an unset ``temperature`` or ``top_p`` is 1.0 (sampl
 ``max_tokens`` 16 for completions and "up to the router's limit" for chat. Unknown fields are
 ignored (as vLLM does). Fields Tandem does not implement yet are accepted only at their neutral
 value; anything else is a 400 naming the field, never silently ignored. Extensions (as vLLM's):
-``top_k`` (-1 or 0 = all), ``stop_token_ids``, and Tandem's ``num_draft_tokens``.
+``top_k`` (-1 or 0 = all), ``stop_token_ids``, ``ignore_eos``, and Tandem's ``num_draft_tokens``.
 """
 
 from __future__ import annotations
@@ -41,14 +41,16 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     num_draft_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool = False
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for every field set to something Tandem does not implement yet."""
         out = []
         if self.n != 1:
             out.append(("n", "n > 1 is not supported yet"))
-        if self.stop:
-            out.append(("stop", "stop strings are not supported yet (use stop_token_ids)"))
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 out.append((name, f"{name} is not supported yet"))
