@@ -67,6 +67,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             top_p=float(s.top_p) if s.top_p else 1.0,
             top_k=int(s.top_k),
             seed=int(s.seed) if s.HasField("seed") else None,
+            min_p=float(s.min_p),
         )
         return RequestSpec(
             request_id=request.request_id,

@@ -380,6 +380,7 @@ class Dispatcher:
                 seed=job.sampling.seed,  # None = unset (unseeded)
                 max_new_tokens=job.sampling.max_new_tokens,
                 stop_token_ids=job.sampling.stop_token_ids,
+                min_p=job.sampling.min_p,
             ),
             spec=worker_pb.SpecParams(num_draft_tokens=job.num_draft_tokens),
             reservation=worker_pb.ReservationRef(

@@ -43,6 +43,7 @@ class Sampling:
     max_new_tokens: int
     stop_token_ids: tuple[int, ...]
     stop_strings: tuple[str, ...] = ()  # ended by the router (``stops``), never sent to the worker
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,7 @@ def build_job(
     stop_token_ids: Sequence[int] = (),
     stop_strings: Sequence[str] = (),
     ignore_eos: bool = False,
+    min_p: float = 0.0,
     request_id: str = "",
     limits: RequestLimits,
     tokenizer: Tokenizer,
@@ -132,6 +134,9 @@ def build_job(
         raise InvalidArgument(f"top_p must be in [0, 1] (0 means 1), got {top_p}")
     if seed is not None and not 0 <= seed < 1 << 64:
         raise InvalidArgument(f"seed must be in 0..2**64-1, got {seed}")
+    min_p = _finite("min_p", min_p)
+    if not 0 <= min_p <= 1:
+        raise InvalidArgument(f"min_p must be in [0, 1], got {min_p}")
     if top_k < 0:
         raise InvalidArgument(f"top_k must be >= 0, got {top_k}")
 
@@ -157,6 +162,7 @@ def build_job(
             max_new_tokens=int(max_new_tokens),
             stop_token_ids=tuple(stops),
             stop_strings=validate_stop_strings(stop_strings),
+            min_p=min_p,
         ),
         num_draft_tokens=int(draft),
     )

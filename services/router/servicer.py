@@ -68,6 +68,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             stop_token_ids=request.stop_token_ids,
             stop_strings=request.stop,
             ignore_eos=request.ignore_eos,
+            min_p=request.min_p,
             request_id=request.request_id,
             limits=self.limits,
             tokenizer=self.tokenizer,

@@ -90,6 +90,8 @@ def test_models_lists_the_served_model(front):
         ({"temperature": 3.0}, "temperature"),
         ({"n": 2}, "n"),
         ({"logprobs": 2}, "logprobs"),
+        ({"extra_body": {"min_p": 1.5}}, "min_p"),
+        ({"stop": [""]}, None),
         ({"prompt": ""}, None),
         ({"prompt": [[1, 2], [3]]}, "prompt"),
         ({"prompt": [600]}, None),  # outside the 512-token vocabulary
@@ -185,3 +187,15 @@ def test_stop_strings_cut_the_text_the_same_with_and_without_speculation(front):
     assert "\n" not in chat.choices[0].message.content
     assert front.wait_no_live_reservations().live_reservations == 0
     assert front.invariants().ok
+
+
+def test_min_p_one_samples_the_greedy_answer_under_speculation(front):
+    """min_p = 1 keeps only the most likely token, so sampling at temperature 1 (draft and target
+    alike, k = 4) must return exactly the greedy tokens: the filter reaches both and verification
+    stays exact."""
+    api = client(front)
+    prompt = LONG_PREFIX + "min p"
+    greedy = api.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    sampled = api.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=1.0, seed=0,
+                                     extra_body={"min_p": 1.0, "num_draft_tokens": 4})
+    assert sampled.choices[0].text == greedy.choices[0].text

@@ -52,7 +52,7 @@ def test_request_fields_reach_the_worker(rig):
     router = rig.router()
     ids = common_pb2.TokenIds(list=common_pb2.Uint32List(values=[256, 1, 2, 3]))
     msgs, err = collect(router, token_ids=ids, max_new_tokens=3, temperature=0.5, top_p=0.9, top_k=7, seed=11,
-                        num_draft_tokens=0, stop_token_ids=[9], request_id="my-request")
+                        num_draft_tokens=0, stop_token_ids=[9], request_id="my-request", min_p=0.25)
     assert err is None, err
     (req,) = worker.requests
     assert req.request_id == "my-request"
@@ -60,6 +60,7 @@ def test_request_fields_reach_the_worker(rig):
     s = req.sampling
     assert (round(s.temperature, 3), round(s.top_p, 3), s.top_k, s.seed) == (0.5, 0.9, 7, 11)
     assert list(s.stop_token_ids) == [9, TOK.eos_token_id]
+    assert s.min_p == 0.25
     assert req.spec.num_draft_tokens == 0
     assert msgs[-1].usage.prompt_tokens == 4
 

@@ -142,6 +142,7 @@ class OpenAIFront:
             stop_token_ids=req.stop_token_ids or (),
             stop_strings=req.stop_strings(),
             ignore_eos=req.ignore_eos,
+            min_p=req.min_p,
             limits=limits,
             tokenizer=tokenizer,
         )

@@ -4,7 +4,7 @@ Field defaults are OpenAI's: an unset ``temperature`` or ``top_p`` is 1.0 (sampl
 ``max_tokens`` 16 for completions and "up to the router's limit" for chat. Unknown fields are
 ignored (as vLLM does). Fields Tandem does not implement yet are accepted only at their neutral
 value; anything else is a 400 naming the field, never silently ignored. Extensions (as vLLM's):
-``top_k`` (-1 or 0 = all), ``stop_token_ids``, ``ignore_eos``, and Tandem's ``num_draft_tokens``.
+``top_k`` (-1 or 0 = all), ``stop_token_ids``, ``ignore_eos``, ``min_p``, and Tandem's ``num_draft_tokens``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class _Sampling(BaseModel):
     user: str | None = None
     num_draft_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
+    min_p: float = Field(0.0, ge=0, le=1)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
