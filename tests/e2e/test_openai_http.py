@@ -199,3 +199,27 @@ def test_min_p_one_samples_the_greedy_answer_under_speculation(front):
     sampled = api.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=1.0, seed=0,
                                      extra_body={"min_p": 1.0, "num_draft_tokens": 4})
     assert sampled.choices[0].text == greedy.choices[0].text
+
+
+def test_http_generations_count_in_the_router_metrics(suite):
+    """HTTP requests land in the same Prometheus series as gRPC ones (outcome by status code name)."""
+    from types import SimpleNamespace
+
+    from test_metrics import scrape, value
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    suite.add_worker("w0")
+    suite.add_router(http_port=0, metrics_port=port)
+    api = client(suite)
+    api.completions.create(model=MODEL, prompt=LONG_PREFIX, max_tokens=5, temperature=0)
+    list(api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                     temperature=0, stream=True))
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    samples = scrape(SimpleNamespace(port=port))
+    assert value(samples, "tandem_router_requests_total", outcome="OK") == 2
+    assert value(samples, "tandem_router_requests_total", outcome="INVALID_ARGUMENT") == 1
+    assert value(samples, "tandem_router_in_flight_requests") == 0
+    assert value(samples, "tandem_router_completion_tokens_total") == 8

@@ -85,8 +85,9 @@ class OpenAIFront:
     model name): all None until ``--model auto`` learned the model from a worker."""
 
     def __init__(self, dispatcher: Dispatcher, tenants: TenantRegistry, source: Callable[[], tuple],
-                 *, clock: Callable[[], float] = time.time):
+                 *, metrics=None, clock: Callable[[], float] = time.time):
         self.dispatcher = dispatcher
+        self.metrics = metrics  # RouterMetrics: HTTP generations count in the same series as gRPC ones
         self.tenants = tenants
         self._source = source
         self._clock = clock
@@ -147,44 +148,52 @@ class OpenAIFront:
             tokenizer=tokenizer,
         )
 
-    async def _handle(self, request: Request, run) -> Response:
-        """Run a handler; every typed error becomes OpenAI's JSON error with its HTTP status."""
+    async def _handle(self, request: Request, run, *, tracked: bool = True) -> Response:
+        """Run a handler; every typed error becomes OpenAI's JSON error with its HTTP status.
+        ``tracked``: a generation, counted in the router's metrics (a stream counts itself)."""
+        track = _Track(self.metrics if tracked else None)
         try:
-            return await run()
+            response = await run(track)
         except ClientGone:
+            track.end("CANCELLED")
             return Response(status_code=499)  # nobody reads it; for the access log
         except TandemError as exc:
+            track.end(exc.code.value)
             status, body = http_error(exc)
             return _json(status, body)
         except Exception as exc:  # a bug: logged with its trace, never shown to the client
+            track.end("INTERNAL")
             log.exception("HTTP %s %s failed", request.method, request.url.path)
             status, body = http_error(exc)
             return _json(status, body)
+        if not isinstance(response, StreamingResponse):
+            track.end("OK")
+        return response
 
     # -------------------------------------------------------------------------------- routes
     async def models(self, request: Request) -> Response:
-        async def run():
+        async def run(_track):
             self._tenant(request)
             _tok, _lim, model = self._source()
             data = [{"id": model, "object": "model", "created": 0, "owned_by": "tandem"}] if model else []
             return _json(200, {"object": "list", "data": data})
 
-        return await self._handle(request, run)
+        return await self._handle(request, run, tracked=False)
 
     async def completions(self, request: Request) -> Response:
-        async def run():
+        async def run(track):
             tenant = self._tenant(request)
             req: CompletionRequest = await self._body(request, CompletionRequest)
             tokenizer, limits, model = self._bound()
             self._check_model(req.model, model)
             text, ids = req.single_prompt()
             job = self._job(req, limits, tokenizer, text=text, token_ids=ids, max_tokens=req.max_tokens or 16)
-            return await self._respond(request, req, job, tenant, model, chat=False)
+            return await self._respond(request, req, job, tenant, model, track, chat=False)
 
         return await self._handle(request, run)
 
     async def chat_completions(self, request: Request) -> Response:
-        async def run():
+        async def run(track):
             tenant = self._tenant(request)
             req: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
             tokenizer, limits, model = self._bound()
@@ -193,14 +202,15 @@ class OpenAIFront:
             ids = self._template(model).encode(messages, tokenizer, add_generation_prompt=req.add_generation_prompt)
             max_tokens = req.token_limit() or limits.max_new_tokens
             job = self._job(req, limits, tokenizer, token_ids=ids, max_tokens=max_tokens)
-            return await self._respond(request, req, job, tenant, model, chat=True)
+            return await self._respond(request, req, job, tenant, model, track, chat=True)
 
         return await self._handle(request, run)
 
     # ------------------------------------------------------------------------------ responses
-    async def _respond(self, request: Request, req, job: GenerateJob, tenant: Tenant, model: str, *, chat: bool) -> Response:
+    async def _respond(self, request: Request, req, job: GenerateJob, tenant: Tenant, model: str, track: _Track,
+                       *, chat: bool) -> Response:
         events = self.dispatcher.generate(job, tenant, deadline=None, arrival=time.monotonic())
-        shape = _Shape(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(self._clock()), model, chat)
+        shape = _Shape(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(self._clock()), model, chat, track)
         if not req.stream:
             return _json(200, await until_disconnect(request, shape.collect(events)))
         # Pull the first event before answering 200, so that a request failing before its first
@@ -215,11 +225,29 @@ class OpenAIFront:
                                  headers={"Cache-Control": "no-cache"})
 
 
+class _Track:
+    """One generation in the router's metrics: in flight from creation, one outcome at the end."""
+
+    def __init__(self, metrics):
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.in_flight.inc()
+
+    def usage(self, usage) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_usage(usage)
+
+    def end(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.outcome(outcome)
+            self._metrics = None  # once
+
+
 class _Shape:
     """The response objects of one request (completion or chat; whole or chunks)."""
 
-    def __init__(self, rid: str, created: int, model: str, chat: bool):
-        self.rid, self.created, self.model, self.chat = rid, created, model, chat
+    def __init__(self, rid: str, created: int, model: str, chat: bool, track: _Track):
+        self.rid, self.created, self.model, self.chat, self.track = rid, created, model, chat, track
 
     def _envelope(self, choices: list, *, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -241,11 +269,13 @@ class _Shape:
                 finish = event.usage.finish_reason
                 body = self._envelope([self._choice("".join(pieces), finish, chunk=False)], chunk=False)
                 body["usage"] = usage_body(event.usage)
+                self.track.usage(event.usage)
                 return body
         raise Unavailable("the request ended without an answer")
 
     async def stream(self, first: TextDelta | Completion, events: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
         """SSE lines; closing this generator (client gone) closes ``events``, which cancels the request."""
+        outcome = "CANCELLED"  # unless it ends below (a client that hangs up cancels the generator)
         try:
             event, opening = first, True
             while True:
@@ -255,6 +285,8 @@ class _Shape:
                     opening = False
                 if final:
                     finish = event.usage.finish_reason
+                    self.track.usage(event.usage)
+                    outcome = "OK"
                     yield _sse(self._envelope([self._choice("", finish, chunk=True)], chunk=True))
                     if include_usage:
                         body = self._envelope([], chunk=True)
@@ -263,15 +295,19 @@ class _Shape:
                     break
                 event = await anext(events)
         except TandemError as exc:
+            outcome = exc.code.value
             _status, body = http_error(exc)
             yield _sse(body)
         except StopAsyncIteration:
+            outcome = "UNAVAILABLE"
             _status, body = http_error(Unavailable("the request ended without an answer"))
             yield _sse(body)
         except Exception as exc:
+            outcome = "INTERNAL"
             log.exception("HTTP stream %s failed", self.rid)
             _status, body = http_error(exc)
             yield _sse(body)
         finally:
+            self.track.end(outcome)
             await events.aclose()
         yield "data: [DONE]\n\n"
