@@ -163,7 +163,7 @@ class Engine:
         self._lagging: _LaggingTokens | None = None  # overlap: the last step's tokens, on their way
         self._committed = False  # this step moved request state (tokens, lengths): see step()
         self._in_step: list[RequestState] = []  # the states the running step scheduled
-        self._emitted: dict[str, list[int]] = {}  # the running step's tokens so far, per request
+        self._ledger: dict[str, _Ledger] = {}  # the running step's record of each live request
 
     def _make_graphs(self, target: TargetModel, draft: DraftModel | None, draft_pool: KVPool | None) -> ForwardGraphs | None:
         """The padded/captured uniform forwards (None with ``graphs="off"``): the target over
@@ -373,7 +373,7 @@ class Engine:
         after that point, or one with no suspect, is raised (the caller fails everything)."""
         self._committed = False
         self._in_step: list[RequestState] = []
-        self._emitted: dict[str, list[int]] = {}
+        self._ledger = {}
         try:
             report = self._step()
         except TandemError:
@@ -397,8 +397,9 @@ class Engine:
         for s in suspects:
             s.finish_reason = FinishReason.ERROR
         results = {}
-        for rid, tokens in {**self._emitted, **{s.request_id: [] for s in suspects}}.items():
+        for rid, entry in self._ledger.items():
             s = self._states.get(rid)
+            tokens = entry.emitted or []
             if s is None or (not tokens and not s.finished):
                 continue
             if s.finished:
@@ -408,7 +409,7 @@ class Engine:
                 logical_len=s.logical_len, target_len=s.target_len, publishable_positions=s.draft_len,
                 block_table=list(s.block_table), block_size=self.block_size, blocks_written=[],
                 capacity_before=s.capacity, capacity_after=s.capacity, finish_reason=s.finish_reason,
-                error=exc if s.finish_reason is FinishReason.ERROR else None, counts=s.counts,
+                error=exc if s.finish_reason is FinishReason.ERROR else entry.error, counts=s.counts,
             )
             if s.finished:
                 del self._states[rid]
@@ -421,55 +422,54 @@ class Engine:
         work = schedule([s for s in states if not s.last_step], max_batch_tokens=cfg.max_batch_tokens,
                         max_batch_size=cfg.max_batch_size, chunk_size=cfg.chunk_size, max_seq_len=self.max_seq_len)
         self._in_step = [w.state for w in work]
-        cap_before = {s.request_id: s.capacity for s in states}
-        results: dict[str, RequestStepResult] = {}
-        written: dict[str, list[tuple[int, int]]] = {s.request_id: [] for s in states}
-        emitted: dict[str, list[int]] = {w.state.request_id: [] for w in work}
-        self._emitted = emitted  # tokens read back so far: reported even if the step fails
-        verified: dict[str, tuple[int, int]] = {}
-        errors: dict[str, Exception] = {}
+        ledger = self._ledger = {s.request_id: _Ledger(s, s.capacity) for s in states}
+        for w in work:  # a scheduled request reports this step even if it streams nothing
+            ledger[w.state.request_id].emit(())
 
         if self._lagging is not None and any(w.needed_capacity > w.state.capacity for w in work):
             # an extend may end a request for want of capacity: first learn whether it had stopped
-            self._resolve_lagging(emitted)
+            self._resolve_lagging()
             work = [w for w in work if not w.state.finished]
-        extend_wants = self._reserve(work, errors)
+        extend_wants = self._reserve(work)
         work = [w for w in work if not w.state.finished]
-        prefilled = {w.state.request_id: w.num_target_tokens for w in work if w.is_prefill}
+        for w in work:
+            if w.is_prefill:
+                ledger[w.state.request_id].prefill_tokens = w.num_target_tokens
         if self.drafter is not None:
-            self._chain(work, written)
+            self._chain(work)
         target_tokens = sum(w.num_target_tokens for w in work)
         fill_jobs: list[FillJob] = []
-        launched = self._run_target(work, written) if work else None
+        launched = self._run_target(work) if work else None
         # the previous step's tokens, read back while the device runs this step's target forward
-        self._resolve_lagging(emitted)
+        self._resolve_lagging()
         if launched is not None:
             self._committed = True  # from here on, request state moves: no isolation (see step)
-            fill_jobs = self._accept(work, *launched, emitted, verified)
+            fill_jobs = self._accept(work, *launched)
         if self.drafter is not None:  # ended on a read-back token outside this step: final fill
             in_work = {w.state.request_id for w in work}
-            fill_jobs += [FillJob(self._states[rid], None, 0) for rid in emitted
-                          if rid not in in_work and self._states[rid].finished]
+            fill_jobs += [FillJob(e.state, None, 0) for rid, e in ledger.items()
+                          if e.emitted is not None and rid not in in_work and e.state.finished]
         draft_tokens = 0
         if self.drafter is not None and fill_jobs:
             filled = self.drafter.fill(fill_jobs)
             for rid, rng in filled.items():
-                written[rid].append(rng)
+                ledger[rid].written.append(rng)
             draft_tokens = sum(hi - lo for lo, hi in filled.values())
         # Blocks may be given back (trim) only after the step completed on the device (DESIGN
         # §2): the fence travels with the trim instead of stopping the host here (fence.py).
-        blocks_written = {rid: self._blocks_of(self._states[rid], rngs) for rid, rngs in written.items()}
+        blocks_written = {rid: self._blocks_of(e.state, e.written) for rid, e in ledger.items()}
         self.last_fence = fence = StepFence.record(self.device)
         trim_keeps = self._trim(states, fence)
 
-        for s in states:
-            rid = s.request_id
-            if rid not in emitted and rid not in errors and rid not in trim_keeps:
+        results: dict[str, RequestStepResult] = {}
+        for rid, e in ledger.items():
+            s = e.state
+            if e.emitted is None and e.error is None and rid not in trim_keeps:
                 continue  # untouched this step
-            proposed, accepted = verified.get(rid, (0, 0))
+            proposed, accepted = e.verified or (0, 0)
             results[rid] = RequestStepResult(
                 request_id=rid,
-                new_token_ids=emitted.get(rid, []),
+                new_token_ids=e.emitted or [],
                 proposed_drafts=proposed,
                 accepted_drafts=accepted,
                 logical_len=s.logical_len,
@@ -478,12 +478,12 @@ class Engine:
                 block_table=list(s.block_table),
                 block_size=self.block_size,
                 blocks_written=blocks_written[rid],
-                capacity_before=cap_before[rid],
+                capacity_before=e.capacity_before,
                 capacity_after=s.capacity,
-                prefill_tokens=prefilled.get(rid, 0),
-                verified=rid in verified,
+                prefill_tokens=e.prefill_tokens,
+                verified=e.verified is not None,
                 finish_reason=s.finish_reason,
-                error=errors.get(rid),
+                error=e.error,
                 counts=s.counts,
             )
             if s.finished:
@@ -493,7 +493,7 @@ class Engine:
 
     # -- 0. capacity ------------------------------------------------------------------------------
 
-    def _reserve(self, work: list[ScheduledWork], errors: dict[str, Exception]) -> dict[str, int]:
+    def _reserve(self, work: list[ScheduledWork]) -> dict[str, int]:
         """One batched extend; shrink (or finish with CAPACITY) what did not get its capacity."""
         wants = {w.state.request_id: w.needed_capacity for w in work if w.needed_capacity > w.state.capacity}
         if not wants:
@@ -505,7 +505,7 @@ class Engine:
                 continue
             ans = answers.get(s.request_id)
             if isinstance(ans, Exception) or ans is None:
-                errors[s.request_id] = ans or FailedPrecondition("block source gave no answer")
+                self._ledger[s.request_id].error = ans or FailedPrecondition("block source gave no answer")
             else:
                 table = [int(b) for b in ans]
                 # only deduplicated final blocks may differ (a Publish answered meanwhile)
@@ -521,12 +521,13 @@ class Engine:
                 ok = w.num_drafts >= 0
             if not ok:
                 s.finish_reason = FinishReason.CAPACITY
-                errors.setdefault(s.request_id, FailedPrecondition("no capacity for the next step"))
+                entry = self._ledger[s.request_id]
+                entry.error = entry.error or FailedPrecondition("no capacity for the next step")
         return wants
 
     # -- A. chain drafting ---------------------------------------------------------------------------
 
-    def _chain(self, work: list[ScheduledWork], written) -> None:
+    def _chain(self, work: list[ScheduledWork]) -> None:
         """Make each decoding request's proposals exactly this step's ``num_drafts`` (truncate, or
         chain more inside the capacity reserved for the step)."""
         decoding = [w for w in work if not w.is_prefill and w.num_drafts > 0]
@@ -540,13 +541,13 @@ class Engine:
                     s.draft_probs = s.draft_probs[: w.num_drafts]
         chained = self.drafter.chain({w.state.request_id: w.num_drafts for w in decoding}, [w.state for w in decoding])
         for rid, rng in chained.items():
-            written[rid].append(rng)
+            self._ledger[rid].written.append(rng)
         for w in decoding:  # a chain that could not run leaves fewer proposals than planned
             w.num_drafts = min(w.num_drafts, 0 if w.state.drafts is None else len(w.state.drafts))
 
     # -- B + C. target forward and acceptance ----------------------------------------------------
 
-    def _run_target(self, work: list[ScheduledWork], written):
+    def _run_target(self, work: list[ScheduledWork]):
         """B: one target forward over every scheduled request (request-major). Returns the logits,
         the draft conditioning rows (aux / final hidden, all T rows) and, per request that gets
         logits, ``(first logits row, count)``."""
@@ -568,7 +569,7 @@ class Engine:
                 if w.num_drafts:  # proposals stay on the device: no host round trip
                     ids.append(s.drafts[: w.num_drafts])
                 logit_rows.extend(range(row, row + w.num_target_tokens))
-            written[s.request_id].append((s.target_len, s.target_len + w.num_target_tokens))
+            self._ledger[s.request_id].written.append((s.target_len, s.target_len + w.num_target_tokens))
             row += w.num_target_tokens
         input_ids = torch.cat(ids) if len(ids) > 1 else ids[0]
         layout = BatchLayout(
@@ -604,7 +605,7 @@ class Engine:
                 cursor += 1 + w.num_drafts
         return logits, cond, picks
 
-    def _accept(self, work: list[ScheduledWork], logits, cond, picks, emitted, verified) -> list[FillJob]:
+    def _accept(self, work: list[ScheduledWork], logits, cond, picks) -> list[FillJob]:
         """C: first tokens after prompts and verification of drafts (one host sync for every
         greedy decision), stop rules, new lengths; builds the fill jobs. Mutates the states."""
         argmax = torch.argmax(logits, dim=-1) if logits.shape[0] else None
@@ -623,6 +624,7 @@ class Engine:
         for w in work:
             s = w.state
             rid = s.request_id
+            entry = self._ledger[rid]
             t_old = s.target_len
             if s.finished:
                 pass  # overlap: its previous token, read back this step, was a stop; drop this one
@@ -631,7 +633,7 @@ class Engine:
                 s.tokens.append(PENDING)
                 s.pending_token = argmax[first : first + 1]
                 lagging.entries.append((s, first))
-                verified[rid] = (0, 0)
+                entry.verified = (0, 0)
                 s.decode_steps += 1
                 # count-based ends are known now; a stop token only when the value is read back
                 s.last_step = s.num_generated >= s.spec.max_new_tokens or s.logical_len >= self.max_seq_len
@@ -640,7 +642,7 @@ class Engine:
                 s.target_len = w.prefill_end
                 if rid in picks:
                     tok = sampled_tokens[rid][1] if rid in sampled_tokens else (greedy_host[picks[rid][0]],)
-                    emitted.setdefault(rid, []).extend(self._append(s, list(tok)))
+                    entry.emit(self._append(s, list(tok)))
             else:
                 first, count = picks[rid]
                 if rid in sampled_tokens:
@@ -649,11 +651,11 @@ class Engine:
                     v = accept_greedy(draft_host.get(rid, []), greedy_host[first : first + count],
                                       self._forced(w.num_drafts))
                     n_acc, toks = v.accepted, v.tokens
-                verified[rid] = (w.num_drafts, n_acc)
+                entry.verified = (w.num_drafts, n_acc)
                 s.decode_steps += 1
                 s.proposed_drafts_total += w.num_drafts
                 s.accepted_drafts_total += n_acc
-                emitted.setdefault(rid, []).extend(self._append(s, list(toks)))
+                entry.emit(self._append(s, list(toks)))
                 s.target_len = s.logical_len - 1  # the newest token is fed next step
             s.drafts = s.draft_probs = s.chain_hidden = None
             new_rows = cond[row : row + (s.target_len - t_old)] if cond is not None else None
@@ -676,20 +678,20 @@ class Engine:
         return (not w.is_prefill and w.num_drafts == 0 and s.spec.k == 0 and s.spec.sampling.greedy
                 and not s.finished)
 
-    def _resolve_lagging(self, emitted: dict[str, list[int]]) -> None:
+    def _resolve_lagging(self) -> None:
         """Read back the last step's lagging tokens (waits for that step's forward, normally done
         by now): put them in place of the placeholders, emit them, apply the stop rules."""
         lag, self._lagging = self._lagging, None
         if lag is None:
             return
-        values = lag.values()  # tokens land in ``emitted``: reported even if the step then fails
+        values = lag.values()  # tokens land in the ledger: reported even if the step then fails
         for s, row in lag.entries:
             if self._states.get(s.request_id) is not s or s.pending_token is None:
                 continue  # aborted meanwhile
             token = values[row]
             s.tokens[-1] = token
             s.pending_token = None
-            emitted.setdefault(s.request_id, []).append(token)
+            self._ledger[s.request_id].emit((token,))
             self._check_finished(s, token)
 
     def _forced(self, num_drafts: int) -> int | None:
@@ -797,6 +799,25 @@ class Engine:
                 for i in range(lo // bs, (hi - 1) // bs + 1):
                     ids.add(s.block_table[i])
         return sorted(ids)
+
+
+@dataclasses.dataclass(slots=True)
+class _Ledger:
+    """What the running step did to one live request: the one record per request that every
+    phase writes into and the step's results are read from (instead of one dict per fact)."""
+
+    state: RequestState
+    capacity_before: int
+    written: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # position ranges, either pool
+    emitted: list[int] | None = None  # tokens streamed this step (None: nothing to stream)
+    verified: tuple[int, int] | None = None  # (drafts verified, accepted) of a decode step
+    prefill_tokens: int = 0
+    error: Exception | None = None
+
+    def emit(self, tokens) -> None:
+        if self.emitted is None:
+            self.emitted = []
+        self.emitted.extend(tokens)
 
 
 class _LaggingTokens:
