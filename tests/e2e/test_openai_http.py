@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import openai
 import pytest
@@ -128,8 +129,8 @@ def test_bearer_token_picks_the_tenant_namespace(front):
     assert bob.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def _raw_stream_then_drop(url: str, body: dict, token: str, events: int) -> list[str]:
-    """Send a streaming request on a raw socket, read ``events`` SSE events, then hang up."""
+def _send_raw(url: str, body: dict, token: str) -> socket.socket:
+    """POST /v1/completions on a raw socket (so the test decides when the client hangs up)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     payload = json.dumps(body).encode()
     sock = socket.create_connection((host, int(port)), timeout=TIMEOUT)
@@ -137,6 +138,12 @@ def _raw_stream_then_drop(url: str, body: dict, token: str, events: int) -> list
         f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload
     )
+    return sock
+
+
+def _raw_stream_then_drop(url: str, body: dict, token: str, events: int) -> list[str]:
+    """Send a streaming request on a raw socket, read ``events`` SSE events, then hang up."""
+    sock = _send_raw(url, body, token)
     seen, buf = [], b""
     while len(seen) < events:
         buf += sock.recv(4096)
@@ -159,6 +166,21 @@ def test_client_that_disconnects_mid_stream_leaks_no_reservation(front):
     assert w.pool.in_use == 0
     prompt_blocks = len(ByteTokenizer().encode(prompt)) // 16
     assert w.published_blocks <= prompt_blocks + 16, w  # stopped within a few steps of the hang-up
+
+
+def test_client_that_disconnects_while_waiting_for_a_whole_answer_cancels_it(front):
+    """Not streaming: the router notices the hang-up while the answer is being generated."""
+    prompt = LONG_PREFIX + "Wait for it"
+    sock = _send_raw(front.router.payload.http_url, {"model": MODEL, "prompt": prompt, "max_tokens": 1500,
+                                                     "temperature": 0}, "tokA")
+    deadline = time.monotonic() + TIMEOUT
+    while front.stats().live_reservations == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # wait until it runs
+    sock.close()
+    stats = front.wait_no_live_reservations()
+    assert stats.live_reservations == 0 and front.invariants().ok
+    prompt_blocks = len(ByteTokenizer().encode(prompt)) // 16
+    assert stats.workers[0].published_blocks <= prompt_blocks + 16, stats.workers[0]
 
 
 def test_stop_strings_cut_the_text_the_same_with_and_without_speculation(front):
