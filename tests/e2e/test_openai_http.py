@@ -89,7 +89,7 @@ def test_models_lists_the_served_model(front):
     [
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": 3.0}, "temperature"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"logprobs": 2}, "logprobs"),
         ({"extra_body": {"min_p": 1.5}}, "min_p"),
         ({"stop": [""]}, None),
@@ -245,3 +245,27 @@ def test_http_generations_count_in_the_router_metrics(suite):
     assert value(samples, "tandem_router_requests_total", outcome="INVALID_ARGUMENT") == 1
     assert value(samples, "tandem_router_in_flight_requests") == 0
     assert value(samples, "tandem_router_completion_tokens_total") == 8
+
+
+def test_n_samples_share_the_prompt_and_arrive_as_indexed_choices(front):
+    """n = 3: three choices (index 0..2), the later samples reuse the first one's prompt blocks,
+    seeded samples are reproducible, streaming carries every index and one finish per choice."""
+    api = client(front)
+    prompt = LONG_PREFIX + "Three samples."
+    r = api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=5, n=3)
+    again = api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=5, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]
+    assert r.usage.completion_tokens == 3 * 8 and r.usage.prompt_tokens == len(ByteTokenizer().encode(prompt))
+    assert r.choices[1].text != r.choices[0].text or r.choices[2].text != r.choices[0].text  # seeds 5, 6, 7
+    # greedy samples are identical; on a prompt nobody sent before, samples 1 and 2 reuse sample 0's blocks
+    before = front.stats().workers[0].reused_positions
+    g = api.completions.create(model=MODEL, prompt="A greedy trio, never seen. " * 6, max_tokens=6, temperature=0, n=3)
+    assert len({c.text for c in g.choices}) == 1
+    assert front.stats().workers[0].reused_positions - before >= 2 * 144
+    chunks = list(api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "n"}], max_tokens=5,
+                                              temperature=0, n=2, stream=True, stream_options={"include_usage": True}))
+    finishes = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finishes == [0, 1]
+    assert chunks[-1].usage.completion_tokens == 10
+    assert front.wait_no_live_reservations().live_reservations == 0 and front.invariants().ok

@@ -130,15 +130,16 @@ class OpenAIFront:
         return self._templates[model]
 
     @staticmethod
-    def _job(req, limits: RequestLimits, tokenizer, *, text=None, token_ids=None, max_tokens: int) -> GenerateJob:
-        return build_job(
+    def _jobs(req, limits: RequestLimits, tokenizer, *, text=None, token_ids=None, max_tokens: int) -> list[GenerateJob]:
+        """One job per sample (``n``); sample i of a seeded request uses seed + i."""
+        return [build_job(
             text=text,
             token_ids=token_ids,
             max_new_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k in (None, -1) else req.top_k,
-            seed=req.seed,
+            seed=None if req.seed is None else (req.seed + i) % (1 << 64),
             num_draft_tokens=req.num_draft_tokens,
             stop_token_ids=req.stop_token_ids or (),
             stop_strings=req.stop_strings(),
@@ -146,7 +147,7 @@ class OpenAIFront:
             min_p=req.min_p,
             limits=limits,
             tokenizer=tokenizer,
-        )
+        ) for i in range(req.n)]
 
     async def _handle(self, request: Request, run, *, tracked: bool = True) -> Response:
         """Run a handler; every typed error becomes OpenAI's JSON error with its HTTP status.
@@ -187,8 +188,8 @@ class OpenAIFront:
             tokenizer, limits, model = self._bound()
             self._check_model(req.model, model)
             text, ids = req.single_prompt()
-            job = self._job(req, limits, tokenizer, text=text, token_ids=ids, max_tokens=req.max_tokens or 16)
-            return await self._respond(request, req, job, tenant, model, track, chat=False)
+            jobs = self._jobs(req, limits, tokenizer, text=text, token_ids=ids, max_tokens=req.max_tokens or 16)
+            return await self._respond(request, req, jobs, tenant, model, track, chat=False)
 
         return await self._handle(request, run)
 
@@ -201,28 +202,79 @@ class OpenAIFront:
             messages = normalize_messages([m.model_dump() for m in req.messages])
             ids = self._template(model).encode(messages, tokenizer, add_generation_prompt=req.add_generation_prompt)
             max_tokens = req.token_limit() or limits.max_new_tokens
-            job = self._job(req, limits, tokenizer, token_ids=ids, max_tokens=max_tokens)
-            return await self._respond(request, req, job, tenant, model, track, chat=True)
+            jobs = self._jobs(req, limits, tokenizer, token_ids=ids, max_tokens=max_tokens)
+            return await self._respond(request, req, jobs, tenant, model, track, chat=True)
 
         return await self._handle(request, run)
 
     # ------------------------------------------------------------------------------ responses
-    async def _respond(self, request: Request, req, job: GenerateJob, tenant: Tenant, model: str, track: _Track,
-                       *, chat: bool) -> Response:
-        events = self.dispatcher.generate(job, tenant, deadline=None, arrival=time.monotonic())
+    async def _respond(self, request: Request, req, jobs: list[GenerateJob], tenant: Tenant, model: str,
+                       track: _Track, *, chat: bool) -> Response:
+        """Run ``jobs`` (``n`` samples of one prompt) and answer with all of them as choices."""
+        arrival = time.monotonic()
+        streams = [self.dispatcher.generate(j, tenant, deadline=None, arrival=arrival) for j in jobs]
         shape = _Shape(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(self._clock()), model, chat, track)
-        if not req.stream:
-            return _json(200, await until_disconnect(request, shape.collect(events)))
-        # Pull the first event before answering 200, so that a request failing before its first
-        # token (capacity, no worker, bad prompt) gets its HTTP status, not an SSE error.
+        # Take every sample's first event before answering, so that a request failing before its
+        # first token (capacity, no worker, bad prompt) gets its HTTP status, not an SSE error. The
+        # first sample goes alone: its prefill publishes the prompt's blocks, which the others reuse.
         try:
-            first = await until_disconnect(request, anext(events))
+            firsts = [await until_disconnect(request, anext(streams[0]))]
+            if len(streams) > 1:
+                rest = await until_disconnect(
+                    request, asyncio.gather(*(anext(s) for s in streams[1:]), return_exceptions=True))
+                for r in rest:
+                    if isinstance(r, BaseException):
+                        raise r
+                firsts += rest
         except BaseException:
-            await events.aclose()
+            for s in streams:
+                await s.aclose()
             raise
+        events = _merged(firsts, streams)
+        if not req.stream:
+            return _json(200, await until_disconnect(request, shape.collect(events, len(jobs))))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(shape.stream(first, events, include_usage), media_type="text/event-stream",
+        return StreamingResponse(shape.stream(events, len(jobs), include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
+
+
+async def _merged(firsts: list, streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, TextDelta | Completion]]:
+    """(sample index, event) of all samples as they arrive, each sample's first event first.
+    Closing it (client gone) cancels every sample still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for event in streams[i]:
+                await queue.put((i, event))
+        except Exception as exc:  # typed errors reach the client as an error event
+            await queue.put((i, exc))
+
+    for i, first in enumerate(firsts):
+        queue.put_nowait((i, first))
+    tasks = [asyncio.ensure_future(pump(i)) for i, first in enumerate(firsts) if not isinstance(first, Completion)]
+    try:
+        remaining = len(firsts)
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield i, item
+            remaining -= isinstance(item, Completion)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+
+
+def summed_usage(usages: list) -> dict:
+    """OpenAI's usage of ``n`` samples: the prompt once (as the first sample saw it), completions summed."""
+    body = usage_body(usages[0])
+    body["completion_tokens"] = sum(u.completion_tokens for u in usages)
+    body["total_tokens"] = body["prompt_tokens"] + body["completion_tokens"]
+    return body
 
 
 class _Track:
@@ -253,54 +305,48 @@ class _Shape:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def _choice(self, text: str, finish: str | None, *, chunk: bool, first: bool = False) -> dict:
+    def _choice(self, i: int, text: str, finish: str | None, *, chunk: bool, first: bool = False) -> dict:
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
         if chunk:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
 
-    async def collect(self, events: AsyncIterator) -> dict:
-        pieces: list[str] = []
-        async for event in events:
-            pieces.append(event.text)
+    async def collect(self, events: AsyncIterator, n: int) -> dict:
+        pieces: list[list[str]] = [[] for _ in range(n)]
+        usages: list = [None] * n
+        async for i, event in events:
+            pieces[i].append(event.text)
             if isinstance(event, Completion):
-                finish = event.usage.finish_reason
-                body = self._envelope([self._choice("".join(pieces), finish, chunk=False)], chunk=False)
-                body["usage"] = usage_body(event.usage)
+                usages[i] = event.usage
                 self.track.usage(event.usage)
-                return body
-        raise Unavailable("the request ended without an answer")
+        choices = [self._choice(i, "".join(p), u.finish_reason, chunk=False) for i, (p, u) in enumerate(zip(pieces, usages))]
+        body = self._envelope(choices, chunk=False)
+        body["usage"] = summed_usage(usages)
+        return body
 
-    async def stream(self, first: TextDelta | Completion, events: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, events: AsyncIterator, n: int, include_usage: bool) -> AsyncIterator[str]:
         """SSE lines; closing this generator (client gone) closes ``events``, which cancels the request."""
         outcome = "CANCELLED"  # unless it ends below (a client that hangs up cancels the generator)
+        opened, usages = [False] * n, [None] * n
         try:
-            event, opening = first, True
-            while True:
-                final = isinstance(event, Completion)
-                if event.text or opening:
-                    yield _sse(self._envelope([self._choice(event.text, None, chunk=True, first=opening)], chunk=True))
-                    opening = False
-                if final:
-                    finish = event.usage.finish_reason
+            async for i, event in events:
+                if event.text or not opened[i]:
+                    yield _sse(self._envelope([self._choice(i, event.text, None, chunk=True, first=not opened[i])], chunk=True))
+                    opened[i] = True
+                if isinstance(event, Completion):
+                    usages[i] = event.usage
                     self.track.usage(event.usage)
-                    outcome = "OK"
-                    yield _sse(self._envelope([self._choice("", finish, chunk=True)], chunk=True))
-                    if include_usage:
-                        body = self._envelope([], chunk=True)
-                        body["usage"] = usage_body(event.usage)
-                        yield _sse(body)
-                    break
-                event = await anext(events)
+                    yield _sse(self._envelope([self._choice(i, "", event.usage.finish_reason, chunk=True)], chunk=True))
+            outcome = "OK"
+            if include_usage:
+                body = self._envelope([], chunk=True)
+                body["usage"] = summed_usage(usages)
+                yield _sse(body)
         except TandemError as exc:
             outcome = exc.code.value
             _status, body = http_error(exc)
-            yield _sse(body)
-        except StopAsyncIteration:
-            outcome = "UNAVAILABLE"
-            _status, body = http_error(Unavailable("the request ended without an answer"))
             yield _sse(body)
         except Exception as exc:
             outcome = "INTERNAL"

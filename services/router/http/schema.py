@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.router.http.errors import RequestError
 
+MAX_N = 16
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -35,7 +37,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)  # samples of one prompt: the first's prefill is reused by the rest
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
@@ -50,8 +52,6 @@ class _Sampling(BaseModel):
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for every field set to something Tandem does not implement yet."""
         out = []
-        if self.n != 1:
-            out.append(("n", "n > 1 is not supported yet"))
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 out.append((name, f"{name} is not supported yet"))
