@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "distill-draft": ("services.gpuworker.distill", "train a model's draft layers on its own greedy outputs"),
     "up": ("services.launcher", "run kvstore + router + workers locally and wait"),
     "generate": ("services.client", "stream an answer from the router"),
+    "certs": ("services.certs_command", "write a throwaway CA and service certificates for mTLS (compose)"),
 }
 
 

@@ -219,6 +219,14 @@ def _number(kind, low: float, inclusive: bool = True, high: float | None = None)
     return parse
 
 
+class _RefuseToken(argparse.Action):
+    """``--token VALUE`` is refused (exit 2) without echoing the value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("--token is not accepted (a command line is visible to every user): "
+                     "use --token-file PATH or the TANDEM_TOKEN variable")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="text prompt")
     parser.add_argument("--router", default=os.environ.get("TANDEM_ROUTER_ADDRESS", "127.0.0.1:50050"), help="router host:port")
@@ -230,7 +238,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=_number(int, 0), default=None, help="seed for reproducible sampling (default: unseeded)")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable); the text ends before it")
     parser.add_argument("--draft-tokens", type=_number(int, 0), default=None, help="draft tokens per step (0 = off; default: router's)")
-    parser.add_argument("--token", default=os.environ.get("TANDEM_TOKEN"), help="bearer token (tenant)")
+    # never a flag with the token itself: argv is visible to every user of the machine (ps)
+    parser.add_argument("--token-file", default="", help="file holding the bearer token (tenant); default: $TANDEM_TOKEN")
+    parser.add_argument("--token", action=_RefuseToken, help=argparse.SUPPRESS)
     parser.add_argument("--timeout-s", type=_number(float, 0.0, inclusive=False), default=120.0, help="deadline of the request")
 
 
@@ -268,9 +278,20 @@ def generate_and_print(router: str, prompt: str, *, max_new_tokens: int = 64, te
     return 0
 
 
+def read_token(token_file: str = "", environ=None) -> str | None:
+    """The bearer token from ``token_file`` (stripped) or ``$TANDEM_TOKEN``; None if neither."""
+    environ = os.environ if environ is None else environ
+    if token_file:
+        try:
+            return open(token_file, encoding="utf-8").read().strip() or None
+        except OSError as exc:
+            raise SystemExit(f"tandem generate: error: cannot read --token-file {token_file!r}: {exc.strerror or exc}")
+    return environ.get("TANDEM_TOKEN") or None
+
+
 def run(args: argparse.Namespace) -> int:
     return generate_and_print(
         args.router, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, draft_tokens=args.draft_tokens,
-        token=args.token, timeout_s=args.timeout_s,
+        token=read_token(args.token_file), timeout_s=args.timeout_s,
     )

@@ -85,6 +85,7 @@ class DispatchConfig:
     kvstore_timeout_s: float = 2.0
     worker_probe_timeout_s: float = 1.0
     max_request_s: float = 600.0
+    idle_timeout_s: float = 60.0  # a worker stream silent this long fails UNAVAILABLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +142,7 @@ class _Progress:
 
     def __init__(self, tokenizer: Tokenizer, stop_strings: tuple[str, ...] = ()):
         self.acknowledged = False  # any message received: the worker owns the reservation
+        self.left_registry = False  # its worker incarnation left the kvstore registry mid-stream
         self.tokens: list[int] = []
         self.first_token_at: float | None = None
         self.decoder = StreamDecoder(tokenizer)
@@ -171,6 +173,21 @@ def _entry(w: kv_pb.WorkerInfo) -> WorkerEntry:
         vocab_size=w.vocab_size,
         max_seq_len=w.max_seq_len,
     )
+
+
+async def _with_idle_timeout(call, idle_s: float):
+    """The messages of a server stream; UNAVAILABLE (as a worker failure) when none comes for
+    ``idle_s`` seconds — a frozen worker (SIGSTOP) keeps its connection open, keepalive may not
+    notice, and the client's deadline can be minutes away."""
+    it = call.__aiter__()
+    while True:
+        try:
+            msg = await asyncio.wait_for(it.__anext__(), idle_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise _WorkerFailed("UNAVAILABLE", f"the worker sent nothing for {idle_s:g} s (idle timeout)") from None
+        yield msg
 
 
 def _kv_error(verb: str, err: grpc.aio.AioRpcError) -> Exception:
@@ -211,6 +228,10 @@ class Dispatcher:
         self._clock = clock
         self._live: set[str] = set()
         self._cleanup: set[asyncio.Task] = set()
+        # (worker id, incarnation) -> the streams running there: ended when it leaves the registry
+        self._streams: dict[tuple[str, int], dict[int, tuple[object, _Progress]]] = {}
+        # worker id -> (incarnation, most draft tokens it accepts), from its Info answer
+        self._draft_limits: dict[str, tuple[int, int]] = {}
 
     # --------------------------------------------------------------------------------- helpers
     def _timeout(self, deadline: float | None, cap_s: float) -> float:
@@ -222,13 +243,29 @@ class Dispatcher:
         self._tokenizer = tokenizer
 
     async def worker_model(self, entry: WorkerEntry) -> str:
-        """The model a worker says it serves (``Info.model_name``; "" when it names none)."""
+        """The model a worker says it serves (``Info.model_name``; "" when it names none). This
+        is the probe before a worker gets requests: Unavailable unless its health is SERVING
+        and it answers Info (then it is asked again on the next review)."""
+        health = await self._health(entry.address)
+        if health != "SERVING":
+            raise Unavailable(f"worker {entry.worker_id} is {health}")
         try:
             info = await self._worker_stub(entry.address).Info(
                 worker_pb.InfoRequest(), timeout=self.config.worker_probe_timeout_s)
         except grpc.aio.AioRpcError as err:
             raise Unavailable(f"worker {entry.worker_id} Info: {err.code().name}") from None
+        if len(self._draft_limits) > 4096:  # bounded: workers come and go
+            self._draft_limits.clear()
+        self._draft_limits[entry.worker_id] = (entry.incarnation, info.max_draft_tokens)
         return info.model_name
+
+    def draft_tokens_for(self, entry: WorkerEntry, wanted: int) -> int:
+        """``wanted`` draft tokens capped by what the worker said it accepts (read-only): the
+        router's own limit may be larger than a worker's, and such a request must not fail."""
+        limit = self._draft_limits.get(entry.worker_id)
+        if limit is None or limit[0] != entry.incarnation:
+            return wanted
+        return min(wanted, limit[1])
 
     def _worker_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         return worker_pb2_grpc.WorkerStub(self._channels.get(address))
@@ -243,7 +280,17 @@ class Dispatcher:
             raise _kv_error("ListWorkers", err) from None
         entries = [_entry(w) for w in resp.workers]
         self.directory.replace(entries)
+        self._end_streams_of_departed({(e.worker_id, e.incarnation) for e in entries})
         return entries
+
+    def _end_streams_of_departed(self, registered: set[tuple[str, int]]) -> None:
+        """Cancel the streams of worker incarnations that left the registry (lease lapsed,
+        re-registered): their blocks are gone, and a frozen worker would hold them forever.
+        The client sees UNAVAILABLE (mutates the calls)."""
+        for key in [k for k in self._streams if k not in registered]:
+            for call, progress in self._streams.pop(key).values():
+                progress.left_registry = True
+                call.cancel()
 
     # ---------------------------------------------------------------------------------- planning
     async def _plan(self, job: GenerateJob, tenant: Tenant, prompt_pb, state: AttemptState,
@@ -382,12 +429,11 @@ class Dispatcher:
                 stop_token_ids=job.sampling.stop_token_ids,
                 min_p=job.sampling.min_p,
             ),
-            spec=worker_pb.SpecParams(num_draft_tokens=job.num_draft_tokens),
+            spec=worker_pb.SpecParams(num_draft_tokens=self.draft_tokens_for(entry, job.num_draft_tokens)),
+            # only its name: the worker reads blocks and reused prefix from the kvstore
             reservation=worker_pb.ReservationRef(
                 reservation_id=reservation.reservation_id,
                 incarnation=reservation.incarnation,
-                block_table=reservation.block_table,
-                reused_positions=reservation.reused_positions,
             ),
         )
         span = self._tracer.start_span(
@@ -399,8 +445,10 @@ class Dispatcher:
             call = self._worker_stub(entry.address).Generate(
                 request, timeout=self._timeout(deadline, self.config.max_request_s)
             )
+        key = (entry.worker_id, entry.incarnation)
+        self._streams.setdefault(key, {})[id(call)] = (call, progress)
         try:
-            async for msg in call:
+            async for msg in _with_idle_timeout(call, self.config.idle_timeout_s):
                 progress.acknowledged = True
                 ids = tuple(msg.token_ids)
                 if ids and max(ids) >= self._tokenizer.vocab_size:
@@ -422,8 +470,20 @@ class Dispatcher:
             raise _WorkerFailed("UNAVAILABLE", "the worker ended the stream without a final message")
         except grpc.aio.AioRpcError as err:
             span.set_attribute("rpc.grpc.status_code", err.code().value[0])
+            if progress.left_registry:
+                raise _WorkerFailed("UNAVAILABLE", f"worker {entry.worker_id} left the registry") from None
             raise _WorkerFailed(err.code().name, err.details() or "") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if progress.left_registry and not (task is not None and task.cancelling()):
+                raise _WorkerFailed("UNAVAILABLE", f"worker {entry.worker_id} left the registry") from None
+            raise
         finally:
+            streams = self._streams.get(key)
+            if streams is not None:
+                streams.pop(id(call), None)
+                if not streams:
+                    del self._streams[key]
             if not call.done():
                 call.cancel()
             span.end()
@@ -518,12 +578,14 @@ class Dispatcher:
                        arrival: float) -> AsyncIterator[TextDelta | Completion]:
         """Serve ``job`` for ``tenant``: yields deltas, then one Completion. ``deadline`` is the
         client's (monotonic seconds, None = none). Raises typed errors (see ``retry``)."""
-        if job.request_id in self._live:
-            raise AlreadyExists(f"request {job.request_id!r} is already running on this router")
-        self._live.add(job.request_id)
+        # request ids are the tenant's: scoped by it here and in every id sent on
+        scoped = f"{tenant.scope}/{job.request_id}"
+        if scoped in self._live:
+            raise AlreadyExists(f"request {job.request_id[:64]!r} is already running on this router")
+        self._live.add(scoped)
         try:
             prompt_pb = tokens_to_proto(job.prompt)
-            state = AttemptState(job.request_id, self.config.max_attempts)
+            state = AttemptState(scoped, self.config.max_attempts)
             while True:
                 with self._tracer.start_as_current_span("reserve") as span:
                     entry, reservation = await self._reserve(job, tenant, prompt_pb, state, deadline)
@@ -559,7 +621,7 @@ class Dispatcher:
                 finally:
                     self.directory.end(entry.worker_id)
         finally:
-            self._live.discard(job.request_id)
+            self._live.discard(scoped)
 
     # ----------------------------------------------------------------------------- list workers
     async def _health(self, address: str) -> str:

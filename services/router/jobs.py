@@ -17,7 +17,7 @@ from services.common.errors import InvalidArgument
 from services.common.tokenizer import Tokenizer
 from services.router.stops import validate_stop_strings
 
-MAX_REQUEST_ID_CHARS = 128
+MAX_REQUEST_ID_CHARS = 96  # the router adds a tenant scope; ids downstream are at most 128 bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +74,8 @@ def _finite(name: str, value: float) -> float:
 def _request_id(request_id: str, new_id: Callable[[], str]) -> str:
     if not request_id:
         return new_id()
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+    if len(request_id.encode("utf-8", "surrogatepass")) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} bytes")
     if not request_id.isprintable() or any(c.isspace() for c in request_id):
         raise InvalidArgument("request_id must be printable and contain no whitespace")
     return request_id

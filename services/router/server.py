@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from services.common.auth import BearerAuthInterceptor, load_channel_credentials, load_server_credentials
+from services.common.auth import (
+    BearerAuthInterceptor,
+    load_channel_credentials,
+    load_server_credentials,
+    suite_credentials,
+    warn_if_insecure,
+)
 from services.common.channels import ChannelPool, open_channel
 from services.common.errors import TandemError, Unavailable
 from services.common.metrics import ServiceMetrics
@@ -32,7 +38,7 @@ from services.router.policy import PolicyWeights
 from services.router.retry import WaitQueue
 from services.router.servicer import RouterServicer
 from services.router.settings import RouterSettings
-from services.router.tenants import TenantRegistry
+from services.router.tenants import TenantRegistry, load_salt_secret
 from tandem.router.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -78,6 +84,7 @@ def dispatch_config(settings: RouterSettings) -> DispatchConfig:
         kvstore_timeout_s=settings.kvstore_timeout_s,
         worker_probe_timeout_s=settings.worker_probe_timeout_s,
         max_request_s=settings.max_request_s,
+        idle_timeout_s=settings.idle_timeout_s,
     )
 
 
@@ -99,11 +106,21 @@ async def start_router(
             tokenizer = load_tokenizer(settings.model)
         except TandemError as exc:
             raise StartupError(f"cannot load the tokenizer of model {settings.model!r}: {exc.message}") from None
-    tenants = TenantRegistry.from_settings(settings.tenants, settings.shared_tenants)
+    try:
+        secret = load_salt_secret(settings.salt_secret_file, settings.salt_secret)
+    except TandemError as exc:
+        raise StartupError(exc.message) from None
+    if not (settings.salt_secret_file or settings.salt_secret):
+        log.info("no --salt-secret-file: tenant cache salts use a random secret of this process "
+                 "(routers of one deployment need the same secret to share the cache)")
+    tenants = TenantRegistry.from_settings(settings.tenants, settings.shared_tenants, secret=secret)
+    if not settings.upstream_ca_file:
+        warn_if_insecure(settings, log)
+    # upstream (kvstore, workers): the explicit upstream_* files, else the suite's mTLS identity
     upstream = (
         load_channel_credentials(settings.upstream_ca_file, settings.upstream_cert_file, settings.upstream_key_file)
         if settings.upstream_ca_file
-        else None
+        else suite_credentials(settings)[1]
     )
     server_credentials = (
         load_server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file or None)

@@ -29,6 +29,8 @@ class RouterSettings(TandemSettings):
 
     # --- tenants
     tenants: str = Field("", description="bearer tokens: 'tokA=alice,tokB=bob', inline JSON or a JSON file path ('' = demo mode: everyone is 'public')")
+    salt_secret_file: str = Field("", description="file holding the secret (>= 16 bytes) that keys tenants' cache salts; every router of a deployment needs the same one ('' = salt_secret, else random per process)")
+    salt_secret: str = Field("", description="the salt secret itself (prefer salt_secret_file or the env var; never put it on a command line)")
     shared_tenants: str = Field("", description="comma-separated tenants that share one cache namespace (opt-in cross-tenant reuse)")
 
     # --- routing policy
@@ -57,6 +59,8 @@ class RouterSettings(TandemSettings):
     upstream_ca_file: str = Field("", description="CA to verify the kvstore and workers (enables TLS to them)")
     upstream_cert_file: str = Field("", description="client certificate presented to the kvstore and workers (mTLS)")
     upstream_key_file: str = Field("", description="private key of upstream_cert_file")
+    # --- failure detection
+    idle_timeout_s: float = Field(60.0, gt=0, description="a worker stream that sends nothing for this long (prefill included) fails with UNAVAILABLE")
 
     @model_validator(mode="after")
     def _consistent(self) -> RouterSettings:

@@ -23,6 +23,10 @@ def test_tandem_up_demo_streams_twice_and_the_second_is_cached(tmp_path):
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert "all services SERVING" in out
     assert re.search(r"OpenAI-compatible HTTP API: http://127\.0\.0\.1:\d+/v1", out), out
+    # mTLS between the services by default, with a throwaway CA that is gone afterwards
+    certs = re.search(r"mTLS between the services: throwaway CA and certificates in (\S+)", out)
+    assert certs is not None, out
+    assert not Path(certs.group(1)).exists()
     usage = re.findall(r"prompt (\d+) tokens \(cached (\d+)\), completion (\d+) tokens", out)
     assert len(usage) == 2, out
     (p1, c1, n1), (p2, c2, n2) = [tuple(map(int, u)) for u in usage]

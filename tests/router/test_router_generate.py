@@ -10,6 +10,7 @@ import grpc
 from router_rig import Script, collect
 from services.common.tokenizer import ByteTokenizer
 from services.common.wire import tokens_from_proto
+from router_rig import SALT_SECRET
 from services.router.tenants import tenant_salt
 from tandem.common.v1 import common_pb2
 
@@ -37,12 +38,13 @@ def test_streams_text_ids_and_usage(rig):
 
     (req,) = worker.requests
     assert tokens_from_proto(req.prompt).tolist() == prompt
-    assert len(req.request_id) == 32  # generated uuid4 hex
+    scope, _, rid = req.request_id.partition("/")
+    assert len(scope) == 12 and len(rid) == 32  # tenant scope / generated uuid4 hex
     assert req.sampling.max_new_tokens == 40 and req.sampling.top_p == 1.0
     assert TOK.eos_token_id in req.sampling.stop_token_ids
     assert req.spec.num_draft_tokens == 4  # the router's default
     # the reservation covers the prompt plus the first step's draft + bonus tokens
-    assert len(req.reservation.block_table) * 16 >= len(prompt) + 5
+    assert len(worker.reservations[0].block_table) * 16 >= len(prompt) + 5  # as the worker read it from the kvstore
     assert worker.ended == {req.request_id: "released"}
     rig.wait_no_live_reservations()
 
@@ -55,7 +57,7 @@ def test_request_fields_reach_the_worker(rig):
                         num_draft_tokens=0, stop_token_ids=[9], request_id="my-request", min_p=0.25)
     assert err is None, err
     (req,) = worker.requests
-    assert req.request_id == "my-request"
+    assert req.request_id.endswith("/my-request")  # scoped by the tenant
     assert tokens_from_proto(req.prompt).tolist() == [256, 1, 2, 3]
     s = req.sampling
     assert (round(s.temperature, 3), round(s.top_p, 3), s.top_k, s.seed) == (0.5, 0.9, 7, 11)
@@ -116,8 +118,8 @@ def test_the_salt_comes_from_the_tenant(rig):
         resp = rig.kv.stub.Match(kv_pb.MatchRequest(tokens=tokens, cache_salt=salt), timeout=5)
         return resp.workers[0].reusable_positions
 
-    assert reusable(tenant_salt("alice")) == 80  # 81 tokens: 5 full blocks
-    assert reusable(tenant_salt("bob")) == 0
+    assert reusable(tenant_salt("alice", SALT_SECRET)) == 80  # 81 tokens: 5 full blocks
+    assert reusable(tenant_salt("bob", SALT_SECRET)) == 0
     assert reusable(b"") == 0
 
 

@@ -32,16 +32,12 @@ class SpecParams(_message.Message):
     def __init__(self, num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class ReservationRef(_message.Message):
-    __slots__ = ("reservation_id", "incarnation", "block_table", "reused_positions")
+    __slots__ = ("reservation_id", "incarnation")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
-    REUSED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     incarnation: int
-    block_table: _containers.RepeatedScalarFieldContainer[int]
-    reused_positions: int
-    def __init__(self, reservation_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., reused_positions: _Optional[int] = ...) -> None: ...
+    def __init__(self, reservation_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "sampling", "spec", "reservation")
