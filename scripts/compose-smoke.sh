@@ -165,6 +165,7 @@ compose up -d --no-build >/dev/null 2>&1 || { compose logs --tail 40 >&2; exit 1
 wait_healthy
 log "contract tests against the deployed stack"
 TANDEM_CONTRACT_ROUTER="127.0.0.1:$router_port" TANDEM_CONTRACT_PROMETHEUS="http://127.0.0.1:$prometheus_port" \
+TANDEM_CONTRACT_HTTP="http://127.0.0.1:$http_port/v1" \
     "$TANDEM_PY" -m pytest -q -p no:randomly tests/contract
 log "compose down"
 compose down -v --remove-orphans >/dev/null 2>&1
