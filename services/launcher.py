@@ -59,6 +59,8 @@ class UpSettings(BaseSettings):
     num_blocks: int | None = Field(None, ge=0, description=f"paired KV blocks per worker (unset: {CPU_NUM_BLOCKS} on CPU, sized by kv_memory_fraction on CUDA)")
     host: str = Field("127.0.0.1", description="address every service binds")
     router_port: int = Field(50050, ge=0, le=65535, description="router port (0 = any free port)")
+    http_port: int = Field(8000, ge=0, le=65535, description="router's OpenAI-compatible HTTP API port (0 = any free port)")
+    http: bool = Field(True, description="serve the OpenAI-compatible HTTP API (--no-http: gRPC only)")
     kvstore_port: int = Field(50051, ge=0, le=65535, description="kvstore port (0 = any free port)")
     worker_base_port: int = Field(50061, ge=0, le=65535, description="first worker port (0 = any free ports)")
     metrics_base_port: int = Field(0, ge=0, le=65535, description="kvstore metrics on this port, router +1, worker i +2+i (0 = off)")
@@ -191,6 +193,8 @@ def _metrics(s: UpSettings, offset: int) -> list[str]:
 def check_ports(s: UpSettings, workers: int) -> None:
     """Raise :class:`PortInUse` for the first fixed port something else holds."""
     wanted = [("kvstore port", s.kvstore_port), ("router port", s.router_port)]
+    if s.http and s.http_port:
+        wanted.append(("router HTTP port", s.http_port))
     if s.worker_base_port:
         wanted += [(f"worker{i} port", s.worker_base_port + i) for i in range(workers)]
     if s.metrics_base_port:
@@ -234,8 +238,9 @@ def start_suite(s: UpSettings, plans: list[WorkerPlan], log_level: str = "INFO",
             children.append(_spawn(f"worker{plan.index}", [*flags, *worker_argv(s, plan, port, kv_addr)], f"{host}:{port}",
                                    env(f"worker{plan.index}", "TANDEM_WORKER_", plan.env)))
         r_addr = f"{host}:{s.router_port or _free_port(host)}"
+        http = ["--http-port", str(s.http_port or _free_port(host))] if s.http else []
         children.append(_spawn("router", [*flags, "router", "--host", host, "--port", r_addr.rsplit(':', 1)[1], "--kvstore", kv_addr,
-                                          "--model", s.model, *_metrics(s, 1)], r_addr, env("router", "TANDEM_ROUTER_")))
+                                          "--model", s.model, *http, *_metrics(s, 1)], r_addr, env("router", "TANDEM_ROUTER_")))
         for child in children[1:]:
             # the router's client side is plaintext (bearer tokens); the workers need a certificate
             wait_serving(child.address, deadline, child.proc, None if child.name == "router" else probe)
@@ -243,6 +248,14 @@ def start_suite(s: UpSettings, plans: list[WorkerPlan], log_level: str = "INFO",
     except BaseException:
         stop_children(children)
         raise
+
+
+def http_url(router: Child) -> str | None:
+    """The router's HTTP front as ``tandem up`` started it (from its argv), or None."""
+    if "--http-port" not in router.argv:
+        return None
+    host = router.address.rsplit(":", 1)[0]
+    return f"http://{host}:{router.argv[router.argv.index('--http-port') + 1]}"
 
 
 def supervise_once(children: list[Child], now: float) -> str | None:
@@ -321,6 +334,9 @@ def serve_suite(s: UpSettings, children: list[Child]) -> int:
     print("all services SERVING:")
     for child in children:
         print(f"  {child.name:<9} {child.address}  (pid {child.proc.pid})")
+    http = http_url(children[-1])
+    if http:
+        print(f"  OpenAI-compatible HTTP API: {http}/v1  (e.g. openai.OpenAI(base_url=\"{http}/v1\", api_key=\"none\"))")
     print(f'try:  tandem generate --router {router} "Hello"')
     stopping = False
 

@@ -94,9 +94,9 @@ def test_enum_flag_lists_its_choices_and_rejects_others():
 
 
 def test_generate_rejects_negative_max_new_tokens():
-    proc = tandem("generate", "--max-new-tokens", "-5", "hi")
+    proc = tandem("generate", "--max-tokens", "-5", "hi")
     assert proc.returncode == 2
-    assert one_error_line(proc) == "tandem generate: error: argument --max-new-tokens: must be >= 1 (got -5)"
+    assert one_error_line(proc) == "tandem generate: error: argument --max-tokens/--max-new-tokens: must be >= 1 (got -5)"
 
 
 def test_up_with_a_busy_port_refuses_before_starting_anything(busy_port):
