@@ -26,6 +26,12 @@ in the same run with the same client. Every configuration runs 3 times; the medi
     python bench/kvstore_bench.py                       # full run (a few minutes on 2 cores)
     python bench/kvstore_bench.py --quick               # smoke run
     python bench/kvstore_bench.py --json out.json --plot docs/img/kvstore_bench.png
+    python bench/kvstore_bench.py --skip-inprocess --workers 1 --tls both   # mTLS overhead (issue 8)
+
+``--tls on`` runs the gRPC phases with mutual TLS as deployed: a throwaway CA, the kvstore with its
+certificate, Match/Reserve over a channel with a router certificate and each worker's
+RegisterWorker/Publish/Release/Abort over a channel with that worker's certificate (the roles the
+kvstore enforces). ``--tls both`` runs plaintext and mTLS back to back in every run.
 """
 
 from __future__ import annotations
@@ -291,15 +297,48 @@ class ServerProcess:
         os.unlink(self._log.name)
 
 
-def start_kvstore_process() -> ServerProcess:
+def start_kvstore_process(certs: dict | None = None) -> ServerProcess:
     argv = [sys.executable, "-m", "services.cli", "--log-level", "INFO", "kvstore", "--port", "0",
             "--lease-ttl-s", "3600"]
+    if certs is not None:
+        kv = certs["kvstore"]
+        argv += ["--tls-cert", kv.cert, "--tls-key", kv.key, "--tls-ca", kv.ca]
     return ServerProcess(argv, r"kvstore serving on (\S+)")
 
 
-def start_echo_process() -> ServerProcess:
-    return ServerProcess([sys.executable, str(ROOT / "bench" / "echo_server.py"), "--port", "0"],
-                         r"PORT (\d+)", address_format="127.0.0.1:{}")
+def make_certs(directory: str, num_workers: int) -> dict:
+    """A throwaway CA: the kvstore's, a router's and one certificate per benchmark worker."""
+    from services.common.certs import LocalCA
+
+    ca = LocalCA(days=1)
+    certs = {"kvstore": ca.write(directory, "kvstore", "kvstore"), "router": ca.write(directory, "router", "bench")}
+    for spec in worker_specs(num_workers):
+        certs[spec.worker_id] = ca.write(directory, "worker", spec.worker_id)
+    return certs
+
+
+def open_channels(address: str, certs: dict | None, num_workers: int):
+    """(router channel, {worker id: channel}): one plaintext channel for all, or one mTLS
+    channel per identity."""
+    import grpc
+
+    if certs is None:
+        ch = grpc.aio.insecure_channel(address)
+        return ch, {spec.worker_id: ch for spec in worker_specs(num_workers)}
+    from services.common.auth import load_channel_credentials
+
+    def secure(files):
+        return grpc.aio.secure_channel(address, load_channel_credentials(files.ca, files.cert, files.key))
+
+    return secure(certs["router"]), {spec.worker_id: secure(certs[spec.worker_id]) for spec in worker_specs(num_workers)}
+
+
+def start_echo_process(certs: dict | None = None) -> ServerProcess:
+    argv = [sys.executable, str(ROOT / "bench" / "echo_server.py"), "--port", "0"]
+    if certs is not None:
+        kv = certs["kvstore"]
+        argv += ["--tls-cert", kv.cert, "--tls-key", kv.key, "--tls-ca", kv.ca]
+    return ServerProcess(argv, r"PORT (\d+)", address_format="127.0.0.1:{}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -322,11 +361,10 @@ async def _closed_loop(jobs, fn, in_flight: int) -> list[int]:
     return lat
 
 
-async def bench_echo(address: str, n: int, server_pid: int) -> PhaseResult:
-    import grpc
-
+async def bench_echo(address: str, n: int, server_pid: int, certs: dict | None = None) -> PhaseResult:
     payload = os.urandom(ECHO_PAYLOAD)
-    async with grpc.aio.insecure_channel(address) as ch:
+    ch, _ = open_channels(address, certs, 0)
+    async with ch:
         echo = ch.unary_unary("/tandem.bench.Echo/Echo", request_serializer=None, response_deserializer=None)
 
         async def one(_):
@@ -341,12 +379,14 @@ async def bench_echo(address: str, n: int, server_pid: int) -> PhaseResult:
 class GrpcKV:
     """The benchmark's kvstore client: one ``grpc.aio`` channel, packed tokens, per-RPC latencies."""
 
-    def __init__(self, channel, num_workers: int):
+    def __init__(self, channel, num_workers: int, worker_channels: dict | None = None):
         from tandem.common.v1 import common_pb2
         from tandem.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 
         self.pb, self.common = kvstore_pb2, common_pb2
-        self.stub = kvstore_pb2_grpc.KVStoreStub(channel)
+        self.stub = kvstore_pb2_grpc.KVStoreStub(channel)  # as the router: Match, Reserve, Stats
+        # as each worker: RegisterWorker, Publish, Release, Abort (the owner's calls)
+        self.worker_stubs = {wid: kvstore_pb2_grpc.KVStoreStub(ch) for wid, ch in (worker_channels or {}).items()}
         self.num_workers = num_workers
         self.rpc_lat: dict[str, list[int]] = {"Match": [], "Reserve": [], "Publish": [], "Release": []}
 
@@ -354,7 +394,7 @@ class GrpcKV:
         """(Re-)register every worker: a new incarnation starts from an empty pool (mutates)."""
         pb = self.pb
         for spec in worker_specs(self.num_workers):
-            await self.stub.RegisterWorker(
+            await self.worker(spec.worker_id).RegisterWorker(
                 pb.RegisterWorkerRequest(
                     worker_id=spec.worker_id, address=spec.address, model_id=spec.model_id,
                     spec_mode=spec.spec_mode.value, block_size=spec.block_size, num_blocks=spec.num_blocks,
@@ -362,6 +402,9 @@ class GrpcKV:
                 ),
                 timeout=10,
             )
+
+    def worker(self, worker_id: str):
+        return self.worker_stubs.get(worker_id, self.stub)
 
     async def warm(self, work: Workload) -> None:
         await self.register()
@@ -385,9 +428,10 @@ class GrpcKV:
         r = (await self._timed("Reserve", stub.Reserve, pb.ReserveRequest(
             worker_id=w.worker_id, incarnation=w.incarnation, request_id=rid, tokens=tok,
             headroom_positions=HEADROOM))).reservation
-        await self._timed("Publish", stub.Publish, pb.PublishRequest(
+        owner = self.worker(w.worker_id)
+        await self._timed("Publish", owner.Publish, pb.PublishRequest(
             reservation_id=r.reservation_id, incarnation=r.incarnation, final_positions=len(toks) // 4))
-        await self._timed("Release", stub.Release, pb.ReleaseRequest(
+        await self._timed("Release", owner.Release, pb.ReleaseRequest(
             reservation_id=r.reservation_id, incarnation=r.incarnation))
         return r.reused_positions
 
@@ -402,16 +446,26 @@ class GrpcKV:
 
 
 async def bench_kvstore_grpc(work: Workload, address: str, server_pid: int, num_workers: int, n_match: int,
-                             n_reserve: int, n_cycle: int) -> list[PhaseResult]:
-    """Match alone, Reserve alone and full cycles against a kvstore at ``address``."""
-    import grpc
-
+                             n_reserve: int, n_cycle: int, certs: dict | None = None,
+                             phases: tuple[str, ...] = ("match", "reserve", "cycle")) -> list[PhaseResult]:
+    """Match alone, Reserve alone and full cycles against a kvstore at ``address`` (mTLS with
+    ``certs``)."""
     total = SYSTEM_LEN + FRESH_LEN
-    async with grpc.aio.insecure_channel(address) as ch:
-        kv = GrpcKV(ch, num_workers)
-        pb, common, stub = kv.pb, kv.common, kv.stub
+    ch, worker_channels = open_channels(address, certs, num_workers)
+    try:
+        return await _bench_kvstore_grpc(work, ch, worker_channels, server_pid, num_workers, n_match, n_reserve, n_cycle, total,
+                                         phases)
+    finally:
+        for c in {id(c): c for c in [ch, *worker_channels.values()]}.values():
+            await c.close()
 
-        # Match alone.
+
+async def _bench_kvstore_grpc(work, ch, worker_channels, server_pid, num_workers, n_match, n_reserve, n_cycle, total, phases):
+    kv = GrpcKV(ch, num_workers, worker_channels)
+    pb, common, stub = kv.pb, kv.common, kv.stub
+
+    results: list[PhaseResult] = []
+    if "match" in phases:  # Match alone.
         await kv.warm(work)
         hits = 0
         match_reqs = [pb.MatchRequest(tokens=common.TokenIds(packed=t)) for _, t in work.requests("match", n_match)]
@@ -423,9 +477,9 @@ async def bench_kvstore_grpc(work: Workload, address: str, server_pid: int, num_
 
         with Meter(server_pid) as meter:
             lat = await _closed_loop(match_reqs, match, IN_FLIGHT)
-        results = [_phase("match", n_match, meter, lat, hits / (n_match * total))]
+        results.append(_phase("match", n_match, meter, lat, hits / (n_match * total)))
 
-        # Reserve alone: timed waves of RESERVE_WAVE reservations, each wave aborted untimed.
+    if "reserve" in phases:  # Reserve alone: timed waves of RESERVE_WAVE reservations, each wave aborted untimed.
         await kv.warm(work)
         reqs = work.requests("reserve", n_reserve)
         hits, lat, meter = 0, [], Meter(server_pid)
@@ -447,12 +501,13 @@ async def bench_kvstore_grpc(work: Workload, address: str, server_pid: int, num_
 
             with meter:
                 lat += await _closed_loop(wave, reserve, IN_FLIGHT)
-            await asyncio.gather(*(stub.Abort(pb.AbortRequest(reservation_id=r.reservation_id,
-                                                              incarnation=r.incarnation), timeout=10)
-                                   for r in live))
+            # the owning worker's Abort (from anyone else it would only mark them ending)
+            await asyncio.gather(*(kv.worker(r.worker_id).Abort(pb.AbortRequest(
+                reservation_id=r.reservation_id, incarnation=r.incarnation, worker_id=r.worker_id), timeout=10)
+                for r in live))
         results.append(_phase("reserve", n_reserve, meter, lat, hits / (n_reserve * total)))
 
-        # Full cycles, IN_FLIGHT at a time.
+    if "cycle" in phases:  # Full cycles, IN_FLIGHT at a time.
         await kv.warm(work)
         hits = 0
         jobs = [(i, f"c-{i}", t) for i, (_, t) in enumerate(work.requests("cycle", n_cycle))]
@@ -465,7 +520,7 @@ async def bench_kvstore_grpc(work: Workload, address: str, server_pid: int, num_
         with Meter(server_pid) as meter:
             lat = await _closed_loop(jobs, counted_cycle, IN_FLIGHT)
         results.append(_phase("cycle", n_cycle, meter, lat, hits / (n_cycle * total), kv.rpc_lat))
-        await kv.check()
+    await kv.check()
     return results
 
 
@@ -508,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet-load", type=float, default=0.0,
                         help="before each run wait (up to --quiet-wait-s) until the 1-min load average is below this")
     parser.add_argument("--quiet-wait-s", type=float, default=300.0)
+    parser.add_argument("--phases", default="match,reserve,cycle", help="gRPC phases to run (comma-separated)")
+    parser.add_argument("--tls", choices=("off", "on", "both"), default="off",
+                        help="gRPC phases over mTLS (on), plaintext (off) or both, back to back")
     args = parser.parse_args(argv)
 
     scale = 0.05 if args.quick else 1.0
@@ -539,29 +597,39 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"-- in-process, {nw} worker(s)", flush=True)
                 record(f"inproc/{nw}w", run_inprocess(work, nw, n_inp_match, n_inp_cycle))
         if not args.skip_grpc:
-            print("-- gRPC echo baseline (separate process)", flush=True)
-            echo = start_echo_process()
-            try:
-                record("grpc", [asyncio.run(bench_echo(echo.address, n_echo, echo.proc.pid))])
-            finally:
-                echo.stop()
+            modes = {"off": [False], "on": [True], "both": [False, True]}[args.tls]
+            for mtls in modes:
+                print(f"-- gRPC echo baseline (separate process){', mTLS' if mtls else ''}", flush=True)
+                with tempfile.TemporaryDirectory() as certs_dir:
+                    certs = make_certs(certs_dir, 0) if mtls else None
+                    echo = start_echo_process(certs)
+                    try:
+                        record("grpc-mtls" if mtls else "grpc", [asyncio.run(bench_echo(echo.address, n_echo, echo.proc.pid, certs))])
+                    finally:
+                        echo.stop()
             for nw in worker_counts:
-                print(f"-- gRPC kvstore (separate process), {nw} worker(s)", flush=True)
-                server = start_kvstore_process()
-                try:
-                    record(f"grpc/{nw}w", asyncio.run(bench_kvstore_grpc(
-                        work, server.address, server.proc.pid, nw, n_rpc_match, n_rpc_reserve, n_rpc_cycle)))
-                finally:
-                    server.stop()
+                for mtls in modes:
+                    print(f"-- gRPC kvstore (separate process), {nw} worker(s){', mTLS' if mtls else ''}", flush=True)
+                    with tempfile.TemporaryDirectory() as certs_dir:
+                        certs = make_certs(certs_dir, nw) if mtls else None
+                        server = start_kvstore_process(certs)
+                        try:
+                            record(f"grpc{'-mtls' if mtls else ''}/{nw}w", asyncio.run(bench_kvstore_grpc(
+                                work, server.address, server.proc.pid, nw, n_rpc_match, n_rpc_reserve, n_rpc_cycle, certs,
+                                tuple(args.phases.split(",")))))
+                        finally:
+                            server.stop()
 
     summary = {k: _median_phase(v) for k, v in raw.items()}
-    echo = summary.get("grpc/echo", {})
+    echoes = {"grpc": summary.get("grpc/echo", {}), "grpc-mtls": summary.get("grpc-mtls/echo", {})}
+    echo = echoes["grpc"]
     print(f"\n== median of {runs} run(s); a gRPC cycle is {RPCS_PER_CYCLE} RPCs: its 'x echo' compares RPC/s")
     print(f"{'config':18s} {'ops/s':>8s} {'x echo':>7s} {'p50 ms':>7s} {'p99 ms':>7s} {'hit':>6s}"
           f" {'CPU us/op':>9s} {'srv us/op':>9s} {'srv x echo':>10s}")
     for k, s in summary.items():
-        rpcs = RPCS_PER_CYCLE if k.startswith("grpc/") and k.endswith("/cycle") else 1
-        if echo and k.startswith("grpc/"):
+        rpcs = RPCS_PER_CYCLE if k.startswith("grpc") and k.endswith("/cycle") else 1
+        echo = echoes.get(k.split("/", 1)[0], {})  # an mTLS phase against the mTLS echo
+        if echo and k.startswith("grpc"):
             # throughput ratio, and the same ratio from server CPU per RPC (robust to machine load)
             s["x_echo"] = s["ops_per_s"] * rpcs / echo["ops_per_s"]
             s["x_echo_server_cpu"] = echo["server_cpu_us"] / (s["server_cpu_us"] / rpcs)
@@ -627,11 +695,14 @@ def plot(summary: dict, path: Path, info: dict) -> None:
         a.set_title("in-process, one call at a time")
         a.set_ylabel("operations / s")
         a.legend(fontsize=8)
-    rpc = {k.removeprefix("grpc/"): v for k, v in summary.items() if k.startswith("grpc/")}
+    else:
+        a.set_axis_off()
+        a.text(0.5, 0.5, "in-process phases not run", ha="center", va="center", transform=a.transAxes)
+    rpc = {k.removeprefix("grpc/"): v for k, v in summary.items() if k.startswith("grpc")}
     if rpc:
         per = {k: RPCS_PER_CYCLE if k.endswith("cycle") else 1 for k in rpc}
         names = [f"{k} (×{per[k]})" if per[k] > 1 else k for k in rpc]
-        colors = ["#999999" if k == "echo" else "#55a868" for k in rpc]
+        colors = ["#999999" if k.endswith("echo") else "#8172b2" if k.startswith("grpc-mtls") else "#55a868" for k in rpc]
         b.bar(names, [v["ops_per_s"] * per[k] for k, v in rpc.items()], color=colors)
         c.bar(names, [v["server_cpu_us"] / per[k] for k, v in rpc.items()], color=colors)
         if "echo" in rpc:

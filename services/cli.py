@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train-demo": ("services.gpuworker.train_demo", "train the demo model (byte-level Llama) on the Python standard library"),
     "up": ("services.launcher", "run kvstore + router + workers locally and wait"),
     "generate": ("services.client", "stream an answer from the router"),
+    "certs": ("services.certs_command", "write a throwaway CA and service certificates for mTLS (compose)"),
 }
 
 

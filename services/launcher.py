@@ -9,7 +9,11 @@ supervises until Ctrl-C/SIGTERM:
 * a worker that dies is restarted with backoff (1 s, 2 s, 4 s ... 30 s; the count resets once a
   worker stayed up for a while); the kvstore or router dying stops the suite (exit 1);
 * stopping goes router → workers → kvstore, each group drained before the next is signalled, so
-  no new work arrives while workers finish and the kvstore outlives every worker that talks to it.
+  no new work arrives while workers finish and the kvstore outlives every worker that talks to it;
+* mutual TLS inside the suite by default: a throwaway CA (``services.common.certs``) signs one
+  certificate per service (role + id), handed to each child through ``TANDEM_*_TLS_*`` variables;
+  ``--insecure`` turns it off (every caller that reaches a port is then trusted). Clients reach
+  the router in plaintext on localhost, authenticated by bearer tokens.
 
 Where workers go (CPU, or one per GPU with FlashInfer and bf16) is :mod:`services.launch_plan`.
 """
@@ -18,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -56,12 +62,16 @@ class UpSettings(BaseSettings):
     num_blocks: int | None = Field(None, ge=0, description=f"paired KV blocks per worker (unset: {CPU_NUM_BLOCKS} on CPU, sized by kv_memory_fraction on CUDA)")
     host: str = Field("127.0.0.1", description="address every service binds")
     router_port: int = Field(50050, ge=0, le=65535, description="router port (0 = any free port)")
+    http_port: int = Field(8000, ge=0, le=65535, description="router's OpenAI-compatible HTTP API port (0 = any free port)")
+    http: bool = Field(True, description="serve the OpenAI-compatible HTTP API (--no-http: gRPC only)")
     kvstore_port: int = Field(50051, ge=0, le=65535, description="kvstore port (0 = any free port)")
     worker_base_port: int = Field(50061, ge=0, le=65535, description="first worker port (0 = any free ports)")
     metrics_base_port: int = Field(0, ge=0, le=65535, description="kvstore metrics on this port, router +1, worker i +2+i (0 = off)")
     demo: bool = Field(False, description="run a demo request twice once everything is up")
     exit_after_demo: bool = Field(False, description="stop the suite after the demo (for scripts)")
     startup_timeout_s: float = Field(300.0, gt=0, description="give up if not SERVING by then")
+    insecure: bool = Field(False, description="no mTLS between the services (default: a throwaway local CA and one certificate per service)")
+    certs_dir: str = Field("", description="where the throwaway CA and certificates go ('' = a temporary folder removed on exit)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +111,34 @@ def restart_delay(failures: int) -> float:
     return min(RESTART_MAX_S, RESTART_FIRST_S * 2 ** max(0, failures - 1))
 
 
-def wait_serving(address: str, deadline: float, proc: subprocess.Popen | None = None) -> None:
+def tls_env(files, prefix: str) -> dict[str, str]:
+    """The ``TANDEM_<SERVICE>_TLS_*`` variables that hand a child its certificate (pure)."""
+    return {f"{prefix}TLS_CERT": files.cert, f"{prefix}TLS_KEY": files.key, f"{prefix}TLS_CA": files.ca}
+
+
+def make_suite_certs(directory: str, workers: int):
+    """A fresh CA and certificates for the kvstore, the router, ``workers`` workers and this
+    launcher's health probes (``client/launcher``); returns {name: CertFiles}."""
+    from services.common.certs import LocalCA
+
+    ca = LocalCA(days=7)
+    files = {"kvstore": ca.write(directory, "kvstore", "kvstore"), "router": ca.write(directory, "router", "router"),
+             "launcher": ca.write(directory, "client", "launcher")}
+    for i in range(workers):
+        files[f"worker{i}"] = ca.write(directory, "worker", f"worker{i}")
+    return files
+
+
+def _probe_credentials(files):
+    if files is None:
+        return None
+    from services.common.auth import load_channel_credentials
+
+    probe = files["launcher"]
+    return load_channel_credentials(probe.ca, probe.cert, probe.key)
+
+
+def wait_serving(address: str, deadline: float, proc: subprocess.Popen | None = None, credentials=None) -> None:
     """Poll grpc.health.v1 at ``address`` until SERVING; raise if the deadline passes or ``proc``
     dies (checked after a SERVING answer too: it must be OUR process that answered)."""
     import grpc
@@ -110,7 +147,8 @@ def wait_serving(address: str, deadline: float, proc: subprocess.Popen | None = 
     def dead() -> bool:
         return proc is not None and proc.poll() is not None
 
-    with grpc.insecure_channel(address) as channel:
+    channel = grpc.secure_channel(address, credentials) if credentials is not None else grpc.insecure_channel(address)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if dead():
@@ -158,6 +196,8 @@ def _metrics(s: UpSettings, offset: int) -> list[str]:
 def check_ports(s: UpSettings, workers: int) -> None:
     """Raise :class:`PortInUse` for the first fixed port something else holds."""
     wanted = [("kvstore port", s.kvstore_port), ("router port", s.router_port)]
+    if s.http and s.http_port:
+        wanted.append(("router HTTP port", s.http_port))
     if s.worker_base_port:
         wanted += [(f"worker{i} port", s.worker_base_port + i) for i in range(workers)]
     if s.metrics_base_port:
@@ -180,29 +220,48 @@ def worker_argv(s: UpSettings, plan: WorkerPlan, port: int, kv_addr: str) -> lis
             *_metrics(s, 2 + plan.index)]
 
 
-def start_suite(s: UpSettings, plans: list[WorkerPlan], log_level: str = "INFO") -> list[Child]:
-    """Start kvstore, workers and router; return them once all are SERVING."""
+def start_suite(s: UpSettings, plans: list[WorkerPlan], log_level: str = "INFO", certs_dir: str | None = None) -> list[Child]:
+    """Start kvstore, workers and router (with mTLS unless ``s.insecure``: certificates go to
+    ``certs_dir``); return them once all are SERVING."""
     check_ports(s, len(plans))
     host = s.host
     flags = ["--log-level", log_level]
     children: list[Child] = []
+    certs = None if s.insecure else make_suite_certs(certs_dir or s.certs_dir or tempfile.mkdtemp(prefix="tandem-certs-"), len(plans))
+    probe = _probe_credentials(certs)
+
+    def env(name: str, prefix: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+        return {**(extra or {}), **(tls_env(certs[name], prefix) if certs else {})}
+
     try:
         kv_addr = f"{host}:{s.kvstore_port or _free_port(host)}"
-        children.append(_spawn("kvstore", [*flags, "kvstore", "--host", host, "--port", kv_addr.rsplit(':', 1)[1], *_metrics(s, 0)], kv_addr))
+        children.append(_spawn("kvstore", [*flags, "kvstore", "--host", host, "--port", kv_addr.rsplit(':', 1)[1], *_metrics(s, 0)], kv_addr,
+                               env("kvstore", "TANDEM_KVSTORE_")))
         deadline = time.monotonic() + s.startup_timeout_s
-        wait_serving(kv_addr, deadline, children[-1].proc)
+        wait_serving(kv_addr, deadline, children[-1].proc, probe)
         for plan in plans:
             port = s.worker_base_port + plan.index if s.worker_base_port else _free_port(host)
-            children.append(_spawn(f"worker{plan.index}", [*flags, *worker_argv(s, plan, port, kv_addr)], f"{host}:{port}", plan.env))
+            children.append(_spawn(f"worker{plan.index}", [*flags, *worker_argv(s, plan, port, kv_addr)], f"{host}:{port}",
+                                   env(f"worker{plan.index}", "TANDEM_WORKER_", plan.env)))
         r_addr = f"{host}:{s.router_port or _free_port(host)}"
+        http = ["--http-port", str(s.http_port or _free_port(host))] if s.http else []
         children.append(_spawn("router", [*flags, "router", "--host", host, "--port", r_addr.rsplit(':', 1)[1], "--kvstore", kv_addr,
-                                          "--model", s.model, *_metrics(s, 1)], r_addr))
+                                          "--model", s.model, *http, *_metrics(s, 1)], r_addr, env("router", "TANDEM_ROUTER_")))
         for child in children[1:]:
-            wait_serving(child.address, deadline, child.proc)
+            # the router's client side is plaintext (bearer tokens); the workers need a certificate
+            wait_serving(child.address, deadline, child.proc, None if child.name == "router" else probe)
         return children
     except BaseException:
         stop_children(children)
         raise
+
+
+def http_url(router: Child) -> str | None:
+    """The router's HTTP front as ``tandem up`` started it (from its argv), or None."""
+    if "--http-port" not in router.argv:
+        return None
+    host = router.address.rsplit(":", 1)[0]
+    return f"http://{host}:{router.argv[router.argv.index('--http-port') + 1]}"
 
 
 def supervise_once(children: list[Child], now: float) -> str | None:
@@ -263,10 +322,28 @@ def run(args: argparse.Namespace) -> int:
         plans = choose_workers(s)
         where = "CPU" if plans[0].device == "cpu" else f"{len(plans)} GPU(s), {plans[0].backend}, {plans[0].dtype}"
         print(f"starting kvstore, {len(plans)} worker(s) on {where} and router (model {s.model}) ...", flush=True)
-        children = start_suite(s, plans, getattr(args, "log_level", "INFO"))
+        certs_dir = None
+        if not s.insecure:
+            certs_dir = s.certs_dir or tempfile.mkdtemp(prefix="tandem-certs-")
+            print(f"mTLS between the services: throwaway CA and certificates in {certs_dir} (--insecure turns it off)")
+        else:
+            print("--insecure: no TLS between the services; anyone who reaches their ports is trusted")
+        try:
+            children = start_suite(s, plans, getattr(args, "log_level", "INFO"), certs_dir)
+        except BaseException:
+            _remove_certs(s, certs_dir)
+            raise
     except StartupError as exc:
         return report_startup_error("up", exc)
-    return serve_suite(s, children)
+    try:
+        return serve_suite(s, children)
+    finally:
+        _remove_certs(s, certs_dir)
+
+
+def _remove_certs(s: UpSettings, certs_dir: str | None) -> None:
+    if certs_dir and not s.certs_dir:  # a temporary CA dies with the suite
+        shutil.rmtree(certs_dir, ignore_errors=True)
 
 
 def serve_suite(s: UpSettings, children: list[Child]) -> int:
@@ -274,6 +351,9 @@ def serve_suite(s: UpSettings, children: list[Child]) -> int:
     print("all services SERVING:")
     for child in children:
         print(f"  {child.name:<9} {child.address}  (pid {child.proc.pid})")
+    http = http_url(children[-1])
+    if http:
+        print(f"  OpenAI-compatible HTTP API: {http}/v1  (e.g. openai.OpenAI(base_url=\"{http}/v1\", api_key=\"none\"))")
     print(f'try:  tandem generate --router {router} "Hello"')
     stopping = False
 

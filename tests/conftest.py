@@ -118,9 +118,10 @@ def start_service(service_loop):
     ``(GrpcServer, payload)``; waits until it answers and stops it at teardown."""
     started: list[RunningService] = []
 
-    def _start(start: Callable[[], Awaitable[tuple[Any, Any]]]) -> RunningService:
+    def _start(start: Callable[[], Awaitable[tuple[Any, Any]]], credentials: Any = None) -> RunningService:
+        """``credentials``: channel credentials for a service that serves (m)TLS."""
         server, payload = service_loop.run(start())
-        channel = grpc.insecure_channel(server.address)
+        channel = grpc.secure_channel(server.address, credentials) if credentials else grpc.insecure_channel(server.address)
         grpc.channel_ready_future(channel).result(timeout=STARTUP_TIMEOUT_S)
         svc = RunningService(server=server, payload=payload, loop=service_loop, channel=channel)
         started.append(svc)
@@ -245,7 +246,7 @@ class KVClient:
 
     def abort(self, r) -> bool:
         """Abort (mutates); returns ``aborted``."""
-        req = self.pb.AbortRequest(reservation_id=r.reservation_id, incarnation=r.incarnation)
+        req = self.pb.AbortRequest(reservation_id=r.reservation_id, incarnation=r.incarnation, worker_id=getattr(r, "worker_id", ""))
         return self.stub.Abort(req, timeout=self.timeout).aborted
 
     def capacity(self, verb: str, *items: tuple[Any, int]) -> list[Any]:

@@ -129,3 +129,22 @@ def load_channel_credentials(
     cert = _read_pem(cert_file, "TLS client certificate") if cert_file else None
     key = _read_pem(key_file, "TLS client key") if key_file else None
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def warn_if_insecure(settings, logger) -> None:
+    """One warning line when a service runs without mTLS (insecure mode trusts every caller)."""
+    if not getattr(settings, "tls_cert", ""):
+        logger.warning("no --tls-cert/--tls-key/--tls-ca: insecure mode, every caller that reaches this "
+                       "service is trusted with every role (bind it to loopback or a private network)")
+
+
+def suite_credentials(settings) -> tuple[grpc.ServerCredentials | None, grpc.ChannelCredentials | None]:
+    """(server, channel) credentials for mTLS inside the suite from a service's ``tls_cert`` /
+    ``tls_key`` / ``tls_ca`` settings; (None, None) when they are unset (insecure mode). The
+    server requires a client certificate signed by ``tls_ca``; the channel presents
+    ``tls_cert`` and verifies the server against ``tls_ca`` (read-only)."""
+    if not getattr(settings, "tls_cert", ""):
+        return None, None
+    server = load_server_credentials(settings.tls_cert, settings.tls_key, settings.tls_ca)
+    channel = load_channel_credentials(settings.tls_ca, settings.tls_cert, settings.tls_key)
+    return server, channel

@@ -21,6 +21,20 @@ from services.common.errors import InvalidArgument
 from services.common.telemetry import client_tracing_interceptors
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# HTTP/2 keepalive on every channel: a peer that stops answering (SIGSTOP, a dead host, a cut
+# network) is noticed within ~time + timeout and its calls fail UNAVAILABLE instead of hanging.
+# Servers permit pings this often (services.common.server.SERVER_KEEPALIVE_OPTIONS).
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+KEEPALIVE_OPTIONS: tuple[tuple[str, object], ...] = (
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # gRPC core times a keepalive ping out by the HTTP/2 ping timeout (default 60 s), not only
+    # keepalive_timeout_ms: without this a frozen peer is noticed after a minute
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
 
 
 def call_timeout(remaining_s: float | None, cap_s: float, *, floor_s: float = 0.001) -> float:
@@ -86,14 +100,36 @@ def open_channel(
     if trace:
         chain.extend(client_tracing_interceptors())
     chain.extend(interceptors)
-    opts = [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        *options,
-    ]
+    opts = _options(max_message_bytes, options)
     if credentials is not None:
         return grpc.aio.secure_channel(address, credentials, options=opts, interceptors=chain)
     return grpc.aio.insecure_channel(address, options=opts, interceptors=chain)
+
+
+def _options(max_message_bytes: int, options: Sequence[tuple[str, object]]) -> list[tuple[str, object]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        *KEEPALIVE_OPTIONS,
+        *options,
+    ]
+
+
+def open_sync_channel(
+    address: str,
+    *,
+    credentials: grpc.ChannelCredentials | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    options: Sequence[tuple[str, object]] = (),
+) -> grpc.Channel:
+    """A blocking channel (for threads outside the event loop) with the same limits, keepalive
+    and optional (m)TLS as :func:`open_channel`; callers pass ``timeout=`` on every call."""
+    if not address:
+        raise InvalidArgument("address is required")
+    opts = _options(max_message_bytes, options)
+    if credentials is not None:
+        return grpc.secure_channel(address, credentials, options=opts)
+    return grpc.insecure_channel(address, options=opts)
 
 
 class ChannelPool:

@@ -28,13 +28,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.errors import TandemError
+from services.common.errors import InvalidArgument, TandemError
 from services.common.interceptors import WrappingInterceptor, wrap_handler
 from services.common.startup import StartupError, check_port_free
 
 log = logging.getLogger(__name__)
 
 INTERNAL_MESSAGE = "internal error (see server logs)"
+# Accept the clients' keepalive pings (services.common.channels.KEEPALIVE_OPTIONS) and ping idle
+# clients ourselves, so a vanished caller's streams end instead of holding their resources.
+SERVER_KEEPALIVE_OPTIONS: tuple[tuple[str, object], ...] = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 4_000),
+    ("grpc.http2.max_ping_strikes", 0),
+)
 
 
 def status_code_of(error: TandemError) -> grpc.StatusCode:
@@ -51,14 +61,47 @@ async def abort_with_status(exc: BaseException, context: grpc.aio.ServicerContex
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
 
 
+class _Malformed:
+    """What a request that does not parse deserializes to (see ``ErrorMappingInterceptor``)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _tolerant(deserializer):
+    """``deserializer`` that returns a :class:`_Malformed` instead of raising: gRPC would answer
+    a parse failure with UNKNOWN, the parser's internals and a traceback per call."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, invalid UTF-8, ...
+            return _Malformed(type(exc).__name__)
+
+    return deserialize
+
+
 class ErrorMappingInterceptor(WrappingInterceptor):
-    """Map exceptions escaping any handler to status codes (see module docstring)."""
+    """Map exceptions escaping any handler to status codes (see module docstring); a request
+    message that does not parse (bad protobuf, invalid UTF-8 in a string) is INVALID_ARGUMENT
+    with one log line, and the handler never runs."""
 
     def wrap(self, handler, method):
         async def on_error(exc: BaseException, context: grpc.aio.ServicerContext) -> None:
             await abort_with_status(exc, context, method)
 
-        return wrap_handler(handler, on_error=on_error)
+        def start(request, context) -> None:
+            if isinstance(request, _Malformed):
+                log.warning("malformed %s request from %s (%s)", method, context.peer(), request.reason)
+                raise InvalidArgument("the request message does not parse (malformed protobuf or invalid UTF-8)")
+
+        if hasattr(handler, "_replace"):
+            handler = handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
+        return wrap_handler(handler, start=start, on_error=on_error)
 
 
 @dataclass
@@ -96,6 +139,7 @@ class GrpcServer:
                 ("grpc.max_receive_message_length", max_receive_bytes),
                 ("grpc.max_send_message_length", max_receive_bytes),
                 ("grpc.so_reuseport", 0),
+                *SERVER_KEEPALIVE_OPTIONS,
             ],
             maximum_concurrent_rpcs=max_concurrent_rpcs,
         )

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Literal, TypeVar, get_args, get_origin
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.errors import TandemError
@@ -41,12 +41,19 @@ OTHER_ENV_NAMES = frozenset({
     "TANDEM_HOME", "TANDEM_TOKEN", "TANDEM_ROUTER_ADDRESS",
     "TANDEM_VENV", "TANDEM_PYTHON", "TANDEM_PY", "TANDEM_TORCH", "TANDEM_TORCH_INDEX",
     "TANDEM_MODEL", "TANDEM_BASE_IMAGE", "TANDEM_IMAGE", "TANDEM_GPU_IMAGE", "TANDEM_REDIS_IMAGE",
-    "TANDEM_PROMETHEUS_IMAGE", "TANDEM_ROUTER_PUBLISH", "TANDEM_PROMETHEUS_PUBLISH",  # compose.yaml
-    "TANDEM_SMOKE_BASE", "TANDEM_SMOKE_FRESH", "TANDEM_CONTRACT_ROUTER", "TANDEM_CONTRACT_PROMETHEUS",  # smoke test
+    "TANDEM_PROMETHEUS_IMAGE", "TANDEM_ROUTER_PUBLISH", "TANDEM_ROUTER_HTTP_PUBLISH", "TANDEM_PROMETHEUS_PUBLISH",  # compose.yaml
+    "TANDEM_SMOKE_BASE", "TANDEM_SMOKE_FRESH", "TANDEM_CONTRACT_ROUTER", "TANDEM_CONTRACT_PROMETHEUS", "TANDEM_CONTRACT_HTTP",  # smoke test
 })
 # What Kubernetes injects for a Service named e.g. "tandem-kvstore" (docker links too).
 SERVICE_LINK = re.compile(r"^TANDEM_[A-Z0-9_]+?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)?)$")
 SERVICE_LINK_VALUE = re.compile(r"^(tcp|udp|sctp)://")
+# Fields whose values are never printed (bearer tokens, salt secrets): errors show "***".
+SECRET_FIELD = re.compile(r"(^|_)(secret|token|tenants|password)($|_)")
+
+
+def shown_value(field: str, value: object) -> str:
+    """``value`` of setting ``field`` as an error message may show it: masked if secret (pure)."""
+    return "'***'" if SECRET_FIELD.search(field) else repr(value)
 
 
 class TandemSettings(BaseSettings):
@@ -62,6 +69,22 @@ class TandemSettings(BaseSettings):
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Prometheus /metrics, /health, /ready port on host (unset = off, 0 = any free port)"
     )
+    # mTLS inside the suite: this service's certificate (it names the role and id, see
+    # services/common/certs.py) is both its server certificate and its client certificate.
+    tls_cert: str = Field("", description="PEM certificate of this service (mTLS on every hop; with tls_key and tls_ca; '' = insecure: every caller is trusted)")
+    tls_key: str = Field("", description="PEM private key of tls_cert")
+    tls_ca: str = Field("", description="PEM CA that signed every Tandem service certificate (verifies peers both ways)")
+
+    @model_validator(mode="after")
+    def _tls_together(self):
+        if len({bool(self.tls_cert), bool(self.tls_key), bool(self.tls_ca)}) > 1:
+            raise ValueError("tls_cert, tls_key and tls_ca go together (all three for mTLS, none for insecure)")
+        return self
+
+    @property
+    def mtls(self) -> bool:
+        """Whether this service runs with mutual TLS (read-only)."""
+        return bool(self.tls_cert)
 
 
 def _choices(annotation) -> tuple | None:
@@ -144,7 +167,7 @@ def settings_from_args(cls: type[S], args: argparse.Namespace, environ: Mapping[
             field = ".".join(str(p) for p in err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
             where = f"--{field.replace('_', '-')} / {prefix}{field.upper()}: " if field else ""
-            got = f" (got {err.get('input')!r})" if field else ""
+            got = f" (got {shown_value(field, err.get('input'))})" if field else ""
             problems.append(f"{where}{msg}{got}")
         raise StartupError("invalid configuration: " + "; ".join(problems), EXIT_CONFIG) from None
 

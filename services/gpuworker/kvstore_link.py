@@ -23,10 +23,12 @@ from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     TandemError,
     Unavailable,
 )
+from services.common.channels import open_sync_channel
 from services.common.spec import SpecMode
 from services.common.wire import spec_mode_to_proto, tokens_to_proto
 from services.gpuworker.engine.fence import COMPLETE, StepFence
@@ -41,8 +43,9 @@ _ERRORS = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
-_ITEM_ERRORS = {3: InvalidArgument, 5: NotFound, 8: ResourceExhausted, 9: FailedPrecondition}
+_ITEM_ERRORS = {3: InvalidArgument, 5: NotFound, 7: PermissionDenied, 8: ResourceExhausted, 9: FailedPrecondition}
 
 
 def domain_error(err: grpc.RpcError) -> TandemError:
@@ -54,12 +57,14 @@ def domain_error(err: grpc.RpcError) -> TandemError:
 class KVStoreLink:
     """Synchronous kvstore client for one worker identity."""
 
-    def __init__(self, address: str, *, timeout_s: float = 5.0, channel: grpc.Channel | None = None):
+    def __init__(self, address: str, *, timeout_s: float = 5.0, channel: grpc.Channel | None = None,
+                 credentials: grpc.ChannelCredentials | None = None):
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = channel or grpc.insecure_channel(address)
+        self._channel = channel or open_sync_channel(address, credentials=credentials)
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self.incarnation = 0
+        self.worker_id = ""  # set by register: Abort names it (the owner confirms, see kvstore Abort)
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -103,10 +108,17 @@ class KVStoreLink:
         )
         with self._lock:
             self.incarnation = response.worker.incarnation
+            self.worker_id = worker_id
         return response.worker
 
-    def heartbeat(self, worker_id: str) -> float:
-        return self._call(self._stub.Heartbeat, kv.HeartbeatRequest(worker_id=worker_id, incarnation=self.incarnation)).lease_expires_in_s
+    def heartbeat(self, worker_id: str) -> kv.HeartbeatResponse:
+        """Extend the lease; the answer lists reservations the router ended (to stop and confirm)."""
+        return self._call(self._stub.Heartbeat, kv.HeartbeatRequest(worker_id=worker_id, incarnation=self.incarnation))
+
+    def get_reservation(self, reservation_id: str, incarnation: int) -> kv.GetReservationResponse:
+        """The block table, reused prefix and prompt of a reservation this worker owns."""
+        return self._call(self._stub.GetReservation,
+                          kv.GetReservationRequest(reservation_id=reservation_id, incarnation=incarnation))
 
     # -- reservation verbs ------------------------------------------------------------------------
 
@@ -135,7 +147,8 @@ class KVStoreLink:
     def abort(self, reservation_id: str, incarnation: int) -> None:
         """Abort, tolerating a reservation the kvstore already dropped (lease lapse, restart)."""
         try:
-            self._call(self._stub.Abort, kv.AbortRequest(reservation_id=reservation_id, incarnation=incarnation))
+            self._call(self._stub.Abort, kv.AbortRequest(reservation_id=reservation_id, incarnation=incarnation,
+                                                         worker_id=self.worker_id))
         except (NotFound, FailedPrecondition) as exc:
             log.info("abort of %s: %s", reservation_id, exc.message)
 

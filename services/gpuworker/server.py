@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from services.common.errors import FailedPrecondition, NotFound, TandemError
+from services.common.auth import suite_credentials, warn_if_insecure
 from services.common.metrics import ServiceMetrics
+from services.common.peers import PeerRoleInterceptor
 from services.common.server import GrpcServer, ServiceBinding
 from services.common.spec import SpecMode
 from services.common.startup import StartupError, wait_for
@@ -24,7 +26,7 @@ from services.gpuworker.kvstore_courier import KVStoreCourier
 from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource
 from services.gpuworker.metrics import WorkerMetrics
 from services.gpuworker.runner import EngineRunner
-from services.gpuworker.servicer import WorkerServicer
+from services.gpuworker.servicer import ROLE_RULES, WorkerServicer
 from services.gpuworker.settings import WorkerSettings
 from tandem.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -81,7 +83,9 @@ async def start_worker(
     """
     if settings.gil_switch_interval_ms is not None:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
-    link = KVStoreLink(settings.kvstore, timeout_s=settings.rpc_timeout_s)
+    server_credentials, channel_credentials = suite_credentials(settings)
+    warn_if_insecure(settings, log)
+    link = KVStoreLink(settings.kvstore, timeout_s=settings.rpc_timeout_s, credentials=channel_credentials)
     courier = KVStoreCourier()
     source = ReservationBlockSource(link, courier)
     try:
@@ -102,8 +106,10 @@ async def start_worker(
         metrics = metrics or ServiceMetrics("gpuworker")
         interceptors.append(metrics.interceptor())
         worker_metrics = WorkerMetrics(metrics, running=lambda: runner.running,  # read at scrape time
-                                       model_name=settings.model, kv_usage=_kv_usage_probe(settings))
+                                       model_name=settings.model, kv_usage=_kv_usage_probe(settings, channel_credentials))
         interceptors.append(worker_metrics.interceptor())
+    if server_credentials is not None:
+        interceptors.append(PeerRoleInterceptor(ROLE_RULES))
     runner = EngineRunner(
         engine, link, source, courier, max_running=settings.max_running,
         extend_watermark_blocks=settings.extend_watermark_blocks, extend_chunk_blocks=settings.extend_chunk_blocks,
@@ -117,6 +123,7 @@ async def start_worker(
         max_receive_bytes=settings.max_receive_bytes,
         grace_s=settings.grace_s,
         interceptors=interceptors,
+        server_credentials=server_credentials,
     )
     identity = WorkerIdentity(
         worker_id=settings.worker_id,
@@ -136,7 +143,8 @@ async def start_worker(
         link=link,
         model_name=settings.model,
     )
-    server.add_binding(ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer(runner, identity, tracer_provider=tracer_provider), SERVICE_NAME))
+    servicer = WorkerServicer(runner, identity, tracer_provider=tracer_provider)
+    server.add_binding(ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, SERVICE_NAME))
     if settings.metrics_port is not None:
         metrics.ready = lambda: server.serving  # /ready follows gRPC health
         metrics.serve(settings.host, settings.metrics_port)  # a taken port fails before gRPC binds
@@ -146,21 +154,22 @@ async def start_worker(
     runner.start()
     # The kvstore may come up after us (compose, Kubernetes): wait with bounded backoff, NOT_SERVING.
     await wait_for(lambda: asyncio.to_thread(identity.register), what=f"the kvstore at {settings.kvstore}", logger=log)
-    server.run_in_background(_heartbeat(identity, runner, settings.heartbeat_s))
+    server.run_in_background(_heartbeat(identity, runner, servicer, settings.heartbeat_s))
     server.on_stop(lambda: runner.stop())
     await server.set_serving()
     log.info("worker %s serving on %s (incarnation %d, %d blocks)", identity.worker_id, identity.address, link.incarnation, num_blocks)
     return server, runner, identity
 
 
-def _kv_usage_probe(settings: WorkerSettings) -> Callable[[], float]:
+def _kv_usage_probe(settings: WorkerSettings, credentials=None) -> Callable[[], float]:
     """``in_use / total`` of this worker's blocks as the kvstore counts them (called at scrape
     time from the metrics thread, on a channel of its own); NaN when the kvstore does not answer."""
     import grpc
 
+    from services.common.channels import open_sync_channel
     from tandem.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-    stub = kvstore_pb2_grpc.KVStoreStub(grpc.insecure_channel(settings.kvstore))
+    stub = kvstore_pb2_grpc.KVStoreStub(open_sync_channel(settings.kvstore, credentials=credentials))
 
     def usage() -> float:
         try:
@@ -173,11 +182,16 @@ def _kv_usage_probe(settings: WorkerSettings) -> Callable[[], float]:
     return usage
 
 
-async def _heartbeat(identity: WorkerIdentity, runner: EngineRunner, period_s: float) -> None:
+async def _heartbeat(identity: WorkerIdentity, runner: EngineRunner, servicer: WorkerServicer, period_s: float) -> None:
     while True:
         await asyncio.sleep(period_s)
         try:
-            await asyncio.to_thread(identity.link.heartbeat, identity.worker_id)
+            beat = await asyncio.to_thread(identity.link.heartbeat, identity.worker_id)
+            # the router ended these: stop what runs in them; confirm the rest (no step writes
+            # them). Called on every beat: it also forgets the claims of finished requests.
+            incarnation = identity.link.incarnation
+            for rid in servicer.on_ending(list(beat.ending_reservation_ids)):
+                await asyncio.to_thread(identity.link.abort, rid, incarnation)
         except (FailedPrecondition, NotFound):
             # The kvstore dropped us (lease lapsed or it restarted): our reservations are gone, so
             # fail what runs and come back as a new incarnation.

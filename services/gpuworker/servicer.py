@@ -1,32 +1,51 @@
 """gRPC adapter of the worker: ``Worker.Generate`` / ``Info`` / ``Abort`` over an
 :class:`~services.gpuworker.runner.EngineRunner`.
 
-Generate validates the request, hands a job to the engine thread and relays its events as
-stream messages. If the client goes away (cancel, deadline), the handler is cancelled and tells
+Generate validates the request, reads its reservation from the kvstore (block table, reused
+prefix and the prompt it was reserved for: never from the caller, who could name another
+request's blocks), hands a job to the engine thread and relays its events as stream messages. If the client goes away (cancel, deadline), the handler is cancelled and tells
 the runner, which aborts the request between steps and then aborts its reservation.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
+
+import numpy as np
 
 from opentelemetry import trace
 
 from services.common.telemetry import get_tracer
-from services.common.errors import AlreadyExists, Cancelled, FailedPrecondition, InvalidArgument, NotFound
+from services.common.errors import (
+    AlreadyExists,
+    Cancelled,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    TandemError,
+)
 from services.common.spec import lookahead_span
 from services.common.wire import spec_mode_to_proto, tokens_from_proto
 from services.gpuworker.engine.request import FinishReason, RequestSpec
 from services.gpuworker.engine.sampling import SamplingParams
 from services.gpuworker.runner import EngineRunner, Job
+from tandem.common.v1 import common_pb2 as common_pb
 from tandem.worker.v1 import worker_pb2 as pb
 from tandem.worker.v1 import worker_pb2_grpc
 
-_FINISH = {
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.MAX_SEQ_LEN: pb.FINISH_REASON_MAX_SEQ_LEN,
+log = logging.getLogger(__name__)
+MAX_REQUEST_ID_BYTES = 128
+ROUTER = frozenset({"router"})
+# With mTLS only routers call a worker (services.common.peers.PeerRoleInterceptor).
+ROLE_RULES = {"Generate": ROUTER, "Abort": ROUTER, "Info": ROUTER}
+
+_FINISH = {  # OpenAI's reasons: the worker's max_seq_len is a length limit too
+    FinishReason.LENGTH: common_pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: common_pb.FINISH_REASON_STOP,
+    FinishReason.MAX_SEQ_LEN: common_pb.FINISH_REASON_LENGTH,
 }
 
 
@@ -37,11 +56,51 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.runner = runner
         self.identity = identity
         self._tracer = get_tracer(__name__, tracer_provider)
+        # reservation id -> request id, from Generate until the runner ended the reservation;
+        # ``_pending`` are those claimed but not yet handed to the runner (see on_ending).
+        self._claims: dict[str, str] = {}
+        self._pending: set[str] = set()
+
+    def on_ending(self, reservation_ids) -> list[str]:
+        """The kvstore lists reservations the router ended (heartbeat). Stop the requests that
+        run in them (the runner then confirms after their last step); return those that no
+        request of ours can be writing, for the caller to confirm now (mutates the claims)."""
+        owned = self.runner.running_ids()
+        confirm = []
+        for rid in reservation_ids:
+            request_id = self._claims.get(rid)
+            if rid in self._pending:
+                continue  # Generate is reading it: the kvstore will refuse it (ended)
+            if request_id is not None and request_id in owned:
+                self.runner.cancel(request_id, Cancelled("its reservation was ended by the router"))
+                continue
+            self._claims.pop(rid, None)
+            confirm.append(rid)
+        for rid, request_id in list(self._claims.items()):
+            if rid not in self._pending and request_id not in owned:
+                del self._claims[rid]  # finished: its reservation was ended by the runner
+        return confirm
+
+    async def _reserved(self, request) -> tuple[list[int], int]:
+        """(block table, reused positions) of the named reservation, read from the kvstore;
+        InvalidArgument if the prompt is not the one it was reserved for."""
+        ref = request.reservation
+        try:
+            got = await asyncio.to_thread(self.identity.link.get_reservation, ref.reservation_id, ref.incarnation)
+        except TandemError as exc:
+            raise type(exc)(f"reservation not usable: {exc.message}") from None
+        prompt = tokens_from_proto(request.prompt, field="prompt")
+        if got.prompt_packed != np.asarray(prompt, dtype="<u4").tobytes():
+            raise InvalidArgument("the prompt is not the one the reservation was made for")
+        r = got.reservation
+        return list(r.block_table), int(r.reused_positions)
 
     def _spec_from(self, request) -> RequestSpec:
         ident = self.identity
         if not request.request_id:
             raise InvalidArgument("request_id is required")
+        if len(request.request_id.encode()) > MAX_REQUEST_ID_BYTES:
+            raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_BYTES} bytes")
         prompt = tokens_from_proto(request.prompt, field="prompt")
         if prompt.size == 0:
             raise InvalidArgument("prompt must not be empty")
@@ -65,13 +124,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             temperature=float(s.temperature),
             top_p=float(s.top_p) if s.top_p else 1.0,
             top_k=int(s.top_k),
-            seed=int(s.seed) if s.seed else None,
+            seed=int(s.seed) if s.HasField("seed") else None,
+            min_p=float(s.min_p),
         )
         return RequestSpec(
             request_id=request.request_id,
             prompt_ids=[int(t) for t in prompt],
-            block_table=list(request.reservation.block_table),
-            reused_positions=request.reservation.reused_positions,
+            block_table=[],  # from the kvstore (see _reserved)
+            reused_positions=0,
             max_new_tokens=int(s.max_new_tokens),
             stop_ids=tuple(int(t) for t in s.stop_token_ids),
             sampling=sampling,
@@ -80,14 +140,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request, context):
         spec = self._spec_from(request)
-        loop = asyncio.get_running_loop()
-        job = Job(spec, request.reservation.reservation_id, request.reservation.incarnation, loop, asyncio.Queue())
+        rid = request.reservation.reservation_id
+        if rid in self._claims:
+            raise AlreadyExists("the reservation is already in use by a request on this worker")
+        self._claims[rid] = spec.request_id
+        self._pending.add(rid)
         try:
-            self.runner.submit(job)
-        except AlreadyExists:
-            # Another live request owns this id; the reservation sent with this one is ours to end.
-            await asyncio.to_thread(self.identity.link.abort, job.reservation_id, job.incarnation)
+            table, reused = await self._reserved(request)
+            spec = dataclasses.replace(spec, block_table=table, reused_positions=reused)
+            loop = asyncio.get_running_loop()
+            job = Job(spec, rid, request.reservation.incarnation, loop, asyncio.Queue())
+            try:
+                self.runner.submit(job)
+            except AlreadyExists:
+                # Another live request owns this id; the reservation sent with this one is ours to end.
+                await asyncio.to_thread(self.identity.link.abort, job.reservation_id, job.incarnation)
+                raise
+        except BaseException:
+            self._claims.pop(rid, None)
             raise
+        finally:
+            self._pending.discard(rid)
         started = time.time_ns()
         prefill_span = self._tracer.start_span("prefill", start_time=started, attributes={
             "tandem.request_id": spec.request_id,
@@ -123,14 +196,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         decode_span.set_attribute("tandem.completion_tokens", usage.completion_tokens)
                         decode_span.set_attribute("tandem.mean_acceptance_length", usage.mean_acceptance_length)
                     yield pb.GenerateResponse(
-                        finish_reason=_FINISH.get(reason, pb.FINISH_REASON_UNSPECIFIED),
-                        usage=pb.Usage(
+                        finish_reason=_FINISH.get(reason, common_pb.FINISH_REASON_UNSPECIFIED),
+                        usage=common_pb.Usage(
                             prompt_tokens=usage.prompt_tokens,
                             cached_tokens=usage.cached_tokens,
                             completion_tokens=usage.completion_tokens,
                             mean_acceptance_length=usage.mean_acceptance_length,
                             decode_steps=usage.decode_steps,
                             time_to_first_token_s=usage.time_to_first_token_s,
+                            worker_id=self.identity.worker_id,
                         ),
                     )
                     return
@@ -167,6 +241,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not request.request_id:
             raise InvalidArgument("request_id is required")
         if request.request_id not in self.runner.running_ids():
-            raise NotFound(f"no running request {request.request_id!r}")
+            raise NotFound(f"no running request {request.request_id[:64]!r}")
         self.runner.cancel(request.request_id, Cancelled("aborted by Worker.Abort"))
         return pb.AbortResponse()

@@ -33,23 +33,41 @@ def check(
     trie: RadixTrie,
     reservations: dict[str, ReservationRecord],
     by_request: dict[str, ReservationRecord],
+    ending: dict[str, ReservationRecord] | None = None,
 ) -> list[str]:
     out: list[str] = []
+    ending = ending or {}
     nodes = list(trie.iter_nodes())
     for wid, worker in workers.items():
         runs = [n.residency[wid] for n in nodes if wid in n.residency]
-        own = [r.own for r in worker.reservations.values()]
+        own = [r.own for r in (*worker.reservations.values(), *worker.ending.values())]
         out += worker.pool.audit(f"worker {wid}", runs, own)
         out += _check_pins(wid, worker, runs)
     out += _check_trie(workers, trie, nodes)
     out += _check_reservations(workers, trie, reservations, by_request)
+    out += _check_ending(workers, reservations, ending)
+    return out
+
+
+def _check_ending(workers, reservations, ending) -> list[str]:
+    """Ending reservations (two-phase end) sit on their worker, and are not live as well."""
+    out = []
+    on_workers = sum(len(w.ending) for w in workers.values())
+    if on_workers != len(ending):
+        out.append(f"ending reservations: index has {len(ending)}, workers hold {on_workers}")
+    for rid, record in ending.items():
+        worker = record.worker
+        if workers.get(worker.worker_id) is not worker or worker.ending.get(rid) is not record:
+            out.append(f"ending reservation {rid}: not on a live worker")
+        if rid in reservations:
+            out.append(f"ending reservation {rid}: also live")
     return out
 
 
 def _check_pins(wid: str, worker: WorkerRecord, runs: list) -> list[str]:
     out = []
     pins: dict[int, int] = {}
-    for record in worker.reservations.values():
+    for record in (*worker.reservations.values(), *worker.ending.values()):
         published = 0
         for run in chain(record.last):
             pins[id(run)] = pins.get(id(run), 0) + 1

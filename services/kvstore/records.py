@@ -28,7 +28,7 @@ class WorkerRecord:
     __slots__ = (
         "spec", "incarnation", "span", "pool", "lease_deadline", "reservations",
         "requested_positions", "reused_positions", "evictions", "published_blocks",
-        "deduplicated_blocks", "_namespaces",
+        "deduplicated_blocks", "_namespaces", "ending",
     )
 
     def __init__(self, spec: WorkerSpec, incarnation: int, lease_deadline: float):
@@ -38,6 +38,9 @@ class WorkerRecord:
         self.pool = BlockPool(spec.num_blocks, spec.worker_id)
         self.lease_deadline = lease_deadline
         self.reservations: dict[str, ReservationRecord] = {}
+        # Ended by someone other than this worker: blocks still held until it confirms (or its
+        # lease lapses), because its GPU may still be writing them (two-phase end).
+        self.ending: dict[str, ReservationRecord] = {}
         self.requested_positions = 0
         self.reused_positions = 0
         self.evictions = 0

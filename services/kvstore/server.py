@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 
 from opentelemetry import trace
 
+from services.common.auth import suite_credentials, warn_if_insecure
 from services.common.metrics import ServiceMetrics
+from services.common.peers import PeerRoleInterceptor
 from services.common.server import GrpcServer, ServiceBinding
 from services.common.telemetry import ServerTracingInterceptor
 from services.kvstore.metrics import KVStoreCollector
-from services.kvstore.servicer import KVStoreServicer
+from services.kvstore.servicer import ROLE_RULES, KVStoreServicer
 from services.kvstore.settings import KVStoreSettings
 from services.kvstore.store import KVStore
 from tandem.kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 
@@ -32,8 +37,11 @@ async def start_kvstore(
     :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
     """
     store = store or KVStore(
-        lease_ttl_s=settings.lease_ttl_s, max_tokens=settings.max_tokens, events_per_worker=settings.events_per_worker
+        lease_ttl_s=settings.lease_ttl_s, max_tokens=settings.max_tokens, events_per_worker=settings.events_per_worker,
+        max_num_blocks=settings.max_num_blocks, max_items=settings.max_items_per_call, max_workers=settings.max_workers,
     )
+    server_credentials, _ = suite_credentials(settings)
+    warn_if_insecure(settings, log)
     servicer = KVStoreServicer(store, event_queue=settings.event_queue)
     interceptors: list = []
     provider = tracer_provider or trace.get_tracer_provider()
@@ -45,6 +53,8 @@ async def start_kvstore(
         metrics = metrics or ServiceMetrics("kvstore")
         metrics.registry.register(KVStoreCollector(store, asyncio.get_running_loop()))
         interceptors.append(metrics.interceptor())
+    if server_credentials is not None:
+        interceptors.append(PeerRoleInterceptor(ROLE_RULES))  # after metrics: denials are counted
     server = GrpcServer(
         [ServiceBinding(kvstore_pb2_grpc.add_KVStoreServicer_to_server, servicer, SERVICE_NAME)],
         host=settings.host,
@@ -53,6 +63,7 @@ async def start_kvstore(
         max_concurrent_rpcs=settings.max_concurrent_rpcs,
         grace_s=settings.grace_s,
         interceptors=interceptors,
+        server_credentials=server_credentials,
     )
     if settings.metrics_port is not None:
         metrics.serve(settings.host, settings.metrics_port)  # a taken port fails before gRPC binds

@@ -13,7 +13,8 @@ import logging
 
 import grpc
 
-from services.common.errors import InvalidArgument, TandemError
+from services.common.errors import InvalidArgument, PermissionDenied, TandemError
+from services.common.peers import acting_worker, current_peer
 from services.common.wire import spec_mode_from_proto, spec_mode_to_proto, tokens_from_proto
 from services.kvstore import types as core
 from services.kvstore.store import KVStore
@@ -107,6 +108,30 @@ def _event(worker_id: str, e: core.Event) -> pb.BlockEvent:
     )
 
 
+WORKER, ROUTER = frozenset({"worker"}), frozenset({"router"})
+# Who may call what with mTLS (services.common.peers.PeerRoleInterceptor); finer rules (own id,
+# own reservations) are checked per call below and in the core.
+ROLE_RULES = {
+    "RegisterWorker": WORKER, "Heartbeat": WORKER, "GetReservation": WORKER,
+    "Extend": WORKER, "Trim": WORKER, "Publish": WORKER, "Release": WORKER, "Suspend": WORKER,
+    "Abort": WORKER | ROUTER,
+    "ListWorkers": ROUTER, "Match": ROUTER, "Reserve": ROUTER, "WatchEvents": ROUTER,
+    "Stats": WORKER | ROUTER, "CheckInvariants": WORKER | ROUTER,
+}
+
+
+def _own_worker(worker_id: str) -> None:
+    """A worker peer names only itself (PermissionDenied otherwise; no-op in insecure mode)."""
+    peer = current_peer()
+    if peer is not None and peer.role == "worker" and worker_id != peer.id:
+        raise PermissionDenied(f"worker {peer.id!r} cannot act as worker {worker_id[:64]!r}")
+
+
+def _caller_worker() -> str | None:
+    """The worker id a reservation verb acts as (None: unchecked, insecure mode)."""
+    return acting_worker(current_peer())
+
+
 class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     """Thin adapter over one :class:`KVStore`."""
 
@@ -115,6 +140,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         self._event_queue = event_queue
 
     async def RegisterWorker(self, request, context):
+        _own_worker(request.worker_id)
         spec = core.WorkerSpec(
             worker_id=request.worker_id,
             address=request.address,
@@ -132,8 +158,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return pb.ListWorkersResponse(workers=[_worker_info(w) for w in self.store.list_workers()])
 
     async def Heartbeat(self, request, context):
+        _own_worker(request.worker_id)
         left = self.store.heartbeat(request.worker_id, request.incarnation)
-        return pb.HeartbeatResponse(lease_expires_in_s=left)
+        ending = self.store.ending_for(request.worker_id, request.incarnation)
+        return pb.HeartbeatResponse(lease_expires_in_s=left, ending_reservation_ids=ending)
+
+    async def GetReservation(self, request, context):
+        worker_id = _caller_worker()
+        r = self.store.get_reservation(request.reservation_id, request.incarnation, worker_id=worker_id)
+        prompt = self.store.reservation_prompt(request.reservation_id, request.incarnation, worker_id=worker_id)
+        return pb.GetReservationResponse(reservation=_reservation(r), prompt_packed=prompt)
 
     async def Match(self, request, context):
         tokens = tokens_from_proto(request.tokens)
@@ -168,13 +202,13 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return pb.ReserveResponse(reservation=_reservation(r))
 
     async def Extend(self, request, context):
-        results = self.store.extend(_capacity_items(request.items, core.ExtendItem))
+        results = self.store.extend(_capacity_items(request.items, core.ExtendItem), worker_id=_caller_worker())
         return pb.ExtendResponse(
             results=[_capacity_result(i.reservation_id, r) for i, r in zip(request.items, results)]
         )
 
     async def Trim(self, request, context):
-        results = self.store.trim(_capacity_items(request.items, core.TrimItem))
+        results = self.store.trim(_capacity_items(request.items, core.TrimItem), worker_id=_caller_worker())
         return pb.TrimResponse(
             results=[_capacity_result(i.reservation_id, r) for i, r in zip(request.items, results)]
         )
@@ -185,6 +219,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             incarnation=request.incarnation,
             new_tokens=tokens_from_proto(request.new_tokens, field="new_tokens"),
             final_positions=request.final_positions,
+            worker_id=_caller_worker(),
         )
         return pb.PublishResponse(
             reservation=_reservation(result.reservation),
@@ -198,6 +233,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             incarnation=request.incarnation,
             new_tokens=tokens_from_proto(request.new_tokens, field="new_tokens"),
             final_positions=request.final_positions,
+            worker_id=_caller_worker(),
         )
         return pb.ReleaseResponse(
             newly_published=result.newly_published, freed_blocks=result.freed_blocks, deduplicated=result.deduplicated
@@ -210,7 +246,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         return self._end(self.store.suspend, request)
 
     async def Abort(self, request, context):
-        aborted = self.store.abort(reservation_id=request.reservation_id, incarnation=request.incarnation)
+        worker_id = acting_worker(current_peer(), request.worker_id)
+        aborted = self.store.abort(reservation_id=request.reservation_id, incarnation=request.incarnation,
+                                   worker_id=worker_id)
         return pb.AbortResponse(aborted=bool(aborted))
 
     async def Stats(self, request, context):
@@ -226,12 +264,14 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
                     evictions=w.evictions,
                     published_blocks=w.published_blocks,
                     deduplicated_blocks=w.deduplicated_blocks,
+                    ending_reservations=w.ending_reservations,
                 )
                 for w in s.workers
             ],
             matches=s.matches,
             reservations_created=s.reservations_created,
             live_reservations=s.live_reservations,
+            ending_reservations=s.ending_reservations,
             trie_nodes=s.trie_nodes,
         )
 

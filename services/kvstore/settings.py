@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import TandemSettings
+from services.kvstore.validation import MAX_BLOCKS_PER_WORKER, MAX_ITEMS_PER_CALL
 
 
-class KVStoreSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TANDEM_KVSTORE_", extra="forbid")
+class KVStoreSettings(TandemSettings):
+    model_config = SettingsConfigDict(env_prefix="TANDEM_KVSTORE_")
 
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(50051, ge=0, le=65535, description="port to bind (0 = any free port)")
@@ -21,3 +24,6 @@ class KVStoreSettings(BaseSettings):
         0, ge=0, description="block events kept per worker for WatchEvents (0 = events off: no keys hashed)"
     )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port on host (unset = off, 0 = any free port)")
+    max_num_blocks: int = Field(1 << 20, ge=1, le=MAX_BLOCKS_PER_WORKER, description="largest num_blocks a worker may register (each block costs the kvstore a record)")
+    max_workers: int = Field(1024, ge=1, description="registered workers at most (bounds every Match and ListWorkers reply)")
+    max_items_per_call: int = Field(MAX_ITEMS_PER_CALL, ge=1, le=1 << 16, description="most items in one Extend or Trim call")

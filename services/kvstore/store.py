@@ -14,16 +14,37 @@ Lifecycle of one request on worker w::
 
 Ended reservation ids are remembered (bounded ``tombstones``) so Abort is idempotent and late
 calls get FAILED_PRECONDITION rather than NOT_FOUND.
+
+Who may end a reservation (two-phase end, DESIGN §2): the owning worker (``worker_id`` given and
+equal to the reservation's) ends it at once — it calls only after the GPU step that last wrote the
+blocks completed. Anyone else (``worker_id`` None: the router) only *marks it ended*: it stops
+being live (no Extend/Publish; its request id is free again) but its blocks stay held, listed by
+:meth:`ending_for` until the worker confirms (Abort or Release) or its lease lapses::
+
+    live ──Abort(router)──▶ ending ──Abort/Release(owner) or lease lapse──▶ gone (blocks freed)
+      └────────Abort/Release(owner)──────────────────────────────────────▶ gone
+
+Verbs that act on a reservation take ``worker_id`` (the authenticated caller, when it is a
+worker): a reservation of another worker is PermissionDenied. None = not checked (insecure mode,
+or a router). Reservation ids are 128 random bits: knowing one is the capability to name it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
 from collections import OrderedDict
 from typing import Callable
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, TandemError
+from services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    TandemError,
+)
 
 from . import audit, validation
 from .block_pool import Run, chain
@@ -62,6 +83,10 @@ class KVStore:
         events_per_worker: int = 0,
         max_blocks_per_event: int = MAX_BLOCKS_PER_EVENT,
         epoch: int | None = None,
+        max_num_blocks: int = validation.MAX_BLOCKS_PER_WORKER,
+        max_items: int = validation.MAX_ITEMS_PER_CALL,
+        new_id: Callable[[], str] | None = None,
+        max_workers: int = 1024,
     ):
         """``epoch`` tells this store's life apart from earlier ones (default: wall-clock µs):
         incarnations count up from ``epoch + 1`` and reservation ids embed it, so ids handed out
@@ -83,10 +108,15 @@ class KVStore:
         )
         self._trie = RadixTrie(keyed=self._events.enabled)
         self._reservations: dict[str, ReservationRecord] = {}
+        self._ending: dict[str, ReservationRecord] = {}  # see "two-phase end" above
+        self.max_num_blocks = validation.count("max_num_blocks", max_num_blocks, minimum=1)
+        # 128 random bits per reservation id: unguessable. Tests that replay runs inject a counter.
+        self._new_id = new_id or (lambda: "r-" + secrets.token_hex(16))
+        self.max_items = validation.count("max_items", max_items, minimum=1)
+        self.max_workers = validation.count("max_workers", max_workers, minimum=1)  # bounds Match replies
         self._by_request: dict[str, ReservationRecord] = {}
         self._tombstones: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (worker, incarnation)
         self._last_incarnation = self.epoch
-        self._reservation_seq = 0
         self.tick = 0
         self._matches = 0
         self._reservations_created = 0
@@ -96,9 +126,11 @@ class KVStore:
         """Create or replace a worker's pool (mutates). A previous incarnation's blocks,
         reservations and trie residency are dropped (CLEARED event). Returns the new incarnation."""
         self.expire_leases()
-        spec = validation.worker_spec(spec)
-        self.tick += 1
+        spec = validation.worker_spec(spec, self.max_num_blocks)
         old = self._workers.get(spec.worker_id)
+        if old is None and len(self._workers) >= self.max_workers:
+            raise ResourceExhausted(f"the kvstore holds its limit of {self.max_workers} workers")
+        self.tick += 1
         if old is not None:
             self._drop_worker(old)
         self._last_incarnation += 1
@@ -206,8 +238,7 @@ class KVStore:
         InvalidArgument. ResourceExhausted (nothing changed) if the blocks cannot be had."""
         self.expire_leases()
         worker = self._worker(worker_id, incarnation)
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgument("request_id must be a non-empty string")
+        validation.ident("request_id", request_id)
         buf, arr = validation.prompt(tokens, self.max_tokens)
         salt = validation.salt(cache_salt)
         headroom = validation.count("headroom_positions", headroom_positions)
@@ -221,7 +252,7 @@ class KVStore:
                 and live.headroom == headroom
             ):
                 return live.snapshot()
-            raise InvalidArgument(f"request {request_id!r} already holds a different live reservation")
+            raise InvalidArgument(f"request {validation.shown(request_id)} already holds a different live reservation")
 
         spec, pool = worker.spec, worker.pool
         n = len(arr)
@@ -256,8 +287,7 @@ class KVStore:
             last = node.residency[wid]
             pool.pin_chain(last, self.tick)
         own = self._allocate(worker, fresh)
-        self._reservation_seq += 1
-        rid = f"r-{self.epoch:x}-{self._reservation_seq}"
+        rid = self._new_id()
         record = ReservationRecord(rid, request_id, worker, stream, salt, headroom, last, own, reused)
         self._reservations[rid] = worker.reservations[rid] = self._by_request[request_id] = record
         self._reservations_created += 1
@@ -301,20 +331,39 @@ class KVStore:
             raise ResourceExhausted("; ".join(full))
         raise FailedPrecondition("no candidate worker is live: " + "; ".join(gone))
 
-    def get_reservation(self, reservation_id: str) -> Reservation:
-        """Snapshot of a live reservation (read-only). NotFound / FailedPrecondition if ended."""
+    def get_reservation(self, reservation_id: str, incarnation: int | None = None, *,
+                        worker_id: str | None = None) -> Reservation:
+        """Snapshot of a live reservation (read-only). NotFound / FailedPrecondition if ended;
+        with ``worker_id``, PermissionDenied unless it lives on that worker; with
+        ``incarnation``, FailedPrecondition unless it is the worker's."""
         self.expire_leases()
-        record = self._reservations.get(reservation_id)
-        if record is None:
-            self._raise_not_live(reservation_id)
+        if incarnation is None:
+            record = self._reservations.get(reservation_id) if isinstance(reservation_id, str) else None
+            if record is None:
+                self._raise_not_live(reservation_id)
+            self._check_owner(record, worker_id)
+        else:
+            record = self._live(reservation_id, incarnation, worker_id)
         return record.snapshot()
 
-    def extend(self, items: list[ExtendItem]) -> list[ItemResult]:
+    def reservation_prompt(self, reservation_id: str, incarnation: int, *, worker_id: str | None = None) -> bytes:
+        """The packed prompt a live reservation was made for (read-only; checks as
+        :meth:`get_reservation`): a worker asked to run it compares it with what it was sent."""
+        return self._live(reservation_id, incarnation, worker_id).prompt
+
+    def ending_for(self, worker_id: str, incarnation: int, limit: int = 1024) -> list[str]:
+        """Ids of the worker's reservations ended by someone else and waiting for it to confirm
+        (read-only; at most ``limit``). The worker cancels those it runs and confirms the rest."""
+        worker = self._worker(worker_id, incarnation)
+        return list(worker.ending)[:limit]
+
+    def extend(self, items: list[ExtendItem], *, worker_id: str | None = None) -> list[ItemResult]:
         """Grow each reservation to at least ``capacity_positions`` (rounded up to blocks) by
         allocating tail blocks (mutates). Each item is atomic and gets its own result; asking
-        for no more than the current capacity is a successful no-op."""
+        for no more than the current capacity is a successful no-op. At most ``max_items``."""
         self.expire_leases()
-        results = [self._apply_item(item, self._extend_one) for item in items]
+        validation.items(items, self.max_items)
+        results = [self._apply_item(item, self._extend_one, worker_id) for item in items]
         self._events.flush()
         return results
 
@@ -338,13 +387,14 @@ class KVStore:
             added = tuple(new)
         return self._item_result(record, added_blocks=added)
 
-    def trim(self, items: list[TrimItem]) -> list[ItemResult]:
+    def trim(self, items: list[TrimItem], *, worker_id: str | None = None) -> list[ItemResult]:
         """Shrink each reservation to the blocks that ``capacity_positions`` needs, returning its
         tail blocks to the free queue (mutates; the worker calls this only after the GPU step
         that last wrote them completed). Never below the published blocks (FailedPrecondition)
         nor below the request's known length (InvalidArgument). Each item atomic."""
         self.expire_leases()
-        results = [self._apply_item(item, self._trim_one) for item in items]
+        validation.items(items, self.max_items)
+        results = [self._apply_item(item, self._trim_one, worker_id) for item in items]
         self._events.flush()
         return results
 
@@ -367,30 +417,31 @@ class KVStore:
         record.worker.pool.release_own(tail)
         return self._item_result(record, freed_blocks=tuple(tail))
 
-    def _apply_item(self, item, apply) -> ItemResult:
+    def _apply_item(self, item, apply, worker_id: str | None) -> ItemResult:
         rid = getattr(item, "reservation_id", None)
         try:
             capacity = validation.count("capacity_positions", item.capacity_positions)
-            record = self._live(rid, item.incarnation)
+            record = self._live(rid, item.incarnation, worker_id)
             return apply(record, capacity)
         except TandemError as err:
             record = self._reservations.get(rid) if isinstance(rid, str) else None
-            if record is None:
-                return ItemResult(str(rid), err, (), 0)
+            if record is None or isinstance(err, PermissionDenied):
+                return ItemResult(str(rid)[: validation.MAX_ID_BYTES], err, (), 0)
             return dataclasses.replace(self._item_result(record), error=err)
 
     @staticmethod
     def _item_result(record: ReservationRecord, **changes) -> ItemResult:
         return ItemResult(record.reservation_id, None, record.block_table(), record.capacity_positions, **changes)
 
-    def publish(self, *, reservation_id: str, incarnation: int, new_tokens=(), final_positions: int) -> PublishResult:
+    def publish(self, *, reservation_id: str, incarnation: int, new_tokens=(), final_positions: int,
+                worker_id: str | None = None) -> PublishResult:
         """Append ``new_tokens`` (accepted since the last call) to the reservation's sequence and
         publish every full keyed block ``j`` with ``(j+1) * block_size <= final_positions``
         (mutates). ``final_positions`` = leading positions whose target *and* draft KV are final.
         Dedup: a block already resident on the worker under another id replaces the
         reservation's own copy (which is freed), so the returned block table may change."""
         self.expire_leases()
-        record = self._live(reservation_id, incarnation)
+        record = self._live(reservation_id, incarnation, worker_id)
         stream = validation.appended(record.stream, new_tokens, record.worker.spec, self.max_tokens)
         final = validation.final_positions(final_positions, stream, record.capacity_positions)
         self.tick += 1
@@ -400,21 +451,30 @@ class KVStore:
         return PublishResult(record.snapshot(), newly, dedup)
 
     def release(self, *, reservation_id: str, incarnation: int, new_tokens=(),
-                final_positions: int | None = None) -> ReleaseResult:
+                final_positions: int | None = None, worker_id: str | None = None) -> ReleaseResult:
         """End the reservation (mutates): publish like ``publish`` (``final_positions`` None or 0
         publishes nothing new: only the worker knows what its GPU computed), then unpin every
-        block: published ones become cached at ref 0, the others are freed."""
-        return self._finish(reservation_id, incarnation, new_tokens, final_positions)
+        block: published ones become cached at ref 0, the others are freed. Only the owning
+        worker releases (it knows what it computed); a reservation ended meanwhile by the
+        router is freed publishing nothing (the worker's Release confirms it)."""
+        return self._finish(reservation_id, incarnation, new_tokens, final_positions, worker_id)
 
     def suspend(self, *, reservation_id: str, incarnation: int, new_tokens=(),
-                final_positions: int | None = None) -> ReleaseResult:
+                final_positions: int | None = None, worker_id: str | None = None) -> ReleaseResult:
         """Preempt the reservation (mutates): exactly ``release``; the request may ``reserve``
         again with the same request id and will hit the prefix published here."""
-        return self._finish(reservation_id, incarnation, new_tokens, final_positions)
+        return self._finish(reservation_id, incarnation, new_tokens, final_positions, worker_id)
 
-    def _finish(self, reservation_id, incarnation, new_tokens, final_positions) -> ReleaseResult:
+    def _finish(self, reservation_id, incarnation, new_tokens, final_positions, worker_id) -> ReleaseResult:
         self.expire_leases()
-        record = self._live(reservation_id, incarnation)
+        ending = self._ending.get(reservation_id) if isinstance(reservation_id, str) else None
+        if ending is not None:  # the worker confirms an end someone else asked for
+            self._check_ending(ending, incarnation, worker_id)
+            self.tick += 1
+            freed, unpinned = self._unpin_all(ending)
+            self._end(ending)
+            return ReleaseResult(ending.reservation_id, 0, 0, freed, unpinned)
+        record = self._live(reservation_id, incarnation, worker_id)
         stream = validation.appended(record.stream, new_tokens, record.worker.spec, self.max_tokens)
         if final_positions is None:
             final = 0
@@ -429,27 +489,46 @@ class KVStore:
         # Deduplicated copies went back to the free queue too: freed counts them.
         return ReleaseResult(record.reservation_id, newly, dedup, freed + dedup, unpinned)
 
-    def abort(self, *, reservation_id: str, incarnation: int) -> bool:
-        """End the reservation publishing nothing new (mutates). Returns True if it was live,
-        False if it had already ended (idempotent, for ids still remembered). NotFound for an
-        unknown id; FailedPrecondition for an incarnation other than the reservation's."""
+    def abort(self, *, reservation_id: str, incarnation: int, worker_id: str | None = None) -> bool:
+        """End the reservation publishing nothing new (mutates). ``worker_id`` = the owning
+        worker confirming its last step finished with the blocks: they are freed now (also for a
+        reservation already marked ended). Anyone else (None) only marks it ended; its blocks
+        are freed when the worker confirms or its lease lapses (see the module docstring).
+        Returns True if the call changed something, False if it had already ended (idempotent,
+        for ids still remembered). NotFound for an unknown id; FailedPrecondition for an
+        incarnation other than the reservation's; PermissionDenied for another worker's."""
         self.expire_leases()
         incarnation = validation.count("incarnation", incarnation)
-        record = self._reservations.get(reservation_id)
+        record = self._reservations.get(reservation_id) if isinstance(reservation_id, str) else None
         if record is None:
-            ended = self._tombstones.get(reservation_id)
+            ending = self._ending.get(reservation_id) if isinstance(reservation_id, str) else None
+            if ending is not None:
+                self._check_ending(ending, incarnation, worker_id)
+                if worker_id is None:
+                    return False
+                self.tick += 1
+                self._unpin_all(ending)
+                self._end(ending)
+                return True
+            ended = self._tombstones.get(reservation_id) if isinstance(reservation_id, str) else None
             if ended is None:
-                raise NotFound(f"unknown reservation {reservation_id!r}")
+                raise NotFound(f"unknown reservation {validation.shown(reservation_id)}")
+            if worker_id is not None and ended[0] != worker_id:
+                raise PermissionDenied(f"reservation {validation.shown(reservation_id)} is not worker {validation.shown(worker_id)}'s")
             if ended[1] != incarnation:
                 raise FailedPrecondition(
-                    f"reservation {reservation_id!r} belongs to incarnation {ended[1]}, not {incarnation}"
+                    f"reservation {validation.shown(reservation_id)} belongs to incarnation {ended[1]}, not {incarnation}"
                 )
             return False
+        self._check_owner(record, worker_id)
         if record.worker.incarnation != incarnation:
             raise FailedPrecondition(
-                f"stale incarnation {incarnation} for {reservation_id!r} (worker is at {record.worker.incarnation})"
+                f"stale incarnation {incarnation} for {validation.shown(reservation_id)} (worker is at {record.worker.incarnation})"
             )
         self.tick += 1
+        if worker_id is None:
+            self._mark_ending(record)
+            return True
         self._unpin_all(record)
         self._end(record)
         return True
@@ -460,7 +539,7 @@ class KVStore:
         self.expire_leases()
         if worker_id:
             if worker_id not in self._workers:
-                raise NotFound(f"unknown worker {worker_id!r}")
+                raise NotFound(f"unknown worker {validation.shown(worker_id)}")
             selected = [self._workers[worker_id]]
         else:
             selected = [self._workers[wid] for wid in sorted(self._workers)]
@@ -471,6 +550,7 @@ class KVStore:
                     incarnation=w.incarnation,
                     pool=w.usage(),
                     live_reservations=len(w.reservations),
+                    ending_reservations=len(w.ending),
                     requested_positions=w.requested_positions,
                     reused_positions=w.reused_positions,
                     evictions=w.evictions,
@@ -482,6 +562,7 @@ class KVStore:
             matches=self._matches,
             reservations_created=self._reservations_created,
             live_reservations=len(self._reservations),
+            ending_reservations=len(self._ending),
             trie_nodes=self._trie.num_blocks,
             trie_runs=self._trie.num_nodes,
         )
@@ -489,7 +570,7 @@ class KVStore:
     def check_invariants(self) -> list[str]:
         """Full audit of pools, trie and reservations (read-only); an empty list means healthy."""
         self.expire_leases()
-        return audit.check(self._workers, self._trie, self._reservations, self._by_request)
+        return audit.check(self._workers, self._trie, self._reservations, self._by_request, self._ending)
 
     def events_since(self, worker_id: str, after_seq: int) -> list[Event]:
         """Buffered events of ``worker_id`` with ``seq > after_seq`` (read-only). NotFound if the
@@ -497,7 +578,7 @@ class KVStore:
         self.expire_leases()
         after_seq = validation.count("after_seq", after_seq)
         if not self._events.knows(worker_id) and worker_id not in self._workers:
-            raise NotFound(f"unknown worker {worker_id!r}")
+            raise NotFound(f"unknown worker {validation.shown(worker_id)}")
         return self._events.since(worker_id, after_seq)
 
     def view(self) -> StoreView:
@@ -524,28 +605,59 @@ class KVStore:
         incarnation = validation.count("incarnation", incarnation)
         worker = self._workers.get(worker_id)
         if worker is None:
-            raise NotFound(f"unknown worker {worker_id!r}")
+            raise NotFound(f"unknown worker {validation.shown(worker_id)}")
         if worker.incarnation != incarnation:
             raise FailedPrecondition(
-                f"stale incarnation {incarnation} for worker {worker_id!r} (current {worker.incarnation})"
+                f"stale incarnation {incarnation} for worker {validation.shown(worker_id)} (current {worker.incarnation})"
             )
         return worker
 
-    def _live(self, reservation_id: str, incarnation: int) -> ReservationRecord:
+    def _live(self, reservation_id: str, incarnation: int, worker_id: str | None = None) -> ReservationRecord:
         incarnation = validation.count("incarnation", incarnation)
         record = self._reservations.get(reservation_id) if isinstance(reservation_id, str) else None
         if record is None:
+            ending = self._ending.get(reservation_id) if isinstance(reservation_id, str) else None
+            if ending is not None:
+                self._check_owner(ending, worker_id)
+                raise FailedPrecondition(
+                    f"reservation {validation.shown(reservation_id)} was ended by the router; "
+                    "confirm with Abort once no step writes its blocks"
+                )
             self._raise_not_live(reservation_id)
+        self._check_owner(record, worker_id)
         if record.worker.incarnation != incarnation:
             raise FailedPrecondition(
-                f"stale incarnation {incarnation} for {reservation_id!r} (worker is at {record.worker.incarnation})"
+                f"stale incarnation {incarnation} for {validation.shown(reservation_id)} (worker is at {record.worker.incarnation})"
             )
         return record
 
+    @staticmethod
+    def _check_owner(record: ReservationRecord, worker_id: str | None) -> None:
+        if worker_id is not None and record.worker.worker_id != worker_id:
+            raise PermissionDenied(
+                f"reservation {validation.shown(record.reservation_id)} is not worker {validation.shown(worker_id)}'s"
+            )
+
+    def _check_ending(self, record: ReservationRecord, incarnation: int, worker_id: str | None) -> None:
+        self._check_owner(record, worker_id)
+        if record.worker.incarnation != validation.count("incarnation", incarnation):
+            raise FailedPrecondition(
+                f"stale incarnation {incarnation} for {validation.shown(record.reservation_id)} "
+                f"(worker is at {record.worker.incarnation})"
+            )
+
+    def _mark_ending(self, record: ReservationRecord) -> None:
+        """Live → ending (mutates): no longer live, its request id free, its blocks still held."""
+        rid = record.reservation_id
+        del self._reservations[rid]
+        del record.worker.reservations[rid]
+        del self._by_request[record.request_id]
+        self._ending[rid] = record.worker.ending[rid] = record
+
     def _raise_not_live(self, reservation_id) -> None:
         if isinstance(reservation_id, str) and reservation_id in self._tombstones:
-            raise FailedPrecondition(f"reservation {reservation_id!r} has ended")
-        raise NotFound(f"unknown reservation {reservation_id!r}")
+            raise FailedPrecondition(f"reservation {validation.shown(reservation_id)} has ended")
+        raise NotFound(f"unknown reservation {validation.shown(reservation_id)}")
 
     def _allocate(self, worker: WorkerRecord, count: int) -> list[int]:
         """Take ``count`` blocks from the free queue, evicting LRU cached leaves when it runs dry
@@ -660,11 +772,15 @@ class KVStore:
         return freed, unpinned
 
     def _end(self, record: ReservationRecord) -> None:
-        """Forget a reservation whose blocks were already dealt with; remember its id (mutates)."""
+        """Forget a live or ending reservation whose blocks were already dealt with; remember
+        its id (mutates)."""
         rid = record.reservation_id
-        del self._reservations[rid]
-        del record.worker.reservations[rid]
-        del self._by_request[record.request_id]
+        if self._ending.pop(rid, None) is not None:
+            del record.worker.ending[rid]
+        else:
+            del self._reservations[rid]
+            del record.worker.reservations[rid]
+            del self._by_request[record.request_id]
         if self._max_tombstones:
             self._tombstones[rid] = (record.worker.worker_id, record.worker.incarnation)
             if len(self._tombstones) > self._max_tombstones:
@@ -673,7 +789,7 @@ class KVStore:
     def _drop_worker(self, worker: WorkerRecord) -> None:
         """Drop every reservation and trie residency of a worker incarnation and emit CLEARED
         (mutates). The caller removes or replaces the record itself."""
-        for record in list(worker.reservations.values()):
+        for record in [*worker.reservations.values(), *worker.ending.values()]:
             record.last = None
             record.own = []
             self._end(record)

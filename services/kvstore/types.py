@@ -160,6 +160,7 @@ class WorkerStats:
     evictions: int
     published_blocks: int
     deduplicated_blocks: int
+    ending_reservations: int = 0  # ended by the router, blocks held until the worker confirms
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +173,7 @@ class StoreStats:
     live_reservations: int
     trie_nodes: int  # distinct published blocks in the index (one per block key)
     trie_runs: int = 0  # trie nodes proper: runs of blocks (path compression)
+    ending_reservations: int = 0  # ended by the router, blocks held until their worker confirms
 
 
 class EventKind(enum.Enum):

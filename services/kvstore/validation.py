@@ -21,6 +21,34 @@ from .keys import KeyStream, token_array
 from .types import WorkerSpec
 
 MAX_BLOCKS_PER_WORKER = 1 << 24  # bounds one registration's memory (and the block-id field of heap keys)
+MAX_ID_BYTES = 128  # worker, request and reservation ids
+MAX_TEXT_BYTES = 256  # address, model id
+MAX_ITEMS_PER_CALL = 4096  # Extend / Trim items: one call must not hold the loop for long
+SHOWN_ID_CHARS = 48  # ids echoed in error messages are cut to this
+
+
+def shown(value: object) -> str:
+    """``value`` for an error message: repr, cut to a bounded length (ids come from callers)."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) > SHOWN_ID_CHARS:
+        return repr(text[:SHOWN_ID_CHARS]) + f"... ({len(text)} chars)"
+    return repr(text)
+
+
+def ident(name: str, value: object, *, limit: int = MAX_ID_BYTES) -> str:
+    """A non-empty string of at most ``limit`` UTF-8 bytes."""
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{name} must be a non-empty string")
+    if len(value) > limit or len(value.encode("utf-8", "surrogatepass")) > limit:
+        raise InvalidArgument(f"{name} {shown(value)} is longer than {limit} bytes")
+    return value
+
+
+def items(values: list, limit: int) -> list:
+    """A batch of at most ``limit`` items."""
+    if len(values) > limit:
+        raise InvalidArgument(f"{len(values)} items in one call exceed the limit of {limit}")
+    return values
 
 
 def count(name: str, value: object, *, minimum: int = 0) -> int:
@@ -42,15 +70,17 @@ def salt(cache_salt: object) -> bytes:
     return bytes(cache_salt)
 
 
-def worker_spec(spec: WorkerSpec) -> WorkerSpec:
+def worker_spec(spec: WorkerSpec, max_blocks: int = MAX_BLOCKS_PER_WORKER) -> WorkerSpec:
     """The spec with ``spec_mode`` as a ``SpecMode`` and ``mtp_depth`` normalized (1 unless MTP;
     0 means 1 for MTP, as on the wire)."""
     if not isinstance(spec, WorkerSpec):
         raise InvalidArgument("spec must be a WorkerSpec")
-    if not isinstance(spec.worker_id, str) or not spec.worker_id:
-        raise InvalidArgument("worker_id must be a non-empty string")
+    ident("worker_id", spec.worker_id)
     if not isinstance(spec.address, str) or not isinstance(spec.model_id, str):
         raise InvalidArgument("address and model_id must be strings")
+    for name in ("address", "model_id"):
+        if len(getattr(spec, name).encode("utf-8", "surrogatepass")) > MAX_TEXT_BYTES:
+            raise InvalidArgument(f"{name} is longer than {MAX_TEXT_BYTES} bytes")
     try:
         mode = spec.spec_mode if isinstance(spec.spec_mode, SpecMode) else SpecMode(spec.spec_mode)
     except ValueError:
@@ -61,8 +91,8 @@ def worker_spec(spec: WorkerSpec) -> WorkerSpec:
     if block_size > 1024 or block_size & (block_size - 1):
         raise InvalidArgument(f"block_size must be a power of two in [1, 1024], got {block_size}")
     num_blocks = count("num_blocks", spec.num_blocks, minimum=1)
-    if num_blocks > MAX_BLOCKS_PER_WORKER:
-        raise InvalidArgument(f"num_blocks must be <= {MAX_BLOCKS_PER_WORKER}, got {num_blocks}")
+    if num_blocks > min(max_blocks, MAX_BLOCKS_PER_WORKER):
+        raise InvalidArgument(f"num_blocks must be <= {min(max_blocks, MAX_BLOCKS_PER_WORKER)}, got {num_blocks}")
     vocab = count("vocab_size", spec.vocab_size, minimum=1)
     if vocab > 1 << 32:
         raise InvalidArgument("vocab_size must be <= 2**32")

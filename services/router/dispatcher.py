@@ -48,7 +48,9 @@ from services.router.directory import WorkerDirectory, WorkerEntry
 from services.router.jobs import GenerateJob
 from services.router.policy import PolicyWeights, RoutingPolicy, WorkerCandidate, rank_workers, rotate_workers
 from services.router.retry import AttemptState, WaitQueue, backoff_delays, error_for
+from services.router.stops import StopScanner
 from services.router.tenants import Tenant
+from tandem.common.v1 import common_pb2 as common_pb
 from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
 from tandem.kvstore.v1 import kvstore_pb2_grpc
 from tandem.worker.v1 import worker_pb2 as worker_pb
@@ -56,10 +58,10 @@ from tandem.worker.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_FINISH_REASONS = {
-    worker_pb.FINISH_REASON_LENGTH: "length",
-    worker_pb.FINISH_REASON_STOP: "stop",
-    worker_pb.FINISH_REASON_MAX_SEQ_LEN: "max_seq_len",
+FINISH_REASONS = {  # the one enum (tandem.common.v1.FinishReason) <-> OpenAI's strings
+    common_pb.FINISH_REASON_STOP: "stop",
+    common_pb.FINISH_REASON_LENGTH: "length",
+    common_pb.FINISH_REASON_ABORT: "abort",
 }
 # Codes after which a Reserve may or may not have happened in the kvstore.
 _NO_ANSWER = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
@@ -83,6 +85,7 @@ class DispatchConfig:
     kvstore_timeout_s: float = 2.0
     worker_probe_timeout_s: float = 1.0
     max_request_s: float = 600.0
+    idle_timeout_s: float = 60.0  # a worker stream silent this long fails UNAVAILABLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +98,7 @@ class TextDelta:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Accounting of a finished request (see ``tandem.router.v1.Usage``)."""
+    """Accounting of a finished request (see ``tandem.common.v1.Usage``)."""
 
     prompt_tokens: int
     cached_tokens: int
@@ -103,7 +106,8 @@ class Usage:
     mean_acceptance_length: float
     worker_id: str
     time_to_first_token_s: float
-    finish_reason: str
+    finish_reason: str  # "stop", "length" or "abort" (FINISH_REASONS' values)
+    decode_steps: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,11 +140,23 @@ class _WorkerFailed(Exception):
 class _Progress:
     """What one attempt has seen from its worker (mutated while streaming)."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, stop_strings: tuple[str, ...] = ()):
         self.acknowledged = False  # any message received: the worker owns the reservation
+        self.left_registry = False  # its worker incarnation left the kvstore registry mid-stream
         self.tokens: list[int] = []
         self.first_token_at: float | None = None
         self.decoder = StreamDecoder(tokenizer)
+        self.stops = StopScanner(stop_strings, tokenizer) if stop_strings else None
+
+    def text(self, ids: tuple[int, ...]) -> tuple[str, int | None]:
+        """Text of new ids, and how many of them count if a stop string completed (see ``stops``)."""
+        if self.stops is not None:
+            return self.stops.push(ids)
+        return self.decoder.push(list(ids)), None
+
+    def flush(self) -> tuple[str, bool]:
+        """The held-back text at the end, and whether it ended on a stop string."""
+        return self.stops.flush() if self.stops is not None else (self.decoder.flush(), False)
 
 
 def _entry(w: kv_pb.WorkerInfo) -> WorkerEntry:
@@ -157,6 +173,21 @@ def _entry(w: kv_pb.WorkerInfo) -> WorkerEntry:
         vocab_size=w.vocab_size,
         max_seq_len=w.max_seq_len,
     )
+
+
+async def _with_idle_timeout(call, idle_s: float):
+    """The messages of a server stream; UNAVAILABLE (as a worker failure) when none comes for
+    ``idle_s`` seconds — a frozen worker (SIGSTOP) keeps its connection open, keepalive may not
+    notice, and the client's deadline can be minutes away."""
+    it = call.__aiter__()
+    while True:
+        try:
+            msg = await asyncio.wait_for(it.__anext__(), idle_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise _WorkerFailed("UNAVAILABLE", f"the worker sent nothing for {idle_s:g} s (idle timeout)") from None
+        yield msg
 
 
 def _kv_error(verb: str, err: grpc.aio.AioRpcError) -> Exception:
@@ -197,6 +228,10 @@ class Dispatcher:
         self._clock = clock
         self._live: set[str] = set()
         self._cleanup: set[asyncio.Task] = set()
+        # (worker id, incarnation) -> the streams running there: ended when it leaves the registry
+        self._streams: dict[tuple[str, int], dict[int, tuple[object, _Progress]]] = {}
+        # worker id -> (incarnation, most draft tokens it accepts), from its Info answer
+        self._draft_limits: dict[str, tuple[int, int]] = {}
 
     # --------------------------------------------------------------------------------- helpers
     def _timeout(self, deadline: float | None, cap_s: float) -> float:
@@ -208,13 +243,29 @@ class Dispatcher:
         self._tokenizer = tokenizer
 
     async def worker_model(self, entry: WorkerEntry) -> str:
-        """The model a worker says it serves (``Info.model_name``; "" when it names none)."""
+        """The model a worker says it serves (``Info.model_name``; "" when it names none). This
+        is the probe before a worker gets requests: Unavailable unless its health is SERVING
+        and it answers Info (then it is asked again on the next review)."""
+        health = await self._health(entry.address)
+        if health != "SERVING":
+            raise Unavailable(f"worker {entry.worker_id} is {health}")
         try:
             info = await self._worker_stub(entry.address).Info(
                 worker_pb.InfoRequest(), timeout=self.config.worker_probe_timeout_s)
         except grpc.aio.AioRpcError as err:
             raise Unavailable(f"worker {entry.worker_id} Info: {err.code().name}") from None
+        if len(self._draft_limits) > 4096:  # bounded: workers come and go
+            self._draft_limits.clear()
+        self._draft_limits[entry.worker_id] = (entry.incarnation, info.max_draft_tokens)
         return info.model_name
+
+    def draft_tokens_for(self, entry: WorkerEntry, wanted: int) -> int:
+        """``wanted`` draft tokens capped by what the worker said it accepts (read-only): the
+        router's own limit may be larger than a worker's, and such a request must not fail."""
+        limit = self._draft_limits.get(entry.worker_id)
+        if limit is None or limit[0] != entry.incarnation:
+            return wanted
+        return min(wanted, limit[1])
 
     def _worker_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         return worker_pb2_grpc.WorkerStub(self._channels.get(address))
@@ -229,7 +280,17 @@ class Dispatcher:
             raise _kv_error("ListWorkers", err) from None
         entries = [_entry(w) for w in resp.workers]
         self.directory.replace(entries)
+        self._end_streams_of_departed({(e.worker_id, e.incarnation) for e in entries})
         return entries
+
+    def _end_streams_of_departed(self, registered: set[tuple[str, int]]) -> None:
+        """Cancel the streams of worker incarnations that left the registry (lease lapsed,
+        re-registered): their blocks are gone, and a frozen worker would hold them forever.
+        The client sees UNAVAILABLE (mutates the calls)."""
+        for key in [k for k in self._streams if k not in registered]:
+            for call, progress in self._streams.pop(key).values():
+                progress.left_registry = True
+                call.cancel()
 
     # ---------------------------------------------------------------------------------- planning
     async def _plan(self, job: GenerateJob, tenant: Tenant, prompt_pb, state: AttemptState,
@@ -363,16 +424,16 @@ class Dispatcher:
                 temperature=job.sampling.temperature,
                 top_p=job.sampling.top_p,
                 top_k=job.sampling.top_k,
-                seed=job.sampling.seed,
+                seed=job.sampling.seed,  # None = unset (unseeded)
                 max_new_tokens=job.sampling.max_new_tokens,
                 stop_token_ids=job.sampling.stop_token_ids,
+                min_p=job.sampling.min_p,
             ),
-            spec=worker_pb.SpecParams(num_draft_tokens=job.num_draft_tokens),
+            spec=worker_pb.SpecParams(num_draft_tokens=self.draft_tokens_for(entry, job.num_draft_tokens)),
+            # only its name: the worker reads blocks and reused prefix from the kvstore
             reservation=worker_pb.ReservationRef(
                 reservation_id=reservation.reservation_id,
                 incarnation=reservation.incarnation,
-                block_table=reservation.block_table,
-                reused_positions=reservation.reused_positions,
             ),
         )
         span = self._tracer.start_span(
@@ -384,34 +445,62 @@ class Dispatcher:
             call = self._worker_stub(entry.address).Generate(
                 request, timeout=self._timeout(deadline, self.config.max_request_s)
             )
+        key = (entry.worker_id, entry.incarnation)
+        self._streams.setdefault(key, {})[id(call)] = (call, progress)
         try:
-            async for msg in call:
+            async for msg in _with_idle_timeout(call, self.config.idle_timeout_s):
                 progress.acknowledged = True
                 ids = tuple(msg.token_ids)
                 if ids and max(ids) >= self._tokenizer.vocab_size:
                     raise _WorkerFailed("INTERNAL", f"token id {max(ids)} is outside the router's vocabulary "
                                                     f"({self._tokenizer.vocab_size}): model/tokenizer mismatch")
+                text, cut = progress.text(ids) if ids else ("", None)
                 if ids:
                     if progress.first_token_at is None:
                         progress.first_token_at = self._clock()
-                    progress.tokens.extend(ids)
-                if msg.finish_reason != worker_pb.FINISH_REASON_UNSPECIFIED or msg.HasField("usage"):
-                    yield self._completion(job, entry, reservation, msg, ids, arrival, progress)
+                    progress.tokens.extend(ids[:cut])
+                if cut is not None:  # a stop string: the tokens after it are never sent; closing the call aborts the rest
+                    yield self._stopped(job, entry, reservation, ids[:cut], text, arrival, progress)
+                    return
+                if msg.finish_reason != common_pb.FINISH_REASON_UNSPECIFIED or msg.HasField("usage"):
+                    yield self._completion(job, entry, reservation, msg, ids, text, arrival, progress)
                     return
                 if ids:
-                    yield TextDelta(progress.decoder.push(list(ids)), ids)
+                    yield TextDelta(text, ids)
             raise _WorkerFailed("UNAVAILABLE", "the worker ended the stream without a final message")
         except grpc.aio.AioRpcError as err:
             span.set_attribute("rpc.grpc.status_code", err.code().value[0])
+            if progress.left_registry:
+                raise _WorkerFailed("UNAVAILABLE", f"worker {entry.worker_id} left the registry") from None
             raise _WorkerFailed(err.code().name, err.details() or "") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if progress.left_registry and not (task is not None and task.cancelling()):
+                raise _WorkerFailed("UNAVAILABLE", f"worker {entry.worker_id} left the registry") from None
+            raise
         finally:
+            streams = self._streams.get(key)
+            if streams is not None:
+                streams.pop(id(call), None)
+                if not streams:
+                    del self._streams[key]
             if not call.done():
                 call.cancel()
             span.end()
 
-    def _completion(self, job, entry, reservation, msg, ids, arrival, progress: _Progress) -> Completion:
+    def _stopped(self, job, entry, reservation, ids, text, arrival, progress: _Progress) -> Completion:
+        """The Completion of a request ended here on a stop string (the worker's usage never comes:
+        acceptance length and decode steps are not known, reported as 0)."""
+        return Completion(text=text, token_ids=tuple(ids), usage=Usage(
+            prompt_tokens=job.prompt_tokens, cached_tokens=reservation.reused_positions,
+            completion_tokens=len(progress.tokens), mean_acceptance_length=0.0, worker_id=entry.worker_id,
+            time_to_first_token_s=max(0.0, progress.first_token_at - arrival), finish_reason="stop",
+        ))
+
+    def _completion(self, job, entry, reservation, msg, ids, text, arrival, progress: _Progress) -> Completion:
         # The stream decoder holds back an incomplete character; the end flushes it.
-        tail = progress.decoder.push(list(ids)) + progress.decoder.flush()
+        rest, stopped = progress.flush()
+        tail = text + rest
         first = progress.first_token_at if progress.first_token_at is not None else self._clock()
         usage = msg.usage
         acceptance = usage.mean_acceptance_length
@@ -425,7 +514,8 @@ class Dispatcher:
                 mean_acceptance_length=acceptance if math.isfinite(acceptance) else 0.0,
                 worker_id=entry.worker_id,
                 time_to_first_token_s=max(0.0, first - arrival),
-                finish_reason=_FINISH_REASONS.get(msg.finish_reason, "length"),
+                finish_reason="stop" if stopped else FINISH_REASONS.get(msg.finish_reason, "length"),
+                decode_steps=usage.decode_steps,
             ),
         )
 
@@ -488,19 +578,21 @@ class Dispatcher:
                        arrival: float) -> AsyncIterator[TextDelta | Completion]:
         """Serve ``job`` for ``tenant``: yields deltas, then one Completion. ``deadline`` is the
         client's (monotonic seconds, None = none). Raises typed errors (see ``retry``)."""
-        if job.request_id in self._live:
-            raise AlreadyExists(f"request {job.request_id!r} is already running on this router")
-        self._live.add(job.request_id)
+        # request ids are the tenant's: scoped by it here and in every id sent on
+        scoped = f"{tenant.scope}/{job.request_id}"
+        if scoped in self._live:
+            raise AlreadyExists(f"request {job.request_id[:64]!r} is already running on this router")
+        self._live.add(scoped)
         try:
             prompt_pb = tokens_to_proto(job.prompt)
-            state = AttemptState(job.request_id, self.config.max_attempts)
+            state = AttemptState(scoped, self.config.max_attempts)
             while True:
                 with self._tracer.start_as_current_span("reserve") as span:
                     entry, reservation = await self._reserve(job, tenant, prompt_pb, state, deadline)
                     span.set_attribute("tandem.worker_id", entry.worker_id)
                     span.set_attribute("tandem.reused_positions", reservation.reused_positions)
                 worker_request_id = state.reservation_request_id()
-                progress = _Progress(self._tokenizer)
+                progress = _Progress(self._tokenizer, job.sampling.stop_strings)
                 finished = False
                 stream = self._stream(job, entry, reservation, worker_request_id, deadline, arrival, progress)
                 self.directory.begin(entry.worker_id)
@@ -529,7 +621,7 @@ class Dispatcher:
                 finally:
                     self.directory.end(entry.worker_id)
         finally:
-            self._live.discard(job.request_id)
+            self._live.discard(scoped)
 
     # ----------------------------------------------------------------------------- list workers
     async def _health(self, address: str) -> str:

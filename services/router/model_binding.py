@@ -51,8 +51,11 @@ class ModelBinding:
         self._verdicts: dict[tuple[str, int], str | None] = {}  # (worker, incarnation) -> reason or None
 
     def is_compatible(self, worker_id: str, incarnation: int) -> bool:
-        """False only for a worker incarnation judged incompatible (read-only)."""
-        return self._verdicts.get((worker_id, incarnation)) is None
+        """True only for a worker incarnation that answered ``Info`` and serves this router's
+        model (read-only): a newly registered worker gets no request before it was probed, so a
+        registration nobody answers behind (a dead or fake address) is never routed to."""
+        key = (worker_id, incarnation)
+        return key in self._verdicts and self._verdicts[key] is None
 
     async def review(self, entries: list[WorkerEntry]) -> list[WorkerEntry]:
         """Judge every new worker incarnation (learning the model first in auto mode); return the

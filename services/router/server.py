@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from services.common.auth import BearerAuthInterceptor, load_channel_credentials, load_server_credentials
+from services.common.auth import (
+    BearerAuthInterceptor,
+    load_channel_credentials,
+    load_server_credentials,
+    suite_credentials,
+    warn_if_insecure,
+)
 from services.common.channels import ChannelPool, open_channel
 from services.common.errors import TandemError, Unavailable
 from services.common.metrics import ServiceMetrics
@@ -32,7 +38,7 @@ from services.router.policy import PolicyWeights
 from services.router.retry import WaitQueue
 from services.router.servicer import RouterServicer
 from services.router.settings import RouterSettings
-from services.router.tenants import TenantRegistry
+from services.router.tenants import TenantRegistry, load_salt_secret
 from tandem.router.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -50,6 +56,7 @@ class Router:
     tenants: TenantRegistry
     ready: asyncio.Event  # set once the kvstore answered and a compatible worker is registered (health SERVING)
     model: ModelBinding
+    http_url: str | None = None  # the OpenAI-compatible HTTP front (settings.http_port), if served
 
 
 def request_limits(settings: RouterSettings, tokenizer: Tokenizer) -> RequestLimits:
@@ -77,6 +84,7 @@ def dispatch_config(settings: RouterSettings) -> DispatchConfig:
         kvstore_timeout_s=settings.kvstore_timeout_s,
         worker_probe_timeout_s=settings.worker_probe_timeout_s,
         max_request_s=settings.max_request_s,
+        idle_timeout_s=settings.idle_timeout_s,
     )
 
 
@@ -98,11 +106,21 @@ async def start_router(
             tokenizer = load_tokenizer(settings.model)
         except TandemError as exc:
             raise StartupError(f"cannot load the tokenizer of model {settings.model!r}: {exc.message}") from None
-    tenants = TenantRegistry.from_settings(settings.tenants, settings.shared_tenants)
+    try:
+        secret = load_salt_secret(settings.salt_secret_file, settings.salt_secret)
+    except TandemError as exc:
+        raise StartupError(exc.message) from None
+    if not (settings.salt_secret_file or settings.salt_secret):
+        log.info("no --salt-secret-file: tenant cache salts use a random secret of this process "
+                 "(routers of one deployment need the same secret to share the cache)")
+    tenants = TenantRegistry.from_settings(settings.tenants, settings.shared_tenants, secret=secret)
+    if not settings.upstream_ca_file:
+        warn_if_insecure(settings, log)
+    # upstream (kvstore, workers): the explicit upstream_* files, else the suite's mTLS identity
     upstream = (
         load_channel_credentials(settings.upstream_ca_file, settings.upstream_cert_file, settings.upstream_key_file)
         if settings.upstream_ca_file
-        else None
+        else suite_credentials(settings)[1]
     )
     server_credentials = (
         load_server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file or None)
@@ -135,10 +153,12 @@ async def start_router(
     binding = ModelBinding(settings.model, tokenizer, dispatcher.worker_model, on_bound=bind)
     dispatcher.directory.compatible = binding.is_compatible
     interceptors: list = [ServerTracingInterceptor(tracer_provider)]
+    router_metrics = None
     if settings.metrics_port is not None:
         metrics = metrics or ServiceMetrics("router")
+        router_metrics = RouterMetrics(metrics, lambda: binding.model or "")
         # before auth, so that rejected tokens are counted too
-        interceptors += [metrics.interceptor(), RouterMetrics(metrics, lambda: binding.model or "").interceptor()]
+        interceptors += [metrics.interceptor(), router_metrics.interceptor()]
     interceptors.append(BearerAuthInterceptor(tenants.authenticate))
     server = GrpcServer(
         [ServiceBinding(router_pb2_grpc.add_RouterServicer_to_server, servicer, SERVICE_NAME)],
@@ -151,13 +171,29 @@ async def start_router(
         server_credentials=server_credentials,
     )
     router = Router(servicer, dispatcher, tenants, asyncio.Event(), binding)
+    http = _http_front(settings, router, router_metrics) if settings.http_port is not None else None  # binds first
     if settings.metrics_port is not None:
         metrics.ready = lambda: server.serving  # /ready follows gRPC health
         metrics.serve(settings.host, settings.metrics_port)  # a taken port fails before gRPC binds
         server.on_stop(metrics.stop)
     await server.start()
+    if http is not None:
+        await http.start()
+        server.run_in_background(http.run())  # cancelled (then drained) when the gRPC server stops
+        router.http_url = http.url
     server.run_in_background(_lifetime(server, router, kv_channel, channels, settings.kvstore))
     return server, router
+
+
+def _http_front(settings: RouterSettings, router: Router, metrics: RouterMetrics | None):
+    """The OpenAI HTTP front over this router's dispatcher, its socket bound (not serving yet)."""
+    from services.router.http.app import OpenAIFront  # imported only when served
+    from services.router.http.server import HttpFront, bind
+
+    servicer = router.servicer
+    front = OpenAIFront(router.dispatcher, router.tenants,
+                        lambda: (servicer.tokenizer, servicer.limits, router.model.model), metrics=metrics)
+    return HttpFront(front.app(), bind(settings.host, settings.http_port), grace_s=settings.grace_s)
 
 
 async def _lifetime(server: GrpcServer, router: Router, kv_channel, channels: ChannelPool, kvstore: str) -> None:

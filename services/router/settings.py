@@ -19,6 +19,7 @@ class RouterSettings(TandemSettings):
     model: str = Field("auto", min_length=1, description="model folder whose tokenizer to load, 'tiny' (byte-level), or 'auto': the model the first registered worker serves (workers serving another model are refused)")
     model_id: str = Field("", description="only route to workers registered with this model fingerprint ('' = any)")
     max_concurrent_rpcs: int = Field(1024, ge=1, description="RPCs handled at once; more are refused")
+    http_port: int | None = Field(None, ge=0, le=65535, description="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on host:this port (unset = off, 0 = any free port)")
 
     # --- request limits
     max_new_tokens: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
@@ -28,6 +29,8 @@ class RouterSettings(TandemSettings):
 
     # --- tenants
     tenants: str = Field("", description="bearer tokens: 'tokA=alice,tokB=bob', inline JSON or a JSON file path ('' = demo mode: everyone is 'public')")
+    salt_secret_file: str = Field("", description="file holding the secret (>= 16 bytes) that keys tenants' cache salts; every router of a deployment needs the same one ('' = salt_secret, else random per process)")
+    salt_secret: str = Field("", description="the salt secret itself (prefer salt_secret_file or the env var; never put it on a command line)")
     shared_tenants: str = Field("", description="comma-separated tenants that share one cache namespace (opt-in cross-tenant reuse)")
 
     # --- routing policy
@@ -56,6 +59,8 @@ class RouterSettings(TandemSettings):
     upstream_ca_file: str = Field("", description="CA to verify the kvstore and workers (enables TLS to them)")
     upstream_cert_file: str = Field("", description="client certificate presented to the kvstore and workers (mTLS)")
     upstream_key_file: str = Field("", description="private key of upstream_cert_file")
+    # --- failure detection
+    idle_timeout_s: float = Field(60.0, gt=0, description="a worker stream that sends nothing for this long (prefill included) fails with UNAVAILABLE")
 
     @model_validator(mode="after")
     def _consistent(self) -> RouterSettings:

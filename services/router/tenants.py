@@ -4,11 +4,15 @@
   of a JSON file holding ``{"tokenA": "alice", ...}`` or ``[{"token": ..., "tenant": ...}, ...]``.
   A missing or unknown token is UNAUTHENTICATED.
 * No tenants configured (demo mode): every caller is the ``public`` tenant, token or not.
-* The cache salt that separates KV namespaces is a digest of the tenant's *name* — never of
-  anything in the request body — so two tenants never hit each other's cache::
+* The cache salt that separates KV namespaces is an HMAC of the tenant's *name* under a server
+  secret — never of anything in the request body — so two tenants never hit each other's cache,
+  and nobody without the secret can compute a tenant's salt (and probe its namespace)::
 
-      token ──▶ tenant "alice" ──▶ salt = blake2b("tandem/tenant/alice") ──▶ kvstore namespace
-      token ──▶ tenant "bob"   ──▶ salt = blake2b("tandem/tenant/bob")   ──▶ another namespace
+      token ──▶ tenant "alice" ──▶ salt = HMAC(secret, "tandem/tenant/alice") ──▶ kvstore namespace
+      token ──▶ tenant "bob"   ──▶ salt = HMAC(secret, "tandem/tenant/bob")   ──▶ another namespace
+
+  The secret comes from ``--salt-secret-file`` or ``TANDEM_ROUTER_SALT_SECRET``; every router of a
+  deployment needs the same one (else they share no cache). Unset: a random one per process.
 
 * Sharing is opt-in: tenants listed in ``shared_tenants`` all get the salt of one shared
   namespace, so they reuse each other's prefixes (and only theirs).
@@ -23,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,15 +47,38 @@ class Tenant:
     name: str
     cache_salt: bytes
 
+    @property
+    def scope(self) -> str:
+        """A short tag of the tenant's name: request ids are unique per tenant, so the router
+        prefixes the ids it sends on with it (two tenants may both use "req-1")."""
+        return hashlib.blake2b(self.name.encode("utf-8"), digest_size=6).hexdigest()
 
-def tenant_salt(name: str) -> bytes:
-    """The cache salt of tenant ``name``'s private namespace (pure)."""
-    return hashlib.blake2b(_TENANT_SALT_PREFIX + name.encode("utf-8"), digest_size=SALT_BYTES).digest()
+
+def tenant_salt(name: str, secret: bytes) -> bytes:
+    """The cache salt of tenant ``name``'s private namespace under ``secret`` (pure)."""
+    return hmac.new(secret, _TENANT_SALT_PREFIX + name.encode("utf-8"), hashlib.sha256).digest()[:SALT_BYTES]
 
 
-def shared_salt() -> bytes:
+def shared_salt(secret: bytes) -> bytes:
     """The cache salt of the opt-in shared namespace (pure; differs from every tenant's)."""
-    return hashlib.blake2b(_SHARED_SALT_INPUT, digest_size=SALT_BYTES).digest()
+    return hmac.new(secret, _SHARED_SALT_INPUT, hashlib.sha256).digest()[:SALT_BYTES]
+
+
+def load_salt_secret(path: str = "", value: str = "") -> bytes:
+    """The salt secret from a file (stripped) or a value; a random one when both are empty.
+    Shorter than 16 bytes is InvalidArgument (read-only apart from reading the file)."""
+    if path:
+        try:
+            data = Path(path).read_bytes().strip()
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read the salt secret file {path!r}: {exc.strerror or exc}") from None
+    else:
+        data = value.encode("utf-8")
+    if not data:
+        return secrets.token_bytes(32)
+    if len(data) < 16:
+        raise InvalidArgument("the salt secret must be at least 16 bytes")
+    return data
 
 
 def _digest(token: str) -> bytes:
@@ -118,7 +146,7 @@ def _load_json(text: str, what: str):
 class TenantRegistry:
     """Authenticates bearer tokens; immutable after construction."""
 
-    def __init__(self, tokens: Mapping[str, str], *, shared: Iterable[str] = ()):
+    def __init__(self, tokens: Mapping[str, str], *, shared: Iterable[str] = (), secret: bytes | None = None):
         if any(not token or not name for token, name in tokens.items()):
             raise InvalidArgument("tenant tokens and names must be non-empty")
         names = set(tokens.values())
@@ -127,17 +155,18 @@ class TenantRegistry:
         if unknown:
             raise InvalidArgument(f"shared_tenants names tenants without a token: {sorted(unknown)}")
         self._shared = frozenset(shared)
+        self._secret = secret if secret else secrets.token_bytes(32)
         self._tenants = {name: self._make(name) for name in names}
         self._digests = [(_digest(token), name) for token, name in tokens.items()]
-        self._public = Tenant(PUBLIC_TENANT, tenant_salt(PUBLIC_TENANT))
+        self._public = Tenant(PUBLIC_TENANT, tenant_salt(PUBLIC_TENANT, self._secret))
 
     @classmethod
-    def from_settings(cls, tenants: str, shared_tenants: str = "") -> TenantRegistry:
+    def from_settings(cls, tenants: str, shared_tenants: str = "", secret: bytes | None = None) -> TenantRegistry:
         """Build from the router settings' strings (see :func:`parse_tenants`)."""
-        return cls(parse_tenants(tenants), shared=shared_tenants.split(","))
+        return cls(parse_tenants(tenants), shared=shared_tenants.split(","), secret=secret)
 
     def _make(self, name: str) -> Tenant:
-        return Tenant(name, shared_salt() if name in self._shared else tenant_salt(name))
+        return Tenant(name, shared_salt(self._secret) if name in self._shared else tenant_salt(name, self._secret))
 
     @property
     def demo_mode(self) -> bool:

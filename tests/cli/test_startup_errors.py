@@ -129,9 +129,9 @@ def test_enum_flag_lists_its_choices_and_rejects_others():
 
 
 def test_generate_rejects_negative_max_new_tokens():
-    proc = tandem("generate", "--max-new-tokens", "-5", "hi")
+    proc = tandem("generate", "--max-tokens", "-5", "hi")
     assert proc.returncode == 2
-    assert one_error_line(proc) == "tandem generate: error: argument --max-new-tokens: must be >= 1 (got -5)"
+    assert one_error_line(proc) == "tandem generate: error: argument --max-tokens/--max-new-tokens: must be >= 1 (got -5)"
 
 
 def test_up_with_a_busy_port_refuses_before_starting_anything(busy_port):
@@ -160,3 +160,27 @@ def test_tandem_up_refuses_a_model_without_the_draft_before_starting_anything():
     assert proc.returncode == 2
     assert "cannot load model 'demo': demo has no MTP draft: give --draft-model" in one_error_line(proc)
     assert "starting kvstore" not in proc.stdout
+
+
+def test_row14_secrets_are_never_printed_and_tokens_never_on_argv(tmp_path):
+    """Issue 8 row 14: a settings error masks secret values; ``tandem generate`` takes its
+    token from a file or TANDEM_TOKEN, and refuses a --token flag (argv is visible in ps)."""
+    from services.client import read_token
+    from services.common.settings import shown_value
+
+    assert shown_value("tenants", "tok=alice") == "'***'" and shown_value("salt_secret", "s3cret") == "'***'"
+    assert shown_value("max_new_tokens", 5) == "5"  # not a secret
+    proc = tandem("router", "--tls-cert", "/no/such.crt", env={"TANDEM_ROUTER_TENANTS": "sekrit-token=alice"})
+    assert proc.returncode == 2 and "sekrit" not in proc.stderr + proc.stdout
+    proc = tandem("generate", "--token", "sekrit-token", "hello")
+    assert proc.returncode == 2 and "--token is not accepted" in proc.stderr and "sekrit" not in proc.stderr
+    token = tmp_path / "token"
+    token.write_text("file-token\n")
+    assert read_token(str(token), environ={}) == "file-token"
+    assert read_token("", environ={"TANDEM_TOKEN": "env-token"}) == "env-token"
+    assert read_token("", environ={}) is None
+
+
+def test_tls_flags_go_together():
+    proc = tandem("kvstore", "--tls-cert", "a.crt")
+    assert proc.returncode == 2 and "tls_cert, tls_key and tls_ca go together" in one_error_line(proc)

@@ -68,7 +68,7 @@ def one_client(channel, seed: int, outcome: dict, errors: list) -> None:
                          timeout=DEADLINE)
             end = rng.choice(["Release", "Release", "Suspend", "Abort"])
             if end == "Abort":
-                stub.Abort(pb.AbortRequest(reservation_id=r.reservation_id, incarnation=r.incarnation),
+                stub.Abort(pb.AbortRequest(reservation_id=r.reservation_id, incarnation=r.incarnation, worker_id=r.worker_id),
                            timeout=DEADLINE)
             else:
                 getattr(stub, end)(pb.ReleaseRequest(reservation_id=r.reservation_id, incarnation=r.incarnation,

@@ -294,9 +294,9 @@ def test_suspend_then_reserve_again_hits_its_own_prefix(store, make_spec):
 def test_abort_publishes_nothing_and_is_idempotent(store, make_spec):
     w = store.register_worker(make_spec())
     r = reserve(store, w, "a", list(range(1, 10)))
-    assert store.abort(reservation_id=r.reservation_id, incarnation=r.incarnation) is True
+    assert store.abort(reservation_id=r.reservation_id, incarnation=r.incarnation, worker_id=r.worker_id) is True
     assert usage(store) == (8, 0, 0) and store.match(list(range(1, 10)))[0].reusable_positions == 0
-    assert store.abort(reservation_id=r.reservation_id, incarnation=r.incarnation) is False
+    assert store.abort(reservation_id=r.reservation_id, incarnation=r.incarnation, worker_id=r.worker_id) is False
     with pytest.raises(FailedPrecondition):
         store.abort(reservation_id=r.reservation_id, incarnation=r.incarnation + 5)
     with pytest.raises(NotFound):
@@ -308,7 +308,7 @@ def test_abort_publishes_nothing_and_is_idempotent(store, make_spec):
     release(store, b, final=9)
     c = reserve(store, w, "c", list(range(1, 10)) + [40])
     store.publish(reservation_id=c.reservation_id, incarnation=c.incarnation, new_tokens=[41], final_positions=10)
-    assert store.abort(reservation_id=c.reservation_id, incarnation=c.incarnation)
+    assert store.abort(reservation_id=c.reservation_id, incarnation=c.incarnation, worker_id=c.worker_id)
     assert usage(store) == (6, 2, 0)
     assert store.check_invariants() == []
 
@@ -343,7 +343,7 @@ def test_reregistration_replaces_the_incarnation(store, make_spec):
     assert store.events_since("w0", 0)[-1].incarnation == w.incarnation
     with pytest.raises(FailedPrecondition):
         release(store, r)
-    assert store.abort(reservation_id=r.reservation_id, incarnation=r.incarnation) is False
+    assert store.abort(reservation_id=r.reservation_id, incarnation=r.incarnation, worker_id=r.worker_id) is False
     with pytest.raises(FailedPrecondition):
         reserve(store, w, "b", [1, 2])  # the old incarnation
     assert reserve(store, w2, "a", [1, 2]).block_table == (0,)

@@ -12,6 +12,10 @@ The model knows no block ids and no eviction order. Per worker it keeps the live
   worker, exactly that while nothing was evicted);
 * that every rejected call left the store's state untouched.
 
+Two-phase end: an Abort from anyone but the owning worker only marks a reservation *ending*
+(blocks still in use, listed by ``ending_for``) until the worker confirms (Abort with its id, or
+Release) or its lease lapses; a worker acting on another worker's reservation is refused.
+
 After every step: the store's own audit is clean, in-use counts equal the model's (so nothing is
 leaked once every reservation has ended), and block tables are consistent (one block per
 published prefix per worker, private blocks never shared).
@@ -26,7 +30,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from services.common.spec import SpecMode
 from services.kvstore import ExtendItem, KVStore, TrimItem, WorkerSpec
 
@@ -124,9 +128,13 @@ class KVStoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = Clock()
-        self.store = KVStore(clock=self.clock, lease_ttl_s=TTL, epoch=0, events_per_worker=16)
+        ids = iter(range(1, 1 << 30))
+        # deterministic ids: hypothesis replays runs and picks reservations in sorted order
+        self.store = KVStore(clock=self.clock, lease_ttl_s=TTL, epoch=0, events_per_worker=16,
+                             new_id=lambda: f"r-{next(ids):06d}")
         self.workers: dict[str, MWorker] = {}
         self.live: dict[str, MRes] = {}
+        self.ending: dict[str, MRes] = {}  # ended by the router, blocks held until the worker confirms
         self.ended: dict[str, int] = {}  # reservation id -> incarnation it belonged to
         self.last_incarnation = 0
         self.history: list[tuple[str, bytes, list[int]]] = []  # (worker, salt, tokens) published
@@ -141,16 +149,22 @@ class KVStoreMachine(RuleBasedStateMachine):
         del self.workers[wid]
         for rid in [rid for rid, r in self.live.items() if r.worker_id == wid]:
             self.ended[rid] = self.live.pop(rid).incarnation
+        for rid in [rid for rid, r in self.ending.items() if r.worker_id == wid]:
+            self.ended[rid] = self.ending.pop(rid).incarnation
 
     def chains(self, r: MRes) -> list[tuple]:
         w = self.workers[r.worker_id]
         return path_keys(r.salt, r.tokens, w.bs, w.span)
 
+    def holders(self, wid: str) -> list[MRes]:
+        """Reservations holding blocks of ``wid``: live and ending ones."""
+        return [r for r in (*self.live.values(), *self.ending.values()) if r.worker_id == wid]
+
     def pinned(self, wid: str) -> set:
-        return {c for r in self.live.values() if r.worker_id == wid for c in self.chains(r)[: r.published]}
+        return {c for r in self.holders(wid) for c in self.chains(r)[: r.published]}
 
     def in_use(self, wid: str) -> int:
-        own = sum(r.nblocks - r.published for r in self.live.values() if r.worker_id == wid)
+        own = sum(r.nblocks - r.published for r in self.holders(wid))
         return len(self.pinned(wid)) + own
 
     def pick_live(self, data) -> MRes:
@@ -257,7 +271,7 @@ class KVStoreMachine(RuleBasedStateMachine):
             assert res.newly_published + res.deduplicated == published - r.published
             self._published(r, new, published)
         else:
-            self.store.abort(reservation_id=rid, incarnation=r.incarnation)
+            self.store.abort(reservation_id=rid, incarnation=r.incarnation, worker_id=r.worker_id)
         del self.live[rid]
         self.ended[rid] = r.incarnation
 
@@ -396,8 +410,8 @@ class KVStoreMachine(RuleBasedStateMachine):
     def finish(self, data, verb, new, final_extra):
         r = self.pick_live(data)
         if verb == "abort":
-            assert self.store.abort(reservation_id=r.rid, incarnation=r.incarnation) is True
-            assert self.store.abort(reservation_id=r.rid, incarnation=r.incarnation) is False
+            assert self.store.abort(reservation_id=r.rid, incarnation=r.incarnation, worker_id=r.worker_id) is True
+            assert self.store.abort(reservation_id=r.rid, incarnation=r.incarnation, worker_id=r.worker_id) is False
         else:
             final = None if final_extra is None else max(0, len(r.tokens) + len(new) + final_extra)
             error, published = self._expected_publish(r, new, final)
@@ -414,6 +428,56 @@ class KVStoreMachine(RuleBasedStateMachine):
             assert (res.freed_blocks, res.unpinned_blocks) == (r.nblocks - published + res.deduplicated, published)
         del self.live[r.rid]
         self.ended[r.rid] = r.incarnation
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def router_aborts(self, data):
+        """An Abort from the router marks the reservation ending: nothing is freed yet."""
+        r = self.pick_live(data)
+        assert self.store.abort(reservation_id=r.rid, incarnation=r.incarnation) is True
+        assert self.store.abort(reservation_id=r.rid, incarnation=r.incarnation) is False
+        del self.live[r.rid]
+        self.ending[r.rid] = r
+        self.expect_unchanged(FailedPrecondition, lambda: self.store.publish(
+            reservation_id=r.rid, incarnation=r.incarnation, final_positions=0, worker_id=r.worker_id))
+        [res] = self.store.extend([ExtendItem(r.rid, r.incarnation, 1)], worker_id=r.worker_id)
+        assert isinstance(res.error, FailedPrecondition)
+
+    @precondition(lambda self: self.ending)
+    @rule(data=st.data(), verb=st.sampled_from(["abort", "release"]))
+    def worker_confirms(self, data, verb):
+        """The owning worker confirms an ending reservation: its blocks are freed now."""
+        rid = data.draw(st.sampled_from(sorted(self.ending)))
+        r = self.ending[rid]
+        others = [w for w in self.workers if w != r.worker_id]
+        if others:
+            self.expect_unchanged(PermissionDenied, lambda: self.store.abort(
+                reservation_id=rid, incarnation=r.incarnation, worker_id=others[0]))
+        if verb == "abort":
+            assert self.store.abort(reservation_id=rid, incarnation=r.incarnation, worker_id=r.worker_id) is True
+        else:
+            res = self.store.release(reservation_id=rid, incarnation=r.incarnation, new_tokens=[0],
+                                     final_positions=len(r.tokens), worker_id=r.worker_id)
+            assert res.newly_published == 0 and res.freed_blocks == r.nblocks - r.published
+        del self.ending[rid]
+        self.ended[rid] = r.incarnation
+
+    @precondition(lambda self: self.live and len(self.workers) > 1)
+    @rule(data=st.data())
+    def foreign_worker_is_denied(self, data):
+        """A worker may touch only its own reservations: PermissionDenied, nothing changed."""
+        r = self.pick_live(data)
+        other = next(w for w in sorted(self.workers) if w != r.worker_id)
+        for call in (
+            lambda: self.store.abort(reservation_id=r.rid, incarnation=r.incarnation, worker_id=other),
+            lambda: self.store.publish(reservation_id=r.rid, incarnation=r.incarnation, final_positions=0, worker_id=other),
+            lambda: self.store.release(reservation_id=r.rid, incarnation=r.incarnation, worker_id=other),
+            lambda: self.store.get_reservation(r.rid, r.incarnation, worker_id=other),
+        ):
+            self.expect_unchanged(PermissionDenied, call)
+        before = fingerprint(self.store)
+        [res] = self.store.trim([TrimItem(r.rid, r.incarnation, 0)], worker_id=other)
+        assert isinstance(res.error, PermissionDenied) and fingerprint(self.store) == before
 
     @precondition(lambda self: self.ended)
     @rule(data=st.data())
@@ -440,9 +504,12 @@ class KVStoreMachine(RuleBasedStateMachine):
             assert pool.free + pool.cached == w.spec.num_blocks - pool.in_use
             live = sum(1 for r in self.live.values() if r.worker_id == wid)
             assert infos[wid].live_reservations == live
-            if not live:
+            ending = sorted(r.rid for r in self.ending.values() if r.worker_id == wid)
+            assert sorted(self.store.ending_for(wid, w.incarnation)) == ending
+            if not self.holders(wid):
                 assert pool.in_use == 0, "blocks leaked after every reservation ended"
-        assert self.store.stats().live_reservations == len(self.live)
+        stats = self.store.stats()
+        assert (stats.live_reservations, stats.ending_reservations) == (len(self.live), len(self.ending))
 
     @invariant()
     def block_tables_are_consistent(self):

@@ -33,6 +33,7 @@ from tandem.worker.v1 import worker_pb2 as wpb
 from tandem.worker.v1 import worker_pb2_grpc
 
 TIMEOUT = 10.0
+SALT_SECRET = b"router-rig-salt-secret"  # every router of the rig: one cache namespace per tenant
 WORKER_SERVICE = wpb.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
@@ -44,6 +45,7 @@ class Script:
     fail_before_first: bool = False
     fail_after: int | None = None  # UNAVAILABLE after this many tokens
     delay_s: float = 0.0  # before each token
+    max_draft_tokens: int = 8  # what Info says the worker accepts
 
     def token(self, i: int) -> int:
         data = self.text.encode("utf-8")
@@ -63,6 +65,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         self._kv_address = kv_address
         self._kv: kvstore_pb2_grpc.KVStoreStub | None = None
         self.requests: list[wpb.GenerateRequest] = []
+        self.reservations: list[kv_pb.Reservation] = []  # as read from the kvstore, per request
         self.ended: dict[str, str] = {}  # worker request id -> "released" / "aborted"
         self.running: dict[str, asyncio.Event] = {}
         self.abort_probes: list[str] = []
@@ -80,7 +83,12 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         prompt = tokens_from_proto(request.prompt)
         generated: list[int] = []
         released = False
+        reused = 0
         try:
+            got = await self.kv().GetReservation(  # like the real worker: blocks from the kvstore
+                kv_pb.GetReservationRequest(reservation_id=ref.reservation_id, incarnation=ref.incarnation), timeout=5)
+            reused = got.reservation.reused_positions
+            self.reservations.append(got.reservation)
             if self.script.fail_before_first:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure before the first token")
             n = request.sampling.max_new_tokens
@@ -111,10 +119,10 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
                 self.ended[rid] = "released"
                 yield wpb.GenerateResponse(
                     token_ids=[generated[-1]],
-                    finish_reason=wpb.FINISH_REASON_LENGTH,
-                    usage=wpb.Usage(
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                    usage=common_pb2.Usage(
                         prompt_tokens=len(prompt),
-                        cached_tokens=ref.reused_positions,
+                        cached_tokens=reused,
                         completion_tokens=len(generated),
                         mean_acceptance_length=1.0,
                         decode_steps=len(generated),
@@ -124,7 +132,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
             if not released:
                 try:
                     await self.kv().Abort(
-                        kv_pb.AbortRequest(reservation_id=ref.reservation_id, incarnation=ref.incarnation), timeout=5
+                        kv_pb.AbortRequest(reservation_id=ref.reservation_id, incarnation=ref.incarnation,
+                                           worker_id=self.worker_id), timeout=5
                     )
                 finally:
                     self.ended[rid] = "aborted"
@@ -139,7 +148,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         return wpb.AbortResponse()
 
     async def Info(self, request, context):
-        return wpb.InfoResponse(worker_id=self.worker_id, running=len(self.running))
+        return wpb.InfoResponse(worker_id=self.worker_id, running=len(self.running),
+                                max_draft_tokens=self.script.max_draft_tokens)
 
 
 @dataclass
@@ -182,8 +192,8 @@ class Rig:
         ).reservation
 
     def free(self, reservation: kv_pb.Reservation) -> None:
-        self.kv.stub.Abort(kv_pb.AbortRequest(reservation_id=reservation.reservation_id,
-                                              incarnation=reservation.incarnation), timeout=TIMEOUT)
+        self.kv.stub.Abort(kv_pb.AbortRequest(reservation_id=reservation.reservation_id, incarnation=reservation.incarnation,
+                                              worker_id=reservation.worker_id), timeout=TIMEOUT)
 
     # --- workers
     def register(self, worker_id: str, address: str, *, num_blocks: int = 64, block_size: int = 16,
@@ -233,7 +243,7 @@ class Rig:
         settings = RouterSettings(**{
             "host": "127.0.0.1", "port": 0, "kvstore": self.kv.address, "grace_s": 0.0, "policy_seed": 0, "model": "tiny",
             "registry_ttl_s": 0.0, "queue_retry_s": 0.02, "queue_retry_max_s": 0.05,
-            "worker_probe_timeout_s": 1.0, **overrides,
+            "worker_probe_timeout_s": 1.0, "salt_secret": SALT_SECRET.decode(), **overrides,
         })
         provider = self.tracer_provider
         svc = self.start_service(lambda: start_router(settings, tracer_provider=provider))

@@ -10,6 +10,7 @@ import grpc
 from router_rig import Script, collect
 from services.common.tokenizer import ByteTokenizer
 from services.common.wire import tokens_from_proto
+from router_rig import SALT_SECRET
 from services.router.tenants import tenant_salt
 from tandem.common.v1 import common_pb2
 
@@ -31,18 +32,19 @@ def test_streams_text_ids_and_usage(rig):
     u = final.usage
     prompt = TOK.encode("Hello, router!")
     assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (len(prompt), 40, 0)
-    assert u.worker_id == "w0" and u.finish_reason == "length"
+    assert u.worker_id == "w0" and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert u.mean_acceptance_length == 1.0
     assert 0 < u.time_to_first_token_s < 5
 
     (req,) = worker.requests
     assert tokens_from_proto(req.prompt).tolist() == prompt
-    assert len(req.request_id) == 32  # generated uuid4 hex
+    scope, _, rid = req.request_id.partition("/")
+    assert len(scope) == 12 and len(rid) == 32  # tenant scope / generated uuid4 hex
     assert req.sampling.max_new_tokens == 40 and req.sampling.top_p == 1.0
     assert TOK.eos_token_id in req.sampling.stop_token_ids
     assert req.spec.num_draft_tokens == 4  # the router's default
     # the reservation covers the prompt plus the first step's draft + bonus tokens
-    assert len(req.reservation.block_table) * 16 >= len(prompt) + 5
+    assert len(worker.reservations[0].block_table) * 16 >= len(prompt) + 5  # as the worker read it from the kvstore
     assert worker.ended == {req.request_id: "released"}
     rig.wait_no_live_reservations()
 
@@ -52,16 +54,31 @@ def test_request_fields_reach_the_worker(rig):
     router = rig.router()
     ids = common_pb2.TokenIds(list=common_pb2.Uint32List(values=[256, 1, 2, 3]))
     msgs, err = collect(router, token_ids=ids, max_new_tokens=3, temperature=0.5, top_p=0.9, top_k=7, seed=11,
-                        num_draft_tokens=0, stop_token_ids=[9], request_id="my-request")
+                        num_draft_tokens=0, stop_token_ids=[9], request_id="my-request", min_p=0.25)
     assert err is None, err
     (req,) = worker.requests
-    assert req.request_id == "my-request"
+    assert req.request_id.endswith("/my-request")  # scoped by the tenant
     assert tokens_from_proto(req.prompt).tolist() == [256, 1, 2, 3]
     s = req.sampling
     assert (round(s.temperature, 3), round(s.top_p, 3), s.top_k, s.seed) == (0.5, 0.9, 7, 11)
     assert list(s.stop_token_ids) == [9, TOK.eos_token_id]
+    assert s.min_p == 0.25
     assert req.spec.num_draft_tokens == 0
     assert msgs[-1].usage.prompt_tokens == 4
+
+
+def test_seed_zero_is_a_seed_and_unset_fields_get_their_defaults(rig):
+    """optional fields: seed 0 reaches the worker as a seed; unset seed stays unset (unseeded);
+    unset temperature is greedy on gRPC and unset top_p is 1."""
+    worker = rig.worker("w0")
+    router = rig.router()
+    for fields in ({"seed": 0, "temperature": 0.7}, {}):
+        msgs, err = collect(router, text="seed?", max_new_tokens=2, **fields)
+        assert err is None, err
+    seeded, unset = (r.sampling for r in worker.requests)
+    assert seeded.HasField("seed") and seeded.seed == 0 and round(seeded.temperature, 3) == 0.7
+    assert not unset.HasField("seed")
+    assert (unset.temperature, unset.top_p) == (0.0, 1.0)
 
 
 def test_second_request_reuses_the_prefix_within_a_tenant_only(rig):
@@ -101,8 +118,8 @@ def test_the_salt_comes_from_the_tenant(rig):
         resp = rig.kv.stub.Match(kv_pb.MatchRequest(tokens=tokens, cache_salt=salt), timeout=5)
         return resp.workers[0].reusable_positions
 
-    assert reusable(tenant_salt("alice")) == 80  # 81 tokens: 5 full blocks
-    assert reusable(tenant_salt("bob")) == 0
+    assert reusable(tenant_salt("alice", SALT_SECRET)) == 80  # 81 tokens: 5 full blocks
+    assert reusable(tenant_salt("bob", SALT_SECRET)) == 0
     assert reusable(b"") == 0
 
 

@@ -8,7 +8,9 @@ import pytest
 
 from services.common.errors import InvalidArgument, Unauthenticated
 from services.router import tenants as tenants_mod
-from services.router.tenants import PUBLIC_TENANT, TenantRegistry, parse_tenants, shared_salt, tenant_salt
+from services.router.tenants import PUBLIC_TENANT, TenantRegistry, load_salt_secret, parse_tenants, shared_salt, tenant_salt
+
+SECRET = b"0123456789abcdef-test-secret"
 
 
 def test_parse_pairs_json_and_file(tmp_path):
@@ -38,7 +40,7 @@ def test_error_messages_never_echo_tokens():
 
 
 def test_known_tokens_map_to_their_tenant():
-    reg = TenantRegistry({"tokA": "alice", "tokB": "bob", "tokA2": "alice"})
+    reg = TenantRegistry({"tokA": "alice", "tokB": "bob", "tokA2": "alice"}, secret=SECRET)
     assert reg.authenticate("tokA").name == "alice"
     assert reg.authenticate("tokA2").name == "alice"
     assert reg.authenticate("tokB").name == "bob"
@@ -48,7 +50,7 @@ def test_known_tokens_map_to_their_tenant():
 
 @pytest.mark.parametrize("token", [None, "", "tokC", "tokA ", "tok", "tokAA"])
 def test_missing_or_unknown_tokens_are_unauthenticated(token):
-    reg = TenantRegistry({"tokA": "alice"})
+    reg = TenantRegistry({"tokA": "alice"}, secret=SECRET)
     with pytest.raises(Unauthenticated):
         reg.authenticate(token)
 
@@ -75,30 +77,30 @@ def test_every_configured_token_is_compared_without_early_exit(monkeypatch):
 
 
 def test_demo_mode_everyone_is_public():
-    reg = TenantRegistry({})
+    reg = TenantRegistry({}, secret=SECRET)
     assert reg.demo_mode
     assert reg.authenticate(None).name == PUBLIC_TENANT
     assert reg.authenticate("anything").name == PUBLIC_TENANT
-    assert reg.authenticate(None).cache_salt == tenant_salt(PUBLIC_TENANT)
+    assert reg.authenticate(None).cache_salt == tenant_salt(PUBLIC_TENANT, SECRET)
 
 
 def test_salts_isolate_tenants_and_come_only_from_the_name():
-    reg = TenantRegistry({"tokA": "alice", "tokB": "bob"})
+    reg = TenantRegistry({"tokA": "alice", "tokB": "bob"}, secret=SECRET)
     alice, bob = reg.authenticate("tokA"), reg.authenticate("tokB")
     assert alice.cache_salt != bob.cache_salt
-    assert alice.cache_salt == tenant_salt("alice")  # same name, same namespace, any registry
-    assert TenantRegistry({"other-token": "alice"}).authenticate("other-token").cache_salt == alice.cache_salt
+    assert alice.cache_salt == tenant_salt("alice", SECRET)  # same name, same namespace, any registry
+    assert TenantRegistry({"other-token": "alice"}, secret=SECRET).authenticate("other-token").cache_salt == alice.cache_salt
     assert len(alice.cache_salt) == 16
-    assert tenant_salt("alice") != tenant_salt("alicf")
+    assert tenant_salt("alice", SECRET) != tenant_salt("alicf", SECRET)
 
 
 def test_sharing_is_opt_in():
-    reg = TenantRegistry({"a": "alice", "b": "bob", "c": "carol"}, shared=["alice", "bob"])
+    reg = TenantRegistry({"a": "alice", "b": "bob", "c": "carol"}, shared=["alice", "bob"], secret=SECRET)
     alice, bob, carol = (reg.authenticate(t) for t in "abc")
-    assert alice.cache_salt == bob.cache_salt == shared_salt()
-    assert carol.cache_salt == tenant_salt("carol") != shared_salt()
+    assert alice.cache_salt == bob.cache_salt == shared_salt(SECRET)
+    assert carol.cache_salt == tenant_salt("carol", SECRET) != shared_salt(SECRET)
     # a tenant literally named like the shared namespace still gets its own salt
-    assert TenantRegistry({"x": "shared"}).authenticate("x").cache_salt != shared_salt()
+    assert TenantRegistry({"x": "shared"}, secret=SECRET).authenticate("x").cache_salt != shared_salt(SECRET)
 
 
 def test_shared_tenants_must_exist():
@@ -106,3 +108,20 @@ def test_shared_tenants_must_exist():
         TenantRegistry({"a": "alice"}, shared=["mallory"])
     reg = TenantRegistry.from_settings("a=alice,b=bob", "alice, bob")
     assert reg.authenticate("a").cache_salt == reg.authenticate("b").cache_salt
+
+
+def test_salts_are_keyed_by_the_server_secret(tmp_path):
+    """Issue 8 row 6: without the secret nobody can compute a tenant's salt (and probe its
+    namespace): the same name under another secret is another namespace."""
+    other = b"another-secret-of-16+bytes"
+    assert tenant_salt("alice", SECRET) != tenant_salt("alice", other)
+    assert shared_salt(SECRET) != shared_salt(other)
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET + b"\n")
+    assert load_salt_secret(str(path)) == SECRET
+    assert load_salt_secret("", SECRET.decode()) == SECRET
+    assert len(load_salt_secret()) == 32 and load_salt_secret() != load_salt_secret()  # random per process
+    with pytest.raises(InvalidArgument):
+        load_salt_secret("", "short")
+    with pytest.raises(InvalidArgument):
+        load_salt_secret(str(tmp_path / "missing"))

@@ -97,10 +97,28 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("lease_expires_in_s",)
+    __slots__ = ("lease_expires_in_s", "ending_reservation_ids")
     LEASE_EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    ENDING_RESERVATION_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_expires_in_s: float
-    def __init__(self, lease_expires_in_s: _Optional[float] = ...) -> None: ...
+    ending_reservation_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_expires_in_s: _Optional[float] = ..., ending_reservation_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetReservationRequest(_message.Message):
+    __slots__ = ("reservation_id", "incarnation")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    incarnation: int
+    def __init__(self, reservation_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class GetReservationResponse(_message.Message):
+    __slots__ = ("reservation", "prompt_packed")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_PACKED_FIELD_NUMBER: _ClassVar[int]
+    reservation: Reservation
+    prompt_packed: bytes
+    def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., prompt_packed: _Optional[bytes] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
     __slots__ = ("tokens", "cache_salt", "model_id")
@@ -279,12 +297,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self, newly_published: _Optional[int] = ..., freed_blocks: _Optional[int] = ..., deduplicated: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("reservation_id", "incarnation")
+    __slots__ = ("reservation_id", "incarnation", "worker_id")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     incarnation: int
-    def __init__(self, reservation_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    worker_id: str
+    def __init__(self, reservation_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("aborted",)
@@ -299,21 +319,23 @@ class StatsRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("workers", "matches", "reservations_created", "live_reservations", "trie_nodes")
+    __slots__ = ("workers", "matches", "reservations_created", "live_reservations", "ending_reservations", "trie_nodes")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MATCHES_FIELD_NUMBER: _ClassVar[int]
     RESERVATIONS_CREATED_FIELD_NUMBER: _ClassVar[int]
     LIVE_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    ENDING_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     TRIE_NODES_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     matches: int
     reservations_created: int
     live_reservations: int
+    ending_reservations: int
     trie_nodes: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., matches: _Optional[int] = ..., reservations_created: _Optional[int] = ..., live_reservations: _Optional[int] = ..., trie_nodes: _Optional[int] = ...) -> None: ...
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., matches: _Optional[int] = ..., reservations_created: _Optional[int] = ..., live_reservations: _Optional[int] = ..., ending_reservations: _Optional[int] = ..., trie_nodes: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "pool", "live_reservations", "requested_positions", "reused_positions", "evictions", "published_blocks", "deduplicated_blocks")
+    __slots__ = ("worker_id", "pool", "live_reservations", "requested_positions", "reused_positions", "evictions", "published_blocks", "deduplicated_blocks", "ending_reservations")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     LIVE_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +344,7 @@ class WorkerStats(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEDUPLICATED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENDING_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pool: PoolUsage
     live_reservations: int
@@ -330,7 +353,8 @@ class WorkerStats(_message.Message):
     evictions: int
     published_blocks: int
     deduplicated_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[_Union[PoolUsage, _Mapping]] = ..., live_reservations: _Optional[int] = ..., requested_positions: _Optional[int] = ..., reused_positions: _Optional[int] = ..., evictions: _Optional[int] = ..., published_blocks: _Optional[int] = ..., deduplicated_blocks: _Optional[int] = ...) -> None: ...
+    ending_reservations: int
+    def __init__(self, worker_id: _Optional[str] = ..., pool: _Optional[_Union[PoolUsage, _Mapping]] = ..., live_reservations: _Optional[int] = ..., requested_positions: _Optional[int] = ..., reused_positions: _Optional[int] = ..., evictions: _Optional[int] = ..., published_blocks: _Optional[int] = ..., deduplicated_blocks: _Optional[int] = ..., ending_reservations: _Optional[int] = ...) -> None: ...
 
 class CheckInvariantsRequest(_message.Message):
     __slots__ = ()

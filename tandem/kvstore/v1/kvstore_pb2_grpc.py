@@ -50,6 +50,11 @@ class KVStoreStub:
                 request_serializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.GetReservation = channel.unary_unary(
+                '/tandem.kvstore.v1.KVStore/GetReservation',
+                request_serializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.GetReservationRequest.SerializeToString,
+                response_deserializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.GetReservationResponse.FromString,
+                _registered_method=True)
         self.Match = channel.unary_unary(
                 '/tandem.kvstore.v1.KVStore/Match',
                 request_serializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.MatchRequest.SerializeToString,
@@ -128,6 +133,15 @@ class KVStoreServicer:
 
     def Heartbeat(self, request, context):
         """Extend a worker's lease. A lease that lapses drops the worker like a re-registration would.
+        The answer lists reservations the router ended, for the worker to stop and confirm.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetReservation(self, request, context):
+        """The owning worker reads a live reservation it was asked to run: block table, reused prefix
+        and the prompt it was made for (the worker never takes these from its caller).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -184,8 +198,10 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """End a reservation publishing nothing new. Idempotent for recently ended ids; unknown ids are
-        NOT_FOUND.
+        """End a reservation publishing nothing new. From the owning worker (worker_id set): blocks are
+        freed now. From anyone else: the reservation is marked ended and its blocks are freed once
+        the worker confirms (Abort or Release) or its lease lapses. Idempotent for recently ended
+        ids; unknown ids are NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -229,6 +245,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.HeartbeatRequest.FromString,
                     response_serializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'GetReservation': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetReservation,
+                    request_deserializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.GetReservationRequest.FromString,
+                    response_serializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.GetReservationResponse.SerializeToString,
             ),
             'Match': grpc.unary_unary_rpc_method_handler(
                     servicer.Match,
@@ -368,6 +389,33 @@ class KVStore:
             '/tandem.kvstore.v1.KVStore/Heartbeat',
             tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.HeartbeatRequest.SerializeToString,
             tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetReservation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.kvstore.v1.KVStore/GetReservation',
+            tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.GetReservationRequest.SerializeToString,
+            tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.GetReservationResponse.FromString,
             options,
             channel_credentials,
             insecure,
