@@ -37,7 +37,7 @@ def settings_for(args, model_dir: Path, k: int):
     from services.gpuworker.settings import WorkerSettings
 
     gpu = args.device.startswith("cuda")
-    return WorkerSettings(model=str(model_dir), spec_mode="eagle3", device=args.device,
+    return WorkerSettings(model=str(model_dir), spec_mode="eagle3", draft_model="random", device=args.device,
                           backend="flashinfer" if gpu else "torch", dtype="bfloat16" if gpu else "float32",
                           num_blocks=max(args.batch) * (-(-(args.prompt_len + (args.steps + 20) * (k + 1) + 64) // 16)) + 8,
                           forced_acceptance=args.accept if k else None)

@@ -2,7 +2,7 @@
 
 A random Llama of ``--shape`` is built with transformers (seeded) and saved as a Hugging Face folder
 (with a word-level ``tokenizer.json`` and no end-of-sequence id, so every request runs its full
-``--max-new-tokens``); the worker's loader gives it a seeded random EAGLE-3 draft. Then, in one run::
+``--max-new-tokens``); the worker gets a seeded random EAGLE-3 draft (``--draft-model random``). Then, in one run::
 
     served         closed-loop clients ──Router.Generate──▶ router ─▶ kvstore
                    (grpc.aio, token ids)                      └─────▶ worker (tandem worker ...)
@@ -200,7 +200,7 @@ def copy_bandwidth_GBps(nbytes: int = 1 << 30) -> float:
 def worker_settings(args, model_dir: Path, a: int | None):
     """The one WorkerSettings both the served worker (as flags) and the engine alone use."""
     gpu = args.device.startswith("cuda")
-    kw = dict(model=str(model_dir), spec_mode="eagle3", device=args.device,
+    kw = dict(model=str(model_dir), spec_mode="eagle3", draft_model="random", device=args.device,
               backend="flashinfer" if gpu else "torch", dtype="bfloat16" if gpu else "float32",
               num_blocks=kv_blocks(args), forced_acceptance=a)
     for name in ("cuda_graphs", "overlap_steps", "max_batch_tokens", "chunk_size", "gil_switch_interval_ms"):

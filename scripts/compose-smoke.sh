@@ -157,13 +157,15 @@ if [ -d .whl ]; then quickstart_in_container; fi
 rm -rf .whl
 export TANDEM_IMAGE=tandem:smoke TANDEM_REDIS_IMAGE=tandem-redis:smoke TANDEM_PROMETHEUS_IMAGE=tandem-prometheus:smoke
 export TANDEM_BASE_IMAGE="$BASE"
-router_port="$(free_port)"; prometheus_port="$(free_port)"
+router_port="$(free_port)"; prometheus_port="$(free_port)"; http_port="$(free_port)"
 export TANDEM_ROUTER_PUBLISH="127.0.0.1:$router_port" TANDEM_PROMETHEUS_PUBLISH="127.0.0.1:$prometheus_port"
+export TANDEM_ROUTER_HTTP_PUBLISH="127.0.0.1:$http_port"
 log "compose up (${COMPOSE[*]}); router on 127.0.0.1:$router_port, Prometheus on 127.0.0.1:$prometheus_port"
 compose up -d --no-build >/dev/null 2>&1 || { compose logs --tail 40 >&2; exit 1; }
 wait_healthy
 log "contract tests against the deployed stack"
 TANDEM_CONTRACT_ROUTER="127.0.0.1:$router_port" TANDEM_CONTRACT_PROMETHEUS="http://127.0.0.1:$prometheus_port" \
+TANDEM_CONTRACT_HTTP="http://127.0.0.1:$http_port/v1" \
     "$TANDEM_PY" -m pytest -q -p no:randomly tests/contract
 log "compose down"
 compose down -v --remove-orphans >/dev/null 2>&1

@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("services.router.main", "run the router gRPC service"),
     "worker": ("services.gpuworker.main", "run a gpuworker (model + KV pools + engine)"),
     "distill-draft": ("services.gpuworker.distill", "train a model's draft layers on its own greedy outputs"),
+    "train-demo": ("services.gpuworker.train_demo", "train the demo model (byte-level Llama) on the Python standard library"),
     "up": ("services.launcher", "run kvstore + router + workers locally and wait"),
     "generate": ("services.client", "stream an answer from the router"),
     "certs": ("services.certs_command", "write a throwaway CA and service certificates for mTLS (compose)"),

@@ -39,7 +39,7 @@ from services.common.settings import add_settings_flags, report_startup_error, s
 from services.common.startup import EXIT_FAILURE, PortInUse, StartupError, check_port_free
 from services.launch_plan import WorkerPlan, detect_gpus, installed_capabilities, plan_workers
 
-DEMO_PROMPT = "Tandem pairs every target KV block with a draft KV block, so"
+DEMO_PROMPT = "import os\n\n\ndef read_config(path):\n    "
 CPU_NUM_BLOCKS = 1024
 RESTART_FIRST_S = 1.0
 RESTART_MAX_S = 30.0
@@ -50,15 +50,20 @@ class UpSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_UP_", extra="forbid", protected_namespaces=())
 
     workers: int = Field(0, ge=0, description="gpuworkers to start (0 = one per usable GPU, 1 on CPU)")
-    model: str = Field("tiny", min_length=1, description="model folder or 'tiny'")
+    model: str = Field("demo", min_length=1, description="model folder, hub id (org/name), 'demo' (the shipped byte-level model trained on Python's stdlib, with its EAGLE-3 draft) or 'tiny' (random weights)")
+    revision: str = Field("", description="hub revision of --model ('' = main)")
     spec_mode: Literal["none", "eagle3", "mtp"] = Field("eagle3", description="draft kind of every worker")
-    draft_model: str = Field("", description="draft folder for every worker ('' = the model folder's)")
+    draft_model: str = Field("", description="draft of every worker: folder or hub id (public EAGLE-3 layout), 'random' (benchmarks), '' = the model's own")
+    draft_revision: str = Field("", description="hub revision of --draft-model ('' = main)")
+    served_model_name: str = Field("", max_length=128, description="explicit model identity of every worker (mixed into the KV-cache namespace)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when a GPU is visible")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="unset: bfloat16 on CUDA, float32 on CPU")
     kv_memory_fraction: float | None = Field(None, gt=0, le=1, description="KV share of free GPU memory per worker (unset: 0.9 on CUDA)")
     num_blocks: int | None = Field(None, ge=0, description=f"paired KV blocks per worker (unset: {CPU_NUM_BLOCKS} on CPU, sized by kv_memory_fraction on CUDA)")
     host: str = Field("127.0.0.1", description="address every service binds")
     router_port: int = Field(50050, ge=0, le=65535, description="router port (0 = any free port)")
+    http_port: int = Field(8000, ge=0, le=65535, description="router's OpenAI-compatible HTTP API port (0 = any free port)")
+    http: bool = Field(True, description="serve the OpenAI-compatible HTTP API (--no-http: gRPC only)")
     kvstore_port: int = Field(50051, ge=0, le=65535, description="kvstore port (0 = any free port)")
     worker_base_port: int = Field(50061, ge=0, le=65535, description="first worker port (0 = any free ports)")
     metrics_base_port: int = Field(0, ge=0, le=65535, description="kvstore metrics on this port, router +1, worker i +2+i (0 = off)")
@@ -191,6 +196,8 @@ def _metrics(s: UpSettings, offset: int) -> list[str]:
 def check_ports(s: UpSettings, workers: int) -> None:
     """Raise :class:`PortInUse` for the first fixed port something else holds."""
     wanted = [("kvstore port", s.kvstore_port), ("router port", s.router_port)]
+    if s.http and s.http_port:
+        wanted.append(("router HTTP port", s.http_port))
     if s.worker_base_port:
         wanted += [(f"worker{i} port", s.worker_base_port + i) for i in range(workers)]
     if s.metrics_base_port:
@@ -207,6 +214,9 @@ def worker_argv(s: UpSettings, plan: WorkerPlan, port: int, kv_addr: str) -> lis
     return ["worker", "--host", s.host, "--port", str(port), "--kvstore", kv_addr, "--worker-id", f"worker{plan.index}",
             "--model", s.model, "--spec-mode", s.spec_mode, "--num-blocks", str(num_blocks), *plan.flags(),
             *(["--draft-model", s.draft_model] if s.draft_model else []),
+            *(["--revision", s.revision] if s.revision else []),
+            *(["--draft-revision", s.draft_revision] if s.draft_revision else []),
+            *(["--served-model-name", s.served_model_name] if s.served_model_name else []),
             *_metrics(s, 2 + plan.index)]
 
 
@@ -234,8 +244,9 @@ def start_suite(s: UpSettings, plans: list[WorkerPlan], log_level: str = "INFO",
             children.append(_spawn(f"worker{plan.index}", [*flags, *worker_argv(s, plan, port, kv_addr)], f"{host}:{port}",
                                    env(f"worker{plan.index}", "TANDEM_WORKER_", plan.env)))
         r_addr = f"{host}:{s.router_port or _free_port(host)}"
+        http = ["--http-port", str(s.http_port or _free_port(host))] if s.http else []
         children.append(_spawn("router", [*flags, "router", "--host", host, "--port", r_addr.rsplit(':', 1)[1], "--kvstore", kv_addr,
-                                          "--model", s.model, *_metrics(s, 1)], r_addr, env("router", "TANDEM_ROUTER_")))
+                                          "--model", s.model, *http, *_metrics(s, 1)], r_addr, env("router", "TANDEM_ROUTER_")))
         for child in children[1:]:
             # the router's client side is plaintext (bearer tokens); the workers need a certificate
             wait_serving(child.address, deadline, child.proc, None if child.name == "router" else probe)
@@ -243,6 +254,14 @@ def start_suite(s: UpSettings, plans: list[WorkerPlan], log_level: str = "INFO",
     except BaseException:
         stop_children(children)
         raise
+
+
+def http_url(router: Child) -> str | None:
+    """The router's HTTP front as ``tandem up`` started it (from its argv), or None."""
+    if "--http-port" not in router.argv:
+        return None
+    host = router.address.rsplit(":", 1)[0]
+    return f"http://{host}:{router.argv[router.argv.index('--http-port') + 1]}"
 
 
 def supervise_once(children: list[Child], now: float) -> str | None:
@@ -279,6 +298,16 @@ def choose_workers(s: UpSettings) -> list[WorkerPlan]:
     return plans
 
 
+def check_model(s: UpSettings) -> None:
+    """Refuse a model / spec mode / draft that cannot go together before starting anything (the
+    workers would exit with the same line, and be restarted, again and again)."""
+    from services.gpuworker.build import preflight
+    from services.gpuworker.settings import WorkerSettings
+
+    preflight(WorkerSettings(model=s.model, spec_mode=s.spec_mode, draft_model=s.draft_model, revision=s.revision,
+                             draft_revision=s.draft_revision))
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         s = settings_from_args(UpSettings, args)
@@ -289,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"serving the tiny model with its distilled draft from {distilled}")
             elif s.spec_mode != "none":
                 print("serving the tiny model with a random draft (run `tandem distill-draft tiny` for a trained one)")
+        check_model(s)
         plans = choose_workers(s)
         where = "CPU" if plans[0].device == "cpu" else f"{len(plans)} GPU(s), {plans[0].backend}, {plans[0].dtype}"
         print(f"starting kvstore, {len(plans)} worker(s) on {where} and router (model {s.model}) ...", flush=True)
@@ -321,6 +351,9 @@ def serve_suite(s: UpSettings, children: list[Child]) -> int:
     print("all services SERVING:")
     for child in children:
         print(f"  {child.name:<9} {child.address}  (pid {child.proc.pid})")
+    http = http_url(children[-1])
+    if http:
+        print(f"  OpenAI-compatible HTTP API: {http}/v1  (e.g. openai.OpenAI(base_url=\"{http}/v1\", api_key=\"none\"))")
     print(f'try:  tandem generate --router {router} "Hello"')
     stopping = False
 
@@ -337,7 +370,7 @@ def serve_suite(s: UpSettings, children: list[Child]) -> int:
 
             for attempt in (1, 2):
                 print(f"\n--- demo request {attempt} of 2 (the second reuses the first one's KV) ---", flush=True)
-                code = generate_and_print(router, DEMO_PROMPT, max_new_tokens=48)
+                code = generate_and_print(router, DEMO_PROMPT, max_new_tokens=160)
                 if code:
                     break
         if not s.exit_after_demo:

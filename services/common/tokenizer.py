@@ -169,12 +169,18 @@ class StreamDecoder:
 
 
 def load_tokenizer(model_dir_or_tiny: str | Path) -> Tokenizer:
-    """``"tiny"`` -> ``ByteTokenizer``; a folder with ``tokenizer.json`` -> ``HFTokenizer``; a
-    folder with a ``tandem_tokenizer.json`` marker ``{"type": "byte"}`` -> ``ByteTokenizer``.
-    Raises ``NotFound`` otherwise."""
-    if str(model_dir_or_tiny) == "tiny":
+    """``"tiny"`` / ``"demo"`` (byte-level built-ins) -> ``ByteTokenizer``; a folder (or a hub
+    id, fetched into the hub cache) with ``tokenizer.json`` -> ``HFTokenizer``; one with a
+    ``tandem_tokenizer.json`` marker ``{"type": "byte"}`` -> ``ByteTokenizer``. Raises
+    ``NotFound`` otherwise."""
+    if str(model_dir_or_tiny) in ("tiny", "demo"):
         return ByteTokenizer()
     folder = Path(model_dir_or_tiny)
+    if not folder.is_dir():
+        from services.common.hub import looks_like_hub_id, resolve
+
+        if looks_like_hub_id(str(model_dir_or_tiny)):
+            folder = resolve(str(model_dir_or_tiny), full=False).path
     if (folder / "tokenizer.json").is_file():
         return HFTokenizer(folder)
     marker = _read_json(folder / BYTE_TOKENIZER_MARKER)

@@ -23,14 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, NotFound
+from services.common.startup import EXIT_CONFIG, StartupError
 from services.common.spec import SpecMode
 from services.gpuworker.attention.base import AttentionGeometry, get_backend
 from services.gpuworker.engine.capacity import BlockSource
 from services.gpuworker.engine.engine import Engine, EngineConfig
 from services.gpuworker.model.draft import DraftModel
 from services.gpuworker.model.llama import TargetModel
-from services.gpuworker.model.loader import load_model
+from services.gpuworker.model.loader import ModelPlan, load_model, plan_model
 from services.gpuworker.model.ops import fuse_projections, get_ops, use_ops
 from services.gpuworker.settings import WorkerSettings
 
@@ -53,11 +54,38 @@ class BuiltEngine:
     device: torch.device
 
 
+def model_dtype(settings: WorkerSettings) -> torch.dtype:
+    """The torch dtype of ``settings`` (``auto`` resolved by device)."""
+    return DTYPES[settings.torch_dtype_name]
+
+
+def preflight(settings: WorkerSettings) -> ModelPlan:
+    """Refuse, before any weight is read, what cannot run: a model, draft and spec mode that do
+    not go together (EAGLE-3 on a 2-layer target, a draft made for another target, no draft), or
+    a device that is not there. Raises ``StartupError`` (exit 2 for configuration, 3 for the
+    machine) with one line."""
+    device = torch.device(settings.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise StartupError(f"--device {settings.device}: no CUDA device is visible (torch {torch.__version__})")
+    try:
+        return plan_model(settings.model, spec_mode=SPEC_MODES[settings.spec_mode], mtp_depth=settings.mtp_depth,
+                          draft_model=settings.draft_model or None, revision=settings.revision or None,
+                          draft_revision=settings.draft_revision or None)
+    except InvalidArgument as exc:
+        raise StartupError(f"cannot load model {settings.model!r}: {exc.message}", EXIT_CONFIG) from None
+    except NotFound as exc:
+        raise StartupError(f"cannot load model {settings.model!r}: {exc.message}") from None
+
+
 def load_models(settings: WorkerSettings):
-    """(target, draft, tokenizer) for ``settings`` (model folder or 'tiny', spec mode, dtype, device)."""
+    """(target, draft, tokenizer) for ``settings`` (model, spec mode, draft, dtype, device),
+    after ``preflight``."""
+    preflight(settings)
     return load_model(settings.model, spec_mode=SPEC_MODES[settings.spec_mode], mtp_depth=settings.mtp_depth,
-                      dtype=DTYPES[settings.dtype], device=torch.device(settings.device), seed=settings.seed,
-                      draft_dir=settings.draft_model or None)
+                      dtype=model_dtype(settings), device=torch.device(settings.device), seed=settings.seed,
+                      draft_model=settings.draft_model or None, revision=settings.revision or None,
+                      draft_revision=settings.draft_revision or None,
+                      served_model_name=settings.served_model_name or None)
 
 
 DEFAULT_CUDA_KV_FRACTION = 0.9  # of the memory left free after the model loaded (vLLM, SGLang: ~0.9)
@@ -130,7 +158,7 @@ def build_engine(
 ) -> BuiltEngine:
     """Load (or reuse ``models``), allocate pools, pick the backend and build the engine that a
     worker with ``settings`` runs. ``make_source(num_blocks)`` supplies its block source."""
-    dtype = DTYPES[settings.dtype]
+    dtype = model_dtype(settings)
     device = torch.device(settings.device)
     tokenizer = None
     if models is None:

@@ -1,6 +1,9 @@
 """``tandem distill-draft``: train the draft layers on the target's own greedy continuations.
 
-    random byte prompts ──engine, plain greedy──▶ sequences t[0..N)
+    prompts (--prompts FILE: plain text cut into windows, or JSONL: ShareGPT "conversations",
+    chat "messages", "prompt" or "text" records; --stdlib: the Python standard library's sources;
+    none: random bytes, for the byte-level tiny model) ── last ones held out ──▶
+    prompts ──engine, plain greedy──▶ sequences t[0..N)
     target forward (frozen) ──▶ hidden h, aux a, labels y[i] = argmax target logits at i
     draft (trained, same paged forward the engine runs):
       EAGLE-3  position i reads t[i+1] and a[i], learns y[i+1] (= the token after t[i+1]);
@@ -9,7 +12,11 @@
     ──▶ save next to the model ──▶ acceptance length before / after, measured by the engine
 
 The labels are the target's own predictions, so the draft learns what the target *will* say, not
-what a corpus says. CPU-friendly: the tiny model trains in about a minute.
+what a corpus says. Acceptance before and after is measured by the engine on held-out prompts
+(never trained on). ``--draft-vocab N`` trains a reduced draft vocabulary: the N target ids the
+target's continuations use most (``d2t``), as public EAGLE-3 heads do. Drafts are saved in the
+public EAGLE-3 layout (``model/eagle3_format.py``). CPU-friendly: the tiny model trains in about a
+minute.
 """
 
 from __future__ import annotations
@@ -24,15 +31,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, NotFound
 from services.common.paths import distilled_tiny_dir
 from services.common.spec import SpecMode
 from services.gpuworker.attention.base import BatchLayout, get_backend
 from services.gpuworker.engine.capacity import blocks_for
 from services.gpuworker.engine.local import build_local, generate
-from services.gpuworker.model.draft import DraftModel
+from services.gpuworker.model.draft import DraftModel, Eagle3Draft
 from services.gpuworker.model.llama import TargetModel
-from services.gpuworker.model.loader import load_model, save_draft, save_model
+from services.gpuworker.model.loader import load_draft, load_model, plan_model, save_draft, save_model
 
 BLOCK_SIZE = 16
 
@@ -66,35 +73,55 @@ def distill_draft(
     eval_prompts: int = 8,
     seed: int = 0,
     progress: bool = True,
+    prompts_file: str | None = None,
+    stdlib: bool = False,
+    draft_model: str | None = None,
+    draft_vocab: int = 0,
+    save_dtype: torch.dtype | None = None,
 ) -> DistillResult:
     """Train the ``spec_mode`` draft of a model and save it (mutates ``out_dir`` on disk).
 
-    ``out_dir`` defaults to the model folder; the built-in ``tiny`` model has none, so its whole
-    folder (target + trained draft + tokenizer marker) is written to ``out_dir``, loadable with
-    ``load_model(out_dir, spec_mode=...)``. Raises ``InvalidArgument`` for bad arguments."""
+    ``out_dir`` defaults to the model folder (EAGLE-3: its ``eagle3/``); otherwise EAGLE-3 drafts
+    go into ``out_dir`` itself (a folder for ``--draft-model``). The built-in ``tiny`` model has no
+    folder, so its whole folder (target + trained draft + tokenizer marker) is written to
+    ``out_dir``. ``draft_model`` starts from that draft (else: the model's own, else random).
+    Raises ``InvalidArgument`` for bad arguments."""
     if spec_mode not in (SpecMode.EAGLE3, SpecMode.MTP):
         raise InvalidArgument("distill-draft trains EAGLE3 or MTP drafts")
     for name, v in (("steps", steps), ("num_sequences", num_sequences), ("prompt_len", prompt_len),
                     ("gen_len", gen_len), ("batch_size", batch_size), ("eval_prompts", eval_prompts)):
         if not isinstance(v, int) or v < 1:
             raise InvalidArgument(f"{name} must be a positive integer, got {v!r}")
-    if str(model_dir_or_tiny) == "tiny" and out_dir is None:
-        raise InvalidArgument("the built-in tiny model has no folder: give out_dir")
-    target, draft, tokenizer = load_model(model_dir_or_tiny, spec_mode=spec_mode, mtp_depth=mtp_depth, seed=seed)
+    if draft_vocab and spec_mode is not SpecMode.EAGLE3:
+        raise InvalidArgument("--draft-vocab applies to EAGLE-3 drafts")
+    if prompts_file and stdlib:
+        raise InvalidArgument("give --prompts or --stdlib, not both")
+    builtin = str(model_dir_or_tiny) in ("tiny", "demo")
+    if builtin and out_dir is None:
+        raise InvalidArgument(f"the built-in {model_dir_or_tiny} model: give out_dir")
+    start_from = draft_model
+    if start_from is None:
+        try:  # the model's own draft when it has one; random otherwise (what is trained here)
+            plan_model(model_dir_or_tiny, spec_mode=spec_mode, mtp_depth=mtp_depth)
+        except InvalidArgument:
+            start_from = "random"
+    target, draft, tokenizer = load_model(model_dir_or_tiny, spec_mode=spec_mode, mtp_depth=mtp_depth, seed=seed,
+                                          draft_model=start_from)
+    fresh = start_from == "random"
     target.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)
 
-    train_prompts = _byte_prompts(num_sequences, prompt_len, gen)
-    eval_set = evaluation_prompts(eval_prompts, prompt_len, seed)
+    train_prompts, eval_set = _prompts(tokenizer, prompts_file, stdlib, num_sequences, eval_prompts, prompt_len, seed, gen)
     before = measure_acceptance(target, draft, eval_set, k=k, max_new_tokens=gen_len)
-    if spec_mode is SpecMode.EAGLE3 and not _has_trained_draft(model_dir_or_tiny, spec_mode):
+    sequences = _continuations(target, train_prompts, gen_len, progress)
+    if draft_vocab:
+        draft = _reduced_vocab_draft(target, draft, sequences, draft_vocab)
+        fresh = True
+    if spec_mode is SpecMode.EAGLE3 and fresh:
         # start from the target's vocabulary projection: the draft then only has to learn the
         # shift by one token, not the whole output embedding
         with torch.no_grad():
-            draft.lm_head.weight.copy_(target.lm_head.weight)
-    plain = build_local(models=(target, None), num_blocks=num_sequences * blocks_for(prompt_len + gen_len, BLOCK_SIZE),
-                        block_size=BLOCK_SIZE)
-    sequences = [p + c.tokens for p, c in zip(train_prompts, generate(plain, train_prompts, max_new_tokens=gen_len))]
+            draft.lm_head.weight.copy_(target.lm_head.weight[draft.d2t])
     data = _TargetData(target, draft, sequences)
 
     draft.train()
@@ -116,10 +143,13 @@ def distill_draft(
     draft.eval()
 
     if str(model_dir_or_tiny) == "tiny":
-        folder = save_model(target, out_dir, draft=draft, tokenizer=tokenizer)
+        folder = save_model(target, out_dir, draft=draft, tokenizer=tokenizer, dtype=save_dtype)
+    elif out_dir is None:
+        folder = save_draft(draft, model_dir_or_tiny, dtype=save_dtype)
     else:
-        folder = Path(out_dir or model_dir_or_tiny)
-        save_draft(draft, folder)
+        folder = save_draft(draft, out_dir, dtype=save_dtype, own_folder=True)
+    # measured on exactly what was saved (read back as the engine will read it)
+    draft = load_draft(target, folder if folder.is_dir() else folder.parent, spec_mode=spec_mode, mtp_depth=mtp_depth)
     after = measure_acceptance(target, draft, eval_set, k=k, max_new_tokens=gen_len)
     edge = max(1, steps // 10)  # single-batch losses are noisy: report means of the first/last 10 %
     return DistillResult(str(folder), spec_mode.name, steps, sum(losses[:edge]) / edge, sum(losses[-edge:]) / edge,
@@ -138,17 +168,6 @@ def measure_acceptance(target: TargetModel, draft: DraftModel, prompts: list[lis
     return (steps + sum(c.accepted_drafts for c in done)) / max(steps, 1)
 
 
-def _has_trained_draft(model: str, spec_mode: SpecMode) -> bool:
-    """Whether the model folder already holds draft weights of this mode (then train on from them)."""
-    meta = Path(model) / "tandem_draft.json"
-    if str(model) == "tiny" or not meta.is_file():
-        return False
-    try:
-        return json.loads(meta.read_text(encoding="utf-8")).get("draft", {}).get("spec_mode") == spec_mode.name
-    except (OSError, ValueError):
-        return False
-
-
 def evaluation_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     """The held-out prompts acceptance is measured on (their own seed: never trained on)."""
     return _byte_prompts(n, length, torch.Generator().manual_seed(seed + 1_000_003))
@@ -156,6 +175,106 @@ def evaluation_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def _byte_prompts(n: int, length: int, gen: torch.Generator) -> list[list[int]]:
     return torch.randint(0, 256, (n, length), generator=gen).tolist()
+
+
+def _prompts(tokenizer, prompts_file, stdlib, n_train, n_eval, length, seed, gen):
+    """(training prompts, held-out prompts) as token ids of ``length`` tokens (file prompts may
+    be shorter). Held-out prompts are never trained on: the stdlib's held-out files, or the last
+    ``n_eval`` prompts of a file."""
+    if stdlib:
+        from services.gpuworker.train_demo import split_corpus, corpus_bytes
+
+        train_files, held_files = split_corpus()
+        train = _windows(tokenizer, corpus_bytes(train_files), n_train, length, gen)
+        held = _windows(tokenizer, corpus_bytes(held_files), n_eval, length, torch.Generator().manual_seed(seed + 7))
+        return train, held
+    if prompts_file:
+        texts = read_prompts(prompts_file)
+        ids = [tokenizer.encode(t)[: length] for t in texts]
+        ids = [p for p in ids if len(p) >= 2]
+        if len(ids) < n_eval + 1:
+            raise InvalidArgument(f"{prompts_file} gives {len(ids)} prompts; need more than the {n_eval} held out")
+        held, train = ids[-n_eval:], ids[:-n_eval]
+        order = torch.randperm(len(train), generator=gen).tolist()
+        return [train[i] for i in order[:n_train]], held
+    return _byte_prompts(n_train, length, gen), evaluation_prompts(n_eval, length, seed)
+
+
+def _windows(tokenizer, data: torch.Tensor, n: int, length: int, gen: torch.Generator) -> list[list[int]]:
+    """``n`` prompts: BOS + ``length`` - 1 bytes from random places of ``data`` (byte ids)."""
+    starts = torch.randint(0, max(1, len(data) - length), (n,), generator=gen).tolist()
+    text = [bytes(data[s : s + length - 1].tolist()).decode("utf-8", "replace") for s in starts]
+    return [tokenizer.encode(t)[:length] for t in text]
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from a file. JSONL (``.jsonl``/``.json`` lines): the first human/user turn of a
+    ShareGPT ``conversations`` or chat ``messages`` record, else its ``prompt`` or ``text``.
+    Plain text: paragraphs (blocks separated by blank lines). Raises ``InvalidArgument``."""
+    p = Path(path)
+    try:
+        raw = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"cannot read prompts from {path}: {exc}") from None
+    if p.suffix in (".jsonl", ".json"):
+        out = []
+        for n, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                raise InvalidArgument(f"{p.name} line {n} is not JSON") from None
+            text = _record_prompt(rec) if isinstance(rec, dict) else None
+            if text:
+                out.append(text)
+        return out
+    return [b.strip() for b in raw.split("\n\n") if b.strip()]
+
+
+def _record_prompt(rec: dict) -> str | None:
+    for key, who, what in (("conversations", "from", "value"), ("messages", "role", "content")):
+        turns = rec.get(key)
+        if isinstance(turns, list):
+            for t in turns:
+                if isinstance(t, dict) and t.get(who) in ("human", "user") and isinstance(t.get(what), str):
+                    return t[what]
+    for key in ("prompt", "text"):
+        if isinstance(rec.get(key), str):
+            return rec[key]
+    return None
+
+
+def _continuations(target: TargetModel, prompts: list[list[int]], gen_len: int, progress: bool) -> list[list[int]]:
+    """prompt + the target's greedy continuation of ``gen_len`` tokens, for every prompt."""
+    chunk = 32  # prompts per engine run: bounded KV memory
+    out = []
+    longest = max(len(p) for p in prompts)
+    plain = build_local(models=(target, None), num_blocks=chunk * blocks_for(longest + gen_len, BLOCK_SIZE),
+                        block_size=BLOCK_SIZE)
+    bar = tqdm(total=len(prompts), desc="target continuations", disable=not progress)
+    for i in range(0, len(prompts), chunk):
+        part = prompts[i : i + chunk]
+        out += [p + c.tokens for p, c in zip(part, generate(plain, part, max_new_tokens=gen_len))]
+        bar.update(len(part))
+    bar.close()
+    return out
+
+
+def _reduced_vocab_draft(target: TargetModel, draft: DraftModel, sequences: list[list[int]], n: int) -> DraftModel:
+    """A fresh EAGLE-3 draft whose vocabulary is the ``n`` ids most used in ``sequences``
+    (ties: lower id first), its other weights copied from ``draft``."""
+    V = target.config.vocab_size
+    if not 1 <= n <= V:
+        raise InvalidArgument(f"--draft-vocab must be in 1..{V}")
+    counts = torch.bincount(torch.tensor([t for s in sequences for t in s]), minlength=V).float()
+    counts -= torch.arange(V) * 1e-9  # stable order among equal counts
+    ids = torch.sort(torch.topk(counts, n).indices).values
+    reduced = Eagle3Draft(target, dataclasses.replace(draft.config, draft_vocab_size=n if n != V else 0))
+    own = {k: v for k, v in draft.draft_state_dict().items() if not k.startswith("lm_head.")}
+    reduced.load_state_dict({**reduced.draft_state_dict(), **own}, strict=True)
+    reduced.set_vocab_map(ids)
+    return reduced
 
 
 class _TargetData:
@@ -194,15 +313,17 @@ class _TargetData:
         plan = self.backend.plan(BatchLayout([list(range(r * per, (r + 1) * per)) for r in range(b)], [0] * b, [m] * b))
         if d.spec_mode is SpecMode.EAGLE3:
             nxt = toks[:, 1 : m + 1].reshape(-1)
-            out = d(nxt, hid[:, :m].reshape(b * m, -1), plan, self.backend, pool, context_is_aux=True)
-            target = lab[:, 1 : m + 1].reshape(-1)
-            loss = F.cross_entropy(out.logits, target)
+            out = d(nxt, hid[:, :m].reshape(b * m, -1), plan, self.backend, pool, context_is_aux=True,
+                    draft_vocab_logits=True)
+            # labels as draft ids; a target token outside a reduced draft vocabulary is not learnt
+            target = d.t2d[lab[:, 1 : m + 1].reshape(-1)]
+            loss = F.cross_entropy(out.logits, target, ignore_index=-1)
             # self-fed pass: position i reads g[i-1] (its own previous output) as chained drafting does
             g = out.hidden.view(b, m, -1)
             shifted = torch.cat([g[:, :1], g[:, :-1]], dim=1).reshape(b * m, -1)
             pool2 = d.new_kv_pool(b * per, BLOCK_SIZE)
-            out2 = d(nxt, shifted, plan, self.backend, pool2, context_is_aux=False)
-            return loss + 0.5 * F.cross_entropy(out2.logits, target)
+            out2 = d(nxt, shifted, plan, self.backend, pool2, context_is_aux=False, draft_vocab_logits=True)
+            return loss + 0.5 * F.cross_entropy(out2.logits, target, ignore_index=-1)
         prev = hid[:, :m].reshape(b * m, -1)
         total = 0.0
         for k in range(1, d.num_kv_layers + 1):
@@ -226,6 +347,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step when measuring acceptance")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts", default=None, help="prompts: a text file (paragraphs) or JSONL (ShareGPT conversations, chat messages, prompt/text)")
+    ap.add_argument("--stdlib", action="store_true", help="prompts from the Python standard library's sources (held-out files for acceptance)")
+    ap.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt (file prompts are cut to it)")
+    ap.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts acceptance is measured on")
+    ap.add_argument("--draft-model", default=None, help="start from this draft (folder or hub id; default: the model's own, else random)")
+    ap.add_argument("--draft-vocab", type=int, default=0, help="EAGLE-3: train a reduced draft vocabulary of this many ids (0 = the whole vocabulary)")
+    ap.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"], default=None, help="store the draft's weights in this dtype")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -237,9 +365,11 @@ def run(args: argparse.Namespace) -> int:
         result = distill_draft(
             args.model, out, args.steps, spec_mode=SpecMode[args.mode.upper()], mtp_depth=args.mtp_depth,
             num_sequences=args.sequences, gen_len=args.gen_len, batch_size=args.batch_size, lr=args.lr,
-            k=args.k, seed=args.seed,
+            k=args.k, seed=args.seed, prompts_file=args.prompts, stdlib=args.stdlib, prompt_len=args.prompt_len,
+            eval_prompts=args.eval_prompts, draft_model=args.draft_model, draft_vocab=args.draft_vocab,
+            save_dtype=getattr(torch, args.save_dtype) if args.save_dtype else None,
         )
-    except InvalidArgument as exc:
+    except (InvalidArgument, NotFound) as exc:
         print(f"distill-draft: {exc.message}", file=sys.stderr)
         return 2
     print(json.dumps(dataclasses.asdict(result), indent=2))

@@ -32,6 +32,7 @@ from services.common.wire import spec_mode_to_proto, tokens_from_proto
 from services.gpuworker.engine.request import FinishReason, RequestSpec
 from services.gpuworker.engine.sampling import SamplingParams
 from services.gpuworker.runner import EngineRunner, Job
+from tandem.common.v1 import common_pb2 as common_pb
 from tandem.worker.v1 import worker_pb2 as pb
 from tandem.worker.v1 import worker_pb2_grpc
 
@@ -41,10 +42,10 @@ ROUTER = frozenset({"router"})
 # With mTLS only routers call a worker (services.common.peers.PeerRoleInterceptor).
 ROLE_RULES = {"Generate": ROUTER, "Abort": ROUTER, "Info": ROUTER}
 
-_FINISH = {
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.MAX_SEQ_LEN: pb.FINISH_REASON_MAX_SEQ_LEN,
+_FINISH = {  # OpenAI's reasons: the worker's max_seq_len is a length limit too
+    FinishReason.LENGTH: common_pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: common_pb.FINISH_REASON_STOP,
+    FinishReason.MAX_SEQ_LEN: common_pb.FINISH_REASON_LENGTH,
 }
 
 
@@ -127,7 +128,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             temperature=float(s.temperature),
             top_p=float(s.top_p) if s.top_p else 1.0,
             top_k=int(s.top_k),
-            seed=int(s.seed) if s.seed else None,
+            seed=int(s.seed) if s.HasField("seed") else None,
+            min_p=float(s.min_p),
         )
         return RequestSpec(
             request_id=request.request_id,
@@ -198,14 +200,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         decode_span.set_attribute("tandem.completion_tokens", usage.completion_tokens)
                         decode_span.set_attribute("tandem.mean_acceptance_length", usage.mean_acceptance_length)
                     yield pb.GenerateResponse(
-                        finish_reason=_FINISH.get(reason, pb.FINISH_REASON_UNSPECIFIED),
-                        usage=pb.Usage(
+                        finish_reason=_FINISH.get(reason, common_pb.FINISH_REASON_UNSPECIFIED),
+                        usage=common_pb.Usage(
                             prompt_tokens=usage.prompt_tokens,
                             cached_tokens=usage.cached_tokens,
                             completion_tokens=usage.completion_tokens,
                             mean_acceptance_length=usage.mean_acceptance_length,
                             decode_steps=usage.decode_steps,
                             time_to_first_token_s=usage.time_to_first_token_s,
+                            worker_id=self.identity.worker_id,
                         ),
                     )
                     return

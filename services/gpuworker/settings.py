@@ -17,9 +17,12 @@ class WorkerSettings(TandemSettings):
     advertise: str = Field("", description="host:port the router should dial (default: bound host:port)")
     kvstore: str = Field("127.0.0.1:50051", description="kvstore host:port, or a comma-separated list (a leader and its standbys: the one that leads is used)")
     worker_id: str = Field("worker0", min_length=1, max_length=128, description="name in the kvstore registry")
-    model: str = Field("tiny", description="model folder (config.json + *.safetensors) or 'tiny'")
+    model: str = Field("tiny", description="model folder (config.json + *.safetensors), hub id (org/name), 'demo' (the shipped demo model) or 'tiny' (random weights, for tests)")
+    revision: str = Field("", description="hub revision (branch, tag or commit) of --model ('' = main)")
+    served_model_name: str = Field("", max_length=128, description="explicit model identity: mixed into the KV-cache namespace with the weights' digest, so two deployments share cached KV only under the same name ('' = the digest alone)")
     spec_mode: Literal["none", "eagle3", "mtp"] = Field("eagle3", description="draft kind")
-    draft_model: str = Field("", description="folder holding the draft (tandem_draft.json + weights) when it is not in the model folder ('' = the model folder's, else random)")
+    draft_model: str = Field("", description="the draft: a folder or hub id (public EAGLE-3 layout, or tandem_draft.json for MTP), 'random' for seeded random weights (benchmarks only), '' = the model folder's own (an error if it has none)")
+    draft_revision: str = Field("", description="hub revision of --draft-model ('' = main)")
     mtp_depth: int = Field(1, ge=1, le=8, description="chained MTP modules K (mtp only)")
     block_size: int = Field(16, ge=1, le=1024, description="positions per KV block (power of two)")
     num_blocks: int = Field(0, ge=0, description="paired KV blocks; 0 = size from kv_memory_mb")
@@ -32,7 +35,7 @@ class WorkerSettings(TandemSettings):
     )
     backend: Literal["torch", "flashinfer"] = Field("torch", description="attention backend")
     device: str = Field("cpu", description="torch device, e.g. cpu or cuda:0")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="model and KV dtype")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="model and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     max_batch_tokens: int | None = Field(
         None, ge=2, description="target tokens per engine step (unset: 2048 on CUDA, where a prefill chunk is one eager forward whatever its size; 256 on CPU)"
     )
@@ -77,4 +80,19 @@ class WorkerSettings(TandemSettings):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.backend == "flashinfer" and not self.device.startswith("cuda"):
             raise ValueError("the flashinfer backend needs a CUDA device (--device cuda:0)")
+        if self.backend == "flashinfer" and self.torch_dtype_name == "float32":
+            raise ValueError("the flashinfer backend runs bfloat16 or float16, not float32 (--dtype auto or bfloat16)")
+        if self.draft_model and self.spec_mode == "none":
+            raise ValueError("--draft-model needs --spec-mode eagle3 or mtp")
+        if self.mtp_depth != 1 and self.spec_mode != "mtp":
+            raise ValueError(f"--mtp-depth {self.mtp_depth} needs --spec-mode mtp")
+        if self.forced_acceptance is not None and self.spec_mode == "none":
+            raise ValueError("--forced-acceptance needs a draft (--spec-mode eagle3 or mtp)")
         return self
+
+    @property
+    def torch_dtype_name(self) -> str:
+        """``dtype`` with ``auto`` resolved: bfloat16 on CUDA, float32 elsewhere."""
+        if self.dtype == "auto":
+            return "bfloat16" if self.device.startswith("cuda") else "float32"
+        return self.dtype

@@ -48,7 +48,9 @@ from services.router.directory import WorkerDirectory, WorkerEntry
 from services.router.jobs import GenerateJob
 from services.router.policy import PolicyWeights, RoutingPolicy, WorkerCandidate, rank_workers, rotate_workers
 from services.router.retry import AttemptState, WaitQueue, backoff_delays, error_for
+from services.router.stops import StopScanner
 from services.router.tenants import Tenant
+from tandem.common.v1 import common_pb2 as common_pb
 from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
 from tandem.kvstore.v1 import kvstore_pb2_grpc
 from tandem.worker.v1 import worker_pb2 as worker_pb
@@ -56,10 +58,10 @@ from tandem.worker.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_FINISH_REASONS = {
-    worker_pb.FINISH_REASON_LENGTH: "length",
-    worker_pb.FINISH_REASON_STOP: "stop",
-    worker_pb.FINISH_REASON_MAX_SEQ_LEN: "max_seq_len",
+FINISH_REASONS = {  # the one enum (tandem.common.v1.FinishReason) <-> OpenAI's strings
+    common_pb.FINISH_REASON_STOP: "stop",
+    common_pb.FINISH_REASON_LENGTH: "length",
+    common_pb.FINISH_REASON_ABORT: "abort",
 }
 # Codes after which a Reserve may or may not have happened in the kvstore.
 _NO_ANSWER = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
@@ -97,7 +99,7 @@ class TextDelta:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Accounting of a finished request (see ``tandem.router.v1.Usage``)."""
+    """Accounting of a finished request (see ``tandem.common.v1.Usage``)."""
 
     prompt_tokens: int
     cached_tokens: int
@@ -105,7 +107,8 @@ class Usage:
     mean_acceptance_length: float
     worker_id: str
     time_to_first_token_s: float
-    finish_reason: str
+    finish_reason: str  # "stop", "length" or "abort" (FINISH_REASONS' values)
+    decode_steps: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,12 +141,23 @@ class _WorkerFailed(Exception):
 class _Progress:
     """What one attempt has seen from its worker (mutated while streaming)."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, stop_strings: tuple[str, ...] = ()):
         self.acknowledged = False  # any message received: the worker owns the reservation
         self.left_registry = False  # its worker incarnation left the kvstore registry mid-stream
         self.tokens: list[int] = []
         self.first_token_at: float | None = None
         self.decoder = StreamDecoder(tokenizer)
+        self.stops = StopScanner(stop_strings, tokenizer) if stop_strings else None
+
+    def text(self, ids: tuple[int, ...]) -> tuple[str, int | None]:
+        """Text of new ids, and how many of them count if a stop string completed (see ``stops``)."""
+        if self.stops is not None:
+            return self.stops.push(ids)
+        return self.decoder.push(list(ids)), None
+
+    def flush(self) -> tuple[str, bool]:
+        """The held-back text at the end, and whether it ended on a stop string."""
+        return self.stops.flush() if self.stops is not None else (self.decoder.flush(), False)
 
 
 def _entry(w: kv_pb.WorkerInfo) -> WorkerEntry:
@@ -467,9 +481,10 @@ class Dispatcher:
                 temperature=job.sampling.temperature,
                 top_p=job.sampling.top_p,
                 top_k=job.sampling.top_k,
-                seed=job.sampling.seed,
+                seed=job.sampling.seed,  # None = unset (unseeded)
                 max_new_tokens=job.sampling.max_new_tokens,
                 stop_token_ids=job.sampling.stop_token_ids,
+                min_p=job.sampling.min_p,
             ),
             spec=worker_pb.SpecParams(num_draft_tokens=self.draft_tokens_for(entry, job.num_draft_tokens)),
             # only its name: the worker reads blocks and reused prefix from the kvstore
@@ -496,15 +511,19 @@ class Dispatcher:
                 if ids and max(ids) >= self._tokenizer.vocab_size:
                     raise _WorkerFailed("INTERNAL", f"token id {max(ids)} is outside the router's vocabulary "
                                                     f"({self._tokenizer.vocab_size}): model/tokenizer mismatch")
+                text, cut = progress.text(ids) if ids else ("", None)
                 if ids:
                     if progress.first_token_at is None:
                         progress.first_token_at = self._clock()
-                    progress.tokens.extend(ids)
-                if msg.finish_reason != worker_pb.FINISH_REASON_UNSPECIFIED or msg.HasField("usage"):
-                    yield self._completion(job, entry, reservation, msg, ids, arrival, progress)
+                    progress.tokens.extend(ids[:cut])
+                if cut is not None:  # a stop string: the tokens after it are never sent; closing the call aborts the rest
+                    yield self._stopped(job, entry, reservation, ids[:cut], text, arrival, progress)
+                    return
+                if msg.finish_reason != common_pb.FINISH_REASON_UNSPECIFIED or msg.HasField("usage"):
+                    yield self._completion(job, entry, reservation, msg, ids, text, arrival, progress)
                     return
                 if ids:
-                    yield TextDelta(progress.decoder.push(list(ids)), ids)
+                    yield TextDelta(text, ids)
             raise _WorkerFailed("UNAVAILABLE", "the worker ended the stream without a final message")
         except grpc.aio.AioRpcError as err:
             span.set_attribute("rpc.grpc.status_code", err.code().value[0])
@@ -526,9 +545,19 @@ class Dispatcher:
                 call.cancel()
             span.end()
 
-    def _completion(self, job, entry, reservation, msg, ids, arrival, progress: _Progress) -> Completion:
+    def _stopped(self, job, entry, reservation, ids, text, arrival, progress: _Progress) -> Completion:
+        """The Completion of a request ended here on a stop string (the worker's usage never comes:
+        acceptance length and decode steps are not known, reported as 0)."""
+        return Completion(text=text, token_ids=tuple(ids), usage=Usage(
+            prompt_tokens=job.prompt_tokens, cached_tokens=reservation.reused_positions,
+            completion_tokens=len(progress.tokens), mean_acceptance_length=0.0, worker_id=entry.worker_id,
+            time_to_first_token_s=max(0.0, progress.first_token_at - arrival), finish_reason="stop",
+        ))
+
+    def _completion(self, job, entry, reservation, msg, ids, text, arrival, progress: _Progress) -> Completion:
         # The stream decoder holds back an incomplete character; the end flushes it.
-        tail = progress.decoder.push(list(ids)) + progress.decoder.flush()
+        rest, stopped = progress.flush()
+        tail = text + rest
         first = progress.first_token_at if progress.first_token_at is not None else self._clock()
         usage = msg.usage
         acceptance = usage.mean_acceptance_length
@@ -542,7 +571,8 @@ class Dispatcher:
                 mean_acceptance_length=acceptance if math.isfinite(acceptance) else 0.0,
                 worker_id=entry.worker_id,
                 time_to_first_token_s=max(0.0, first - arrival),
-                finish_reason=_FINISH_REASONS.get(msg.finish_reason, "length"),
+                finish_reason="stop" if stopped else FINISH_REASONS.get(msg.finish_reason, "length"),
+                decode_steps=usage.decode_steps,
             ),
         )
 
@@ -619,7 +649,7 @@ class Dispatcher:
                     span.set_attribute("tandem.worker_id", entry.worker_id)
                     span.set_attribute("tandem.reused_positions", reservation.reused_positions)
                 worker_request_id = state.reservation_request_id()
-                progress = _Progress(self._tokenizer)
+                progress = _Progress(self._tokenizer, job.sampling.stop_strings)
                 finished = False
                 stream = self._stream(job, entry, reservation, worker_request_id, deadline, arrival, progress)
                 self.directory.begin(entry.worker_id)

@@ -15,6 +15,7 @@ import numpy as np
 
 from services.common.errors import InvalidArgument
 from services.common.tokenizer import Tokenizer
+from services.router.stops import validate_stop_strings
 
 MAX_REQUEST_ID_CHARS = 96  # the router adds a tenant scope; ids downstream are at most 128 bytes
 
@@ -38,9 +39,11 @@ class Sampling:
     temperature: float
     top_p: float
     top_k: int
-    seed: int
+    seed: int | None  # None = unseeded
     max_new_tokens: int
     stop_token_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...] = ()  # ended by the router (``stops``), never sent to the worker
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +89,12 @@ def build_job(
     temperature: float = 0.0,
     top_p: float = 0.0,
     top_k: int = 0,
-    seed: int = 0,
+    seed: int | None = None,
     num_draft_tokens: int | None = None,
     stop_token_ids: Sequence[int] = (),
+    stop_strings: Sequence[str] = (),
+    ignore_eos: bool = False,
+    min_p: float = 0.0,
     request_id: str = "",
     limits: RequestLimits,
     tokenizer: Tokenizer,
@@ -126,6 +132,11 @@ def build_job(
     top_p = _finite("top_p", top_p)
     if not 0 <= top_p <= 1:
         raise InvalidArgument(f"top_p must be in [0, 1] (0 means 1), got {top_p}")
+    if seed is not None and not 0 <= seed < 1 << 64:
+        raise InvalidArgument(f"seed must be in 0..2**64-1, got {seed}")
+    min_p = _finite("min_p", min_p)
+    if not 0 <= min_p <= 1:
+        raise InvalidArgument(f"min_p must be in [0, 1], got {min_p}")
     if top_k < 0:
         raise InvalidArgument(f"top_k must be >= 0, got {top_k}")
 
@@ -137,7 +148,8 @@ def build_job(
     bad = [t for t in stops if not 0 <= t < limits.vocab_size]
     if bad:
         raise InvalidArgument(f"stop token id {bad[0]} is outside the vocabulary (size {limits.vocab_size})")
-    stops.extend(sorted(limits.eos_token_ids - set(stops)))  # end-of-sequence always stops
+    if not ignore_eos:
+        stops.extend(sorted(limits.eos_token_ids - set(stops)))  # end-of-sequence stops unless ignore_eos
 
     return GenerateJob(
         request_id=_request_id(request_id, new_request_id),
@@ -146,9 +158,11 @@ def build_job(
             temperature=temperature,
             top_p=top_p or 1.0,
             top_k=int(top_k),
-            seed=int(seed),
+            seed=None if seed is None else int(seed),
             max_new_tokens=int(max_new_tokens),
             stop_token_ids=tuple(stops),
+            stop_strings=validate_stop_strings(stop_strings),
+            min_p=min_p,
         ),
         num_draft_tokens=int(draft),
     )

@@ -18,6 +18,8 @@ async def serve(settings: RouterSettings) -> None:
     server, _router = await start_router(settings)
     server.install_signal_handlers()
     log.info("router serving on %s (kvstore %s, model %s)", server.address, settings.kvstore, settings.model)
+    if _router.http_url:
+        log.info("OpenAI-compatible HTTP API on %s/v1", _router.http_url)
     await server.wait_for_termination()
 
 

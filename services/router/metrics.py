@@ -53,16 +53,22 @@ class RouterMetrics:
 
     def on_message(self, msg: router_pb2.GenerateResponse) -> None:
         """Record the usage of a request's last message (others carry none). Mutates the metrics."""
-        if not msg.HasField("usage"):
-            return
-        u = msg.usage
+        if msg.HasField("usage"):
+            self.observe_usage(msg.usage)
+
+    def observe_usage(self, u) -> None:
+        """Record one completed request's usage (a proto or dispatcher ``Usage``; the HTTP front too)."""
         self.ttft.observe(u.time_to_first_token_s)
         self.prompt_tokens.inc(u.prompt_tokens)
         self.cached_tokens.inc(u.cached_tokens)
         self.completion_tokens.inc(u.completion_tokens)
 
     def on_end(self, code: grpc.StatusCode, _elapsed_s: float) -> None:
-        self.requests.labels(code.name).inc()
+        self.outcome(code.name)
+
+    def outcome(self, name: str) -> None:
+        """A request ended with status ``name`` (after ``in_flight.inc()`` at its start)."""
+        self.requests.labels(name).inc()
         self.in_flight.dec()
 
     def interceptor(self) -> grpc.aio.ServerInterceptor:

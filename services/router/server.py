@@ -56,6 +56,7 @@ class Router:
     tenants: TenantRegistry
     ready: asyncio.Event  # set once the kvstore answered and a compatible worker is registered (health SERVING)
     model: ModelBinding
+    http_url: str | None = None  # the OpenAI-compatible HTTP front (settings.http_port), if served
 
 
 def request_limits(settings: RouterSettings, tokenizer: Tokenizer) -> RequestLimits:
@@ -153,10 +154,12 @@ async def start_router(
     binding = ModelBinding(settings.model, tokenizer, dispatcher.worker_model, on_bound=bind)
     dispatcher.directory.compatible = binding.is_compatible
     interceptors: list = [ServerTracingInterceptor(tracer_provider)]
+    router_metrics = None
     if settings.metrics_port is not None:
         metrics = metrics or ServiceMetrics("router")
+        router_metrics = RouterMetrics(metrics, lambda: binding.model or "")
         # before auth, so that rejected tokens are counted too
-        interceptors += [metrics.interceptor(), RouterMetrics(metrics, lambda: binding.model or "").interceptor()]
+        interceptors += [metrics.interceptor(), router_metrics.interceptor()]
     interceptors.append(BearerAuthInterceptor(tenants.authenticate))
     server = GrpcServer(
         [ServiceBinding(router_pb2_grpc.add_RouterServicer_to_server, servicer, SERVICE_NAME)],
@@ -169,13 +172,29 @@ async def start_router(
         server_credentials=server_credentials,
     )
     router = Router(servicer, dispatcher, tenants, asyncio.Event(), binding)
+    http = _http_front(settings, router, router_metrics) if settings.http_port is not None else None  # binds first
     if settings.metrics_port is not None:
         metrics.ready = lambda: server.serving  # /ready follows gRPC health
         metrics.serve(settings.host, settings.metrics_port)  # a taken port fails before gRPC binds
         server.on_stop(metrics.stop)
     await server.start()
+    if http is not None:
+        await http.start()
+        server.run_in_background(http.run())  # cancelled (then drained) when the gRPC server stops
+        router.http_url = http.url
     server.run_in_background(_lifetime(server, router, kv_channel, channels, settings.kvstore))
     return server, router
+
+
+def _http_front(settings: RouterSettings, router: Router, metrics: RouterMetrics | None):
+    """The OpenAI HTTP front over this router's dispatcher, its socket bound (not serving yet)."""
+    from services.router.http.app import OpenAIFront  # imported only when served
+    from services.router.http.server import HttpFront, bind
+
+    servicer = router.servicer
+    front = OpenAIFront(router.dispatcher, router.tenants,
+                        lambda: (servicer.tokenizer, servicer.limits, router.model.model), metrics=metrics)
+    return HttpFront(front.app(), bind(settings.host, settings.http_port), grace_s=settings.grace_s)
 
 
 async def _lifetime(server: GrpcServer, router: Router, kv_channel, channels: ChannelPool, kvstore: str) -> None:

@@ -15,11 +15,15 @@ from services.common.auth import current_principal
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.tokenizer import Tokenizer
 from services.common.wire import tokens_from_proto
-from services.router.dispatcher import Completion, Dispatcher
+from services.router.dispatcher import FINISH_REASONS, Completion, Dispatcher
 from services.router.jobs import RequestLimits, build_job
 from services.router.tenants import Tenant, TenantRegistry
+from tandem.common.v1 import common_pb2 as common_pb
 from tandem.router.v1 import router_pb2 as pb
 from tandem.router.v1 import router_pb2_grpc
+
+
+_FINISH_ENUM = {name: value for value, name in FINISH_REASONS.items()}
 
 
 def _deadline(context, now: float) -> float | None:
@@ -56,12 +60,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             text=request.text if which == "text" else None,
             token_ids=tokens_from_proto(request.token_ids, field="token_ids") if which == "token_ids" else None,
             max_new_tokens=request.max_new_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
+            temperature=request.temperature if request.HasField("temperature") else 0.0,  # gRPC: unset = greedy
+            top_p=request.top_p if request.HasField("top_p") else 1.0,
             top_k=request.top_k,
-            seed=request.seed,
+            seed=request.seed if request.HasField("seed") else None,
             num_draft_tokens=request.num_draft_tokens if request.HasField("num_draft_tokens") else None,
             stop_token_ids=request.stop_token_ids,
+            stop_strings=request.stop,
+            ignore_eos=request.ignore_eos,
+            min_p=request.min_p,
             request_id=request.request_id,
             limits=self.limits,
             tokenizer=self.tokenizer,
@@ -72,15 +79,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 yield pb.GenerateResponse(
                     text=event.text,
                     token_ids=event.token_ids,
-                    usage=pb.Usage(
+                    usage=common_pb.Usage(
                         prompt_tokens=u.prompt_tokens,
                         cached_tokens=u.cached_tokens,
                         completion_tokens=u.completion_tokens,
                         mean_acceptance_length=u.mean_acceptance_length,
+                        decode_steps=u.decode_steps,
                         worker_id=u.worker_id,
                         time_to_first_token_s=u.time_to_first_token_s,
-                        finish_reason=u.finish_reason,
                     ),
+                    finish_reason=_FINISH_ENUM[u.finish_reason],
                 )
             else:
                 yield pb.GenerateResponse(text=event.text, token_ids=event.token_ids)

@@ -19,6 +19,7 @@ class RouterSettings(TandemSettings):
     model: str = Field("auto", min_length=1, description="model folder whose tokenizer to load, 'tiny' (byte-level), or 'auto': the model the first registered worker serves (workers serving another model are refused)")
     model_id: str = Field("", description="only route to workers registered with this model fingerprint ('' = any)")
     max_concurrent_rpcs: int = Field(1024, ge=1, description="RPCs handled at once; more are refused")
+    http_port: int | None = Field(None, ge=0, le=65535, description="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on host:this port (unset = off, 0 = any free port)")
 
     # --- request limits
     max_new_tokens: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")

@@ -107,3 +107,7 @@ def test_worker_command_line_carries_the_plan_and_the_passthrough_flags():
     assert "--device cuda:0 --backend flashinfer --dtype bfloat16 --kv-memory-fraction 0.9 --draft-model /models/d" in joined
     cpu_plan = plan_workers(device="cpu", gpus=[])[0][0]
     assert "--num-blocks 1024 --device cpu --backend torch --dtype float32" in " ".join(worker_argv(UpSettings(), cpu_plan, 0, "x:1"))
+    hub = UpSettings(model="org/m", revision="v2", draft_model="org/d", draft_revision="abc", served_model_name="m-prod")
+    joined = " ".join(worker_argv(hub, cpu_plan, 0, "x:1"))
+    assert "--model org/m" in joined and "--revision v2" in joined and "--draft-model org/d" in joined
+    assert "--draft-revision abc" in joined and "--served-model-name m-prod" in joined

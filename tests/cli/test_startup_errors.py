@@ -61,13 +61,48 @@ def test_missing_model_folder_for_worker_and_router(tmp_path):
     missing = tmp_path / "no-model"
     worker = tandem("worker", "--model", str(missing), "--port", "0", "--kvstore", f"127.0.0.1:{free_port()}")
     assert worker.returncode == 3
+    assert one_error_line(worker) == (f"tandem worker: error: cannot load model '{missing}': {missing} is neither "
+                                      "a folder nor a hub id (org/name)")
+    missing.mkdir()
+    worker = tandem("worker", "--model", str(missing), "--port", "0", "--kvstore", f"127.0.0.1:{free_port()}")
+    assert worker.returncode == 3
     assert one_error_line(worker) == f"tandem worker: error: cannot load model '{missing}': no config.json in {missing}"
     draft = tandem("worker", "--draft-model", str(missing), "--port", "0", "--kvstore", f"127.0.0.1:{free_port()}")
     assert draft.returncode == 3
     assert f"cannot load model 'tiny': no draft in {missing}" in one_error_line(draft)
-    router = tandem("router", "--model", str(missing), "--port", "0")
+    router = tandem("router", "--model", str(tmp_path / "nothing"), "--port", "0")
     assert router.returncode == 3
-    assert f"cannot load the tokenizer of model '{missing}'" in one_error_line(router)
+    assert f"cannot load the tokenizer of model '{tmp_path / 'nothing'}'" in one_error_line(router)
+
+
+def _config_only(folder, layers):
+    """A model folder with a config.json and NO weights: anything refused here was refused
+    before a weight was read."""
+    import json
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    return folder
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backend", "flashinfer", "--device", "cuda:0", "--dtype", "float32"],
+     "the flashinfer backend runs bfloat16 or float16, not float32"),
+    (["--spec-mode", "none", "--draft-model", "random"], "--draft-model needs --spec-mode eagle3 or mtp"),
+    (["--spec-mode", "eagle3", "--mtp-depth", "2"], "--mtp-depth 2 needs --spec-mode mtp"),
+    (["--model", "{two_layers}", "--spec-mode", "eagle3", "--draft-model", "random"],
+     "EAGLE-3 needs a target with at least 3 layers"),
+    (["--model", "{four_layers}", "--spec-mode", "eagle3"], "has no EAGLE3 draft: give --draft-model"),
+    (["--model", "{four_layers}", "--spec-mode", "mtp"], "has no MTP draft: give --draft-model"),
+])
+def test_impossible_combinations_are_refused_before_loading(tmp_path, argv, message):
+    paths = {"two_layers": str(_config_only(tmp_path / "two", 2)), "four_layers": str(_config_only(tmp_path / "four", 4))}
+    argv = [a.format(**paths) for a in argv]
+    proc = tandem("worker", *argv, "--port", "0", "--kvstore", f"127.0.0.1:{free_port()}")
+    assert proc.returncode == 2, proc.stderr
+    assert message in one_error_line(proc)
 
 
 def test_invalid_settings_are_one_line_with_flag_and_variable():
@@ -87,16 +122,16 @@ def test_kubernetes_service_link_collision_names_the_fix():
 
 def test_enum_flag_lists_its_choices_and_rejects_others():
     helptext = tandem("worker", "--help").stdout
-    assert "--spec-mode {none,eagle3,mtp}" in helptext and "--dtype {float32,bfloat16,float16}" in helptext
+    assert "--spec-mode {none,eagle3,mtp}" in helptext and "--dtype {auto,float32,bfloat16,float16}" in helptext
     proc = tandem("worker", "--spec-mode", "medusa")
     assert proc.returncode == 2
     assert "argument --spec-mode: invalid choice: 'medusa' (choose from" in one_error_line(proc)
 
 
 def test_generate_rejects_negative_max_new_tokens():
-    proc = tandem("generate", "--max-new-tokens", "-5", "hi")
+    proc = tandem("generate", "--max-tokens", "-5", "hi")
     assert proc.returncode == 2
-    assert one_error_line(proc) == "tandem generate: error: argument --max-new-tokens: must be >= 1 (got -5)"
+    assert one_error_line(proc) == "tandem generate: error: argument --max-tokens/--max-new-tokens: must be >= 1 (got -5)"
 
 
 def test_up_with_a_busy_port_refuses_before_starting_anything(busy_port):
@@ -118,6 +153,13 @@ def test_version_and_global_flags_after_the_subcommand():
     assert args.log_level == "DEBUG"
     assert build_parser("generate").parse_args(["--log-level", "error", "generate", "hi"]).log_level == "ERROR"
     assert build_parser("generate").parse_args(["generate", "hi"]).log_level == "INFO"
+
+
+def test_tandem_up_refuses_a_model_without_the_draft_before_starting_anything():
+    proc = tandem("up", "--spec-mode", "mtp", "--router-port", "0", "--kvstore-port", "0", "--worker-base-port", "0")
+    assert proc.returncode == 2
+    assert "cannot load model 'demo': demo has no MTP draft: give --draft-model" in one_error_line(proc)
+    assert "starting kvstore" not in proc.stdout
 
 
 def test_row14_secrets_are_never_printed_and_tokens_never_on_argv(tmp_path):

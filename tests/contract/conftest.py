@@ -1,5 +1,5 @@
-"""The deployment under test: the stack compose started (``TANDEM_CONTRACT_ROUTER`` and
-``TANDEM_CONTRACT_PROMETHEUS`` set by ``scripts/compose-smoke.sh``), or else an in-process suite
+"""The deployment under test: the stack compose started (``TANDEM_CONTRACT_ROUTER``,
+``TANDEM_CONTRACT_HTTP`` and ``TANDEM_CONTRACT_PROMETHEUS`` set by ``scripts/compose-smoke.sh``), or else an in-process suite
 (kvstore + one tiny CPU worker + router, metrics on) so that the same tests run in every CI run."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ class Deployment:
     router: str
     # service name -> the text of its /metrics, as the deployment's scraper sees it
     scrape: Callable[[], dict[str, str]]
+    http: str = ""  # base URL of the router's OpenAI-compatible API (".../v1")
 
 
 def _prometheus_scrape(base: str) -> Callable[[], dict[str, str]]:
@@ -50,7 +51,8 @@ def _wait_serving(address: str, timeout_s: float = 60) -> None:
 def deployment(request) -> Deployment:
     router = os.environ.get("TANDEM_CONTRACT_ROUTER")
     if router:
-        found = Deployment(router, _prometheus_scrape(os.environ["TANDEM_CONTRACT_PROMETHEUS"]))
+        found = Deployment(router, _prometheus_scrape(os.environ["TANDEM_CONTRACT_PROMETHEUS"]),
+                           os.environ["TANDEM_CONTRACT_HTTP"])
     else:
         found = request.getfixturevalue("module_services")()
     _wait_serving(found.router)
@@ -77,8 +79,8 @@ def module_services(service_loop):
         worker, _, _ = service_loop.run(start_worker(WorkerSettings(port=0, kvstore=kv.address, num_blocks=256, grace_s=0,
                                                                     metrics_port=0), metrics=m["worker"]), timeout=60)
         servers.append(worker)
-        router, _ = service_loop.run(start_router(RouterSettings(port=0, kvstore=kv.address, grace_s=0, metrics_port=0,
-                                                                 registry_ttl_s=0), metrics=m["router"]))
+        router, parts = service_loop.run(start_router(RouterSettings(port=0, kvstore=kv.address, grace_s=0, metrics_port=0,
+                                                                     registry_ttl_s=0, http_port=0), metrics=m["router"]))
         servers.append(router)
 
         def scrape() -> dict[str, str]:
@@ -88,7 +90,7 @@ def module_services(service_loop):
                     health[name] = "up" if r.status == 200 and b"tandem_rpc_duration_seconds" in r.read() else "down"
             return health
 
-        return Deployment(router.address, scrape)
+        return Deployment(router.address, scrape, parts.http_url + "/v1")
 
     yield start
     for server in reversed(servers):

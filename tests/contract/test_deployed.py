@@ -65,3 +65,17 @@ def test_every_service_is_scraped(deployment):
             return
         assert time.monotonic() < end, health
         time.sleep(1)
+
+
+def test_openai_http_api_answers_and_reports_cached_tokens(deployment):
+    """The router's OpenAI-compatible door (official client): a completion, then the same prompt
+    again with its cached tokens in usage."""
+    import openai
+
+    api = openai.OpenAI(base_url=deployment.http, api_key="none", timeout=TIMEOUT, max_retries=0)
+    model = api.models.list().data[0].id
+    first = api.completions.create(model=model, prompt=PROMPT + "HTTP", max_tokens=4, temperature=0)
+    again = api.completions.create(model=model, prompt=PROMPT + "HTTP", max_tokens=4, temperature=0)
+    assert first.usage.completion_tokens == 4 and first.choices[0].finish_reason in ("length", "stop")
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens_details.cached_tokens > 0

@@ -246,9 +246,11 @@ def test_draft_saved_next_to_the_model_loads_back(tmp_path, caplog):
         d2.fc.weight.add_(1.0)
     save_draft(d2, tmp_path)
     assert load_model(tmp_path, spec_mode=SpecMode.EAGLE3)[1].fingerprint != d2.fingerprint
-    with caplog.at_level(logging.WARNING):
-        _, other, _ = load_model(tmp_path, spec_mode=SpecMode.MTP, mtp_depth=2)
-    assert isinstance(other, MTPDraft) and "random" in caplog.text
+    # a folder without a draft of the mode asked for is an error, never a silent random draft
+    with pytest.raises(InvalidArgument, match="has no MTP draft.*--draft-model random"):
+        load_model(tmp_path, spec_mode=SpecMode.MTP, mtp_depth=2)
+    _, other, _ = load_model(tmp_path, spec_mode=SpecMode.MTP, mtp_depth=2, draft_model="random")
+    assert isinstance(other, MTPDraft)
     assert load_model(tmp_path)[1] is None
 
 
@@ -265,7 +267,7 @@ def test_draft_autograd_only_in_train_mode(make_backend):
     out = draft(torch.tensor(t[1:9]), aux, plan, backend, dkv, context_is_aux=True)
     out.logits.logsumexp(-1).sum().backward()
     assert draft.fc.weight.grad is not None and draft.fc.weight.grad.abs().sum() > 0
-    assert draft.layer.self_attn.k_proj.weight.grad.abs().sum() > 0  # through the paged KV
+    assert draft.midlayer.self_attn.k_proj.weight.grad.abs().sum() > 0  # through the paged KV
 
 
 def test_draft_from_its_own_folder(tmp_path):
@@ -273,10 +275,32 @@ def test_draft_from_its_own_folder(tmp_path):
     target, draft, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3, seed=3)
     with torch.no_grad():
         draft.fc.weight.mul_(-2.0)
-    save_draft(draft, tmp_path / "draft")
-    _, d2, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3, seed=3, draft_dir=tmp_path / "draft")
+    save_draft(draft, tmp_path / "draft", own_folder=True)
+    _, d2, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3, seed=3, draft_model=tmp_path / "draft")
     for name, w in draft.draft_state_dict().items():
         assert torch.equal(d2.draft_state_dict()[name], w), name
     assert d2.fingerprint != load_model("tiny", spec_mode=SpecMode.EAGLE3, seed=3)[1].fingerprint
+    (tmp_path / "empty").mkdir()
     with pytest.raises(NotFound, match="no draft in"):
-        load_model("tiny", spec_mode=SpecMode.EAGLE3, draft_dir=tmp_path / "empty")
+        load_model("tiny", spec_mode=SpecMode.EAGLE3, draft_model=tmp_path / "empty")
+    with pytest.raises(NotFound, match="neither a folder nor a hub id"):
+        load_model("tiny", spec_mode=SpecMode.EAGLE3, draft_model=tmp_path / "missing")
+
+
+def test_mtp_draft_from_its_own_folder(tmp_path):
+    """The MTP layout (docs/drafts.md) loads from a folder of its own, paired with the target;
+    another depth there is refused, not replaced by random weights."""
+    target, draft, _ = load_model("tiny", spec_mode=SpecMode.MTP, mtp_depth=2, seed=4)
+    with torch.no_grad():
+        draft.mtp[1].eh_proj.weight.mul_(3.0)
+    save_draft(draft, tmp_path / "mtp")
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "mtp" / "draft.safetensors")))
+    assert "mtp.1.eh_proj.weight" in names and not any(n.startswith(("embed", "lm_head")) for n in names)
+    _, d2, _ = load_model("tiny", spec_mode=SpecMode.MTP, mtp_depth=2, seed=4, draft_model=tmp_path / "mtp")
+    for name, w in draft.draft_state_dict().items():
+        assert torch.equal(d2.draft_state_dict()[name], w), name
+    assert d2.num_kv_layers == 2
+    with pytest.raises(InvalidArgument, match="MTP draft of 2 modules"):
+        load_model("tiny", spec_mode=SpecMode.MTP, mtp_depth=3, draft_model=tmp_path / "mtp")

@@ -19,7 +19,7 @@ from services.gpuworker.engine.sampling import (
 
 def test_params_validation():
     for bad in (dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5),
-                dict(top_k=-1), dict(seed=-3)):
+                dict(top_k=-1), dict(seed=-3), dict(min_p=-0.1), dict(min_p=1.5)):
         with pytest.raises(InvalidArgument):
             SamplingParams(**bad)
     assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
@@ -42,6 +42,17 @@ def test_top_k_and_top_p_filter_and_renormalise():
     assert hot[0, 0] > 0.99 and cold[0, 0] < 0.3
     with pytest.raises(InvalidArgument):
         probs_from_logits(logits, SamplingParams())
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top_one():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = probs_from_logits(logits, SamplingParams(temperature=1.0, min_p=0.3))  # threshold 0.15
+    assert torch.allclose(p[0], torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    assert torch.count_nonzero(probs_from_logits(logits, SamplingParams(temperature=1.0, min_p=1.0))) == 1
+    assert torch.allclose(probs_from_logits(logits, SamplingParams(temperature=1.0, min_p=0.0)), torch.exp(logits))
+    # min_p then top_p: the nucleus is taken over what min_p kept
+    both = probs_from_logits(logits, SamplingParams(temperature=1.0, min_p=0.3, top_p=0.6))
+    assert torch.count_nonzero(both) == 2
 
 
 def test_sample_rows_never_picks_zero_probability_and_matches_frequencies():

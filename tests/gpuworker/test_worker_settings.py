@@ -52,3 +52,15 @@ def test_gil_switch_interval_is_applied_by_the_worker(monkeypatch):
     with pytest.raises(Stop):
         asyncio.run(server.start_worker(WorkerSettings(gil_switch_interval_ms=0.5)))
     assert seen == [0.0005]
+
+
+def test_dtype_auto_follows_the_device():
+    from services.gpuworker.build import model_dtype
+    import torch
+
+    assert WorkerSettings(device="cpu").torch_dtype_name == "float32"
+    assert WorkerSettings(device="cuda:0", backend="flashinfer").torch_dtype_name == "bfloat16"
+    assert model_dtype(WorkerSettings(device="cuda:1")) is torch.bfloat16
+    assert WorkerSettings(device="cpu", dtype="bfloat16").torch_dtype_name == "bfloat16"  # explicit wins
+    with pytest.raises(ValidationError, match="flashinfer backend runs bfloat16 or float16"):
+        WorkerSettings(device="cuda:0", backend="flashinfer", dtype="float32")

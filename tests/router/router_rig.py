@@ -119,8 +119,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
                 self.ended[rid] = "released"
                 yield wpb.GenerateResponse(
                     token_ids=[generated[-1]],
-                    finish_reason=wpb.FINISH_REASON_LENGTH,
-                    usage=wpb.Usage(
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                    usage=common_pb2.Usage(
                         prompt_tokens=len(prompt),
                         cached_tokens=reused,
                         completion_tokens=len(generated),

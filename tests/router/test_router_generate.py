@@ -32,7 +32,7 @@ def test_streams_text_ids_and_usage(rig):
     u = final.usage
     prompt = TOK.encode("Hello, router!")
     assert (u.prompt_tokens, u.completion_tokens, u.cached_tokens) == (len(prompt), 40, 0)
-    assert u.worker_id == "w0" and u.finish_reason == "length"
+    assert u.worker_id == "w0" and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert u.mean_acceptance_length == 1.0
     assert 0 < u.time_to_first_token_s < 5
 
@@ -54,7 +54,7 @@ def test_request_fields_reach_the_worker(rig):
     router = rig.router()
     ids = common_pb2.TokenIds(list=common_pb2.Uint32List(values=[256, 1, 2, 3]))
     msgs, err = collect(router, token_ids=ids, max_new_tokens=3, temperature=0.5, top_p=0.9, top_k=7, seed=11,
-                        num_draft_tokens=0, stop_token_ids=[9], request_id="my-request")
+                        num_draft_tokens=0, stop_token_ids=[9], request_id="my-request", min_p=0.25)
     assert err is None, err
     (req,) = worker.requests
     assert req.request_id.endswith("/my-request")  # scoped by the tenant
@@ -62,8 +62,23 @@ def test_request_fields_reach_the_worker(rig):
     s = req.sampling
     assert (round(s.temperature, 3), round(s.top_p, 3), s.top_k, s.seed) == (0.5, 0.9, 7, 11)
     assert list(s.stop_token_ids) == [9, TOK.eos_token_id]
+    assert s.min_p == 0.25
     assert req.spec.num_draft_tokens == 0
     assert msgs[-1].usage.prompt_tokens == 4
+
+
+def test_seed_zero_is_a_seed_and_unset_fields_get_their_defaults(rig):
+    """optional fields: seed 0 reaches the worker as a seed; unset seed stays unset (unseeded);
+    unset temperature is greedy on gRPC and unset top_p is 1."""
+    worker = rig.worker("w0")
+    router = rig.router()
+    for fields in ({"seed": 0, "temperature": 0.7}, {}):
+        msgs, err = collect(router, text="seed?", max_new_tokens=2, **fields)
+        assert err is None, err
+    seeded, unset = (r.sampling for r in worker.requests)
+    assert seeded.HasField("seed") and seeded.seed == 0 and round(seeded.temperature, 3) == 0.7
+    assert not unset.HasField("seed")
+    assert (unset.temperature, unset.top_p) == (0.0, 1.0)
 
 
 def test_second_request_reuses_the_prefix_within_a_tenant_only(rig):

@@ -7,7 +7,7 @@ and not on the device (uniforms are drawn on the CPU and moved, never drawn on t
 
 Transform order (the same for target and draft, which rejection sampling relies on):
 
-    logits ──/ temperature──▶ top-k mask ──▶ softmax ──▶ top-p (nucleus) mask ──▶ renormalise
+    logits ──/ temperature──▶ top-k mask ──▶ softmax ──▶ min-p mask ──▶ top-p (nucleus) mask ──▶ renormalise
 
 Greedy (temperature 0) bypasses all of it: the token is the argmax, ties to the lowest id.
 """
@@ -26,7 +26,8 @@ from services.common.errors import InvalidArgument
 class SamplingParams:
     """How one request picks its tokens. Immutable.
 
-    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` switch those filters off.
+    ``temperature == 0`` means greedy. ``top_k == 0``, ``top_p == 1`` and ``min_p == 0`` switch
+    those filters off (``min_p``: drop tokens less likely than ``min_p`` × the most likely one's).
     ``seed`` fixes the request's random stream; ``None`` derives one from the request id.
     """
 
@@ -34,8 +35,11 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (0.0 <= self.min_p <= 1.0):
+            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not (self.temperature >= 0.0) or self.temperature != self.temperature or self.temperature == float("inf"):
             raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
@@ -79,6 +83,9 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
+    if params.min_p > 0.0:  # the most likely token always survives (its ratio is 1)
+        probs = probs * (probs >= params.min_p * probs.max(dim=-1, keepdim=True).values)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         # Keep a token if the mass strictly before it is < top_p: the smallest set reaching top_p,

@@ -15,6 +15,13 @@ from services.common.spec import SpecMode, lookahead_span
 from services.common.tokenizer import TINY_BOS_ID, TINY_EOS_ID, TINY_VOCAB_SIZE  # noqa: E402
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Llama-shaped families: the same decoder with the switches that differ (transformers' modelling)
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", {}),
+    "mistral": ("MistralForCausalLM", {}),
+    "qwen2": ("Qwen2ForCausalLM", {"qkv_bias": True}),  # bias on q/k/v, none on o
+    "qwen3": ("Qwen3ForCausalLM", {"qk_norm": True}),  # RMSNorm per q/k head before RoPE
+}
 
 
 @dataclass(frozen=True)
@@ -34,10 +41,13 @@ class LlamaConfig:
     # None or {"rope_type": "llama3"|"linear"|"default", "factor": ..., ...} (HF field names)
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q/k/v/o (Llama)
+    qkv_bias: bool = False  # bias on q/k/v only (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each q/k head before RoPE (Qwen3)
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"  # which family's config.json this came from (written back by to_hf)
 
     def __post_init__(self) -> None:
         for name in (
@@ -60,6 +70,8 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise InvalidArgument(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.model_type not in FAMILIES:
+            raise InvalidArgument(f"model_type {self.model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in _SUPPORTED_ROPE_TYPES:
             raise InvalidArgument(
@@ -75,8 +87,8 @@ class LlamaConfig:
         """Read a Hugging Face ``config.json`` dict (transformers v4 ``rope_theta``/``rope_scaling``
         or v5 ``rope_parameters``). Raises ``InvalidArgument`` for what this decoder cannot run."""
         model_type = d.get("model_type", "llama")
-        if model_type != "llama":
-            raise InvalidArgument(f"model_type {model_type!r} is not supported (only 'llama')")
+        if model_type not in FAMILIES:
+            raise InvalidArgument(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise InvalidArgument(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -96,6 +108,13 @@ class LlamaConfig:
                     rope_scaling = None
             eos = d.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            max_seq_len = int(d.get("max_position_embeddings", 2048))
+            window = d.get("sliding_window")
+            uses_window = d.get("use_sliding_window", model_type == "mistral")
+            if uses_window and window is not None and int(window) < max_seq_len:
+                # sliding-window attention equals full attention while sequences fit the window;
+                # serve only those, rather than compute something else past it
+                max_seq_len = int(window)
             return cls(
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
@@ -104,7 +123,7 @@ class LlamaConfig:
                 num_heads=heads,
                 num_kv_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or hidden // heads),
-                max_seq_len=int(d.get("max_position_embeddings", 2048)),
+                max_seq_len=max_seq_len,
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
@@ -113,6 +132,8 @@ class LlamaConfig:
                 mlp_bias=bool(d.get("mlp_bias", False)),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                model_type=model_type,
+                **FAMILIES[model_type][1],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"bad config.json: {exc!r}") from exc
@@ -120,8 +141,8 @@ class LlamaConfig:
     def to_hf(self) -> dict[str, Any]:
         """The transformers-v4-style ``config.json`` dict (v5 reads it too)."""
         d: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [FAMILIES[self.model_type][0]],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -166,34 +187,55 @@ def tiny_config() -> LlamaConfig:
 
 
 def default_eagle3_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """Low, middle and high target layers whose outputs EAGLE-3 fuses (indices into layers)."""
+    """Low, middle and high target layers whose outputs EAGLE-3 fuses (indices into layers).
+
+    Deep targets: what SGLang, vLLM and SpecForge pick when a checkpoint names none (the inputs of
+    layers 2, L/2 and L-3, i.e. the outputs of layers 1, L/2-1, L-4), so a draft Tandem trains
+    matches theirs. Shallow targets (where those collide): first, middle and last layer."""
+    engines = (1, num_layers // 2 - 1, num_layers - 4)
+    if num_layers >= 8:
+        return engines
     return (0, num_layers // 2, num_layers - 1) if num_layers >= 3 else tuple(range(num_layers))
 
 
 @dataclass(frozen=True)
 class DraftConfig:
-    """The draft layers of a one-model speculative setup (``tandem_draft.json`` "draft" section).
+    """The draft layers of a one-model speculative setup.
 
-    EAGLE-3: one decoder layer (``num_modules`` = 1) fed by ``aux_layers``. MTP: ``num_modules``
-    = K chained modules. Attention geometry (heads, head_dim) is the target's, so draft and target
-    share attention plans; ``intermediate_size`` is the draft layers' MLP width."""
+    EAGLE-3: one decoder layer (``num_modules`` = 1) fed by ``aux_layers`` (indices of target
+    layers whose *outputs* are fused). MTP: ``num_modules`` = K chained modules. Attention geometry
+    (heads, kv heads, head_dim) is the target's, so draft and target share attention plans;
+    ``intermediate_size`` is the draft layers' MLP width.
+
+    EAGLE-3 only (what public checkpoints vary in, see ``model/eagle3_format.py``):
+    ``draft_vocab_size`` rows in the draft's LM head (0 = the target's whole vocabulary; fewer:
+    a reduced vocabulary mapped to target ids by ``d2t``); ``layer`` the draft layer's own config
+    (hidden size, RMSNorm eps, RoPE; None = the target's); ``norm_before_residual`` (the residual
+    is the normed hidden, as some checkpoints train it); ``own_embedding`` (the checkpoint brings
+    its own token embedding instead of sharing the target's)."""
 
     spec_mode: SpecMode
     num_modules: int
     intermediate_size: int
     aux_layers: tuple[int, ...] = field(default_factory=tuple)
+    draft_vocab_size: int = 0
+    layer: LlamaConfig | None = None
+    norm_before_residual: bool = False
+    own_embedding: bool = False
 
     def __post_init__(self) -> None:
         if self.spec_mode not in (SpecMode.EAGLE3, SpecMode.MTP):
             raise InvalidArgument(f"no built-in draft layers for spec mode {self.spec_mode.name}")
         if self.spec_mode is SpecMode.EAGLE3 and (self.num_modules != 1 or len(self.aux_layers) != 3):
             raise InvalidArgument("an EAGLE-3 draft has one module and exactly three aux layers")
-        if self.spec_mode is SpecMode.MTP and self.aux_layers:
-            raise InvalidArgument("an MTP draft takes no aux layers")
+        if self.spec_mode is SpecMode.MTP and (self.aux_layers or self.draft_vocab_size or self.layer):
+            raise InvalidArgument("an MTP draft takes no aux layers, reduced vocabulary or own layer config")
         if not isinstance(self.num_modules, int) or self.num_modules < 1:
             raise InvalidArgument(f"num_modules must be >= 1, got {self.num_modules!r}")
         if not isinstance(self.intermediate_size, int) or self.intermediate_size < 1:
             raise InvalidArgument("draft intermediate_size must be a positive integer")
+        if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
+            raise InvalidArgument(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size!r}")
 
     @property
     def span(self) -> int:
@@ -202,6 +244,7 @@ class DraftConfig:
     @classmethod
     def default_for(cls, target: LlamaConfig, spec_mode: SpecMode, mtp_depth: int = 1) -> "DraftConfig":
         if spec_mode is SpecMode.EAGLE3:
+            check_eagle3_target(target)
             return cls(spec_mode, 1, target.intermediate_size, default_eagle3_aux_layers(target.num_layers))
         if spec_mode is SpecMode.MTP:
             try:
@@ -212,6 +255,7 @@ class DraftConfig:
         raise InvalidArgument(f"no built-in draft layers for spec mode {spec_mode.name}")
 
     def to_json(self) -> dict[str, Any]:
+        """The legacy ``tandem_draft.json`` "draft" section (MTP drafts; full-vocabulary EAGLE-3)."""
         return {
             "spec_mode": self.spec_mode.name,
             "num_modules": self.num_modules,
@@ -230,3 +274,12 @@ class DraftConfig:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"bad draft section in tandem_draft.json: {exc!r}") from exc
+
+
+def check_eagle3_target(target: LlamaConfig) -> None:
+    """EAGLE-3 fuses three distinct target layers: a target with fewer cannot have a draft."""
+    if target.num_layers < 3:
+        raise InvalidArgument(
+            f"EAGLE-3 needs a target with at least 3 layers (it fuses a low, middle and high layer); "
+            f"this one has {target.num_layers}"
+        )

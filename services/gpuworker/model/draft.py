@@ -32,8 +32,13 @@ EAGLE-3 (D = 1, one draft layer; ``Eagle3Draft.forward``)
 
     The input layer follows EAGLE-3: q/k/v of the draft layer project the 2H concatenation
     ``[input_layernorm(emb(t[i+1])) ; hidden_norm(context)]``; the residual is the context
-    (fused); the MLP works on H. The LM head is the draft's own (full target vocabulary; no
-    reduced draft vocabulary).
+    (fused; or its normed copy with ``norm_before_residual``); the MLP works on H. The LM head is
+    the draft's own, over ``draft_vocab_size`` ids; a reduced draft vocabulary is mapped back to
+    target ids by ``d2t`` (target id = ``d2t[draft id]``) and ``DraftOutput.logits`` always
+    covers the whole target vocabulary, ids outside the draft's at -inf: greedy proposals and the
+    draft distribution q of rejection sampling are then exactly the draft's, and the engine needs
+    no knowledge of the mapping (vLLM maps the same way). Parameter names are those of the public
+    EAGLE-3 layout (``midlayer.*``, ``fc``, ``norm``, ``lm_head``; ``model/eagle3_format.py``).
 
 MTP (D = K, K chained modules; ``MTPDraft.forward`` per module, ``MTPDraft.run_chain`` for all)
 ---------------------------------------------------------------------------------------------
@@ -65,6 +70,7 @@ so writes into the pool never chain autograd history from step to step; in train
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -103,7 +109,8 @@ class DraftOutput:
 
 class DraftModel(nn.Module):
     """Common part of the draft kinds. Shares the target's embedding (and, for MTP, its LM head)
-    by reference: they are not parameters of the draft and not in ``draft_state_dict()``."""
+    by reference: they are not parameters of the draft and not in ``draft_state_dict()`` (an
+    EAGLE-3 head that ships its own embedding has it as a parameter instead)."""
 
     fingerprint: str = ""  # set by the loader: identifies the draft config + weights
 
@@ -160,9 +167,10 @@ class DraftModel(nn.Module):
 
 class Eagle3Layer(nn.Module):
     """EAGLE-3 draft decoder layer: attention over ``[norm(emb) ; norm(hidden)]`` (2H -> q/k/v),
-    residual from ``hidden``, SwiGLU MLP on H."""
+    residual from ``hidden`` (or ``norm(hidden)``), SwiGLU MLP on H."""
 
-    def __init__(self, config: LlamaConfig, rope: RotaryEmbedding, intermediate_size: int):
+    def __init__(self, config: LlamaConfig, rope: RotaryEmbedding, intermediate_size: int,
+                 norm_before_residual: bool = False):
         super().__init__()
         h = config.hidden_size
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
@@ -170,25 +178,87 @@ class Eagle3Layer(nn.Module):
         self.self_attn = Attention(config, rope, input_size=2 * h)
         self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
         self.mlp = MLP(h, intermediate_size, config.mlp_bias)
+        self.norm_before_residual = norm_before_residual
 
     def forward(self, emb, hidden, plan, backend, kv_layer) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-        x = hidden + self.self_attn(x, plan, backend, kv_layer)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)
+        x = residual + self.self_attn(x, plan, backend, kv_layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _same_rope(a: LlamaConfig, b: LlamaConfig) -> bool:
+    return (a.rope_theta, a.rope_scaling, a.head_dim) == (b.rope_theta, b.rope_scaling, b.head_dim)
+
+
 class Eagle3Draft(DraftModel):
-    """EAGLE-3 draft: ``fc`` (3H -> H, fuses the aux hiddens), one ``Eagle3Layer``, own ``norm``
-    and ``lm_head``. Draft pool: 1 layer. See the module docstring for the alignment."""
+    """EAGLE-3 draft: ``fc`` (3H_target -> H, fuses the aux hiddens), one ``Eagle3Layer``
+    (``midlayer``), own ``norm`` and ``lm_head`` (``draft_vocab_size`` rows; ``d2t`` maps them to
+    target ids). Draft pool: 1 layer. See the module docstring for the alignment."""
 
     def __init__(self, target: TargetModel, config: DraftConfig):
         super().__init__(target, config)
-        c = target.config
-        h = c.hidden_size
-        self.fc = nn.Linear(3 * h, h, bias=False)
-        self.layer = Eagle3Layer(c, target.rotary, config.intermediate_size)
-        self.norm = RMSNorm(h, c.rms_norm_eps)
-        self.lm_head = nn.Linear(h, c.vocab_size, bias=False)
+        tc = target.config
+        # the draft layer's own shape and RoPE, positions up to the target's max_seq_len; a plain
+        # Llama layer whatever the target's family (the public layout is a Llama layer)
+        lc = dataclasses.replace(config.layer or tc, max_seq_len=tc.max_seq_len, vocab_size=tc.vocab_size,
+                                 model_type="llama", qkv_bias=False, qk_norm=False)
+        if (lc.num_heads, lc.num_kv_heads, lc.head_dim) != (tc.num_heads, tc.num_kv_heads, tc.head_dim):
+            raise InvalidArgument(
+                f"the draft's attention ({lc.num_heads} heads, {lc.num_kv_heads} kv heads, head_dim "
+                f"{lc.head_dim}) must match the target's ({tc.num_heads}, {tc.num_kv_heads}, {tc.head_dim}): "
+                "draft and target share block tables and attention plans"
+            )
+        h = lc.hidden_size
+        self.layer_config = lc
+        self.vocab_size = tc.vocab_size
+        self.draft_vocab_size = config.draft_vocab_size or tc.vocab_size
+        if self.draft_vocab_size > tc.vocab_size:
+            raise InvalidArgument(f"draft_vocab_size {self.draft_vocab_size} exceeds the target's {tc.vocab_size}")
+        rope = target.rotary
+        if not _same_rope(lc, tc):
+            self.draft_rotary = RotaryEmbedding(lc)  # a submodule: moves with .to(); tables not saved
+            rope = self.draft_rotary
+        if config.own_embedding or h != tc.hidden_size:
+            del self.__dict__["embed_tokens"]  # the checkpoint's own, a parameter of the draft
+            self.embed_tokens = nn.Embedding(tc.vocab_size, h)
+        self.fc = nn.Linear(3 * tc.hidden_size, h, bias=False)
+        self.midlayer = Eagle3Layer(lc, rope, config.intermediate_size, config.norm_before_residual)
+        self.norm = RMSNorm(h, lc.rms_norm_eps)
+        self.lm_head = nn.Linear(h, self.draft_vocab_size, bias=False)
+        # d2t[j] = target id of draft id j; t2d[v] = draft id of target id v, or -1
+        self.register_buffer("d2t", torch.arange(self.draft_vocab_size), persistent=False)
+        self.register_buffer("t2d", torch.arange(tc.vocab_size), persistent=False)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.draft_vocab_size != self.vocab_size
+
+    def set_vocab_map(self, d2t: torch.Tensor) -> None:
+        """Install the draft-to-target id map (int [draft_vocab_size], distinct ids in range).
+        Mutates the ``d2t``/``t2d`` buffers."""
+        d2t = torch.as_tensor(d2t, dtype=torch.int64).flatten()
+        V = self.vocab_size
+        if d2t.numel() != self.draft_vocab_size:
+            raise InvalidArgument(f"d2t has {d2t.numel()} entries, the draft vocabulary {self.draft_vocab_size}")
+        if d2t.numel() and (int(d2t.min()) < 0 or int(d2t.max()) >= V):
+            raise InvalidArgument(f"d2t maps to ids outside the target vocabulary 0..{V - 1}")
+        if torch.unique(d2t).numel() != d2t.numel():
+            raise InvalidArgument("d2t maps two draft ids to one target id")
+        t2d = torch.full((V,), -1, dtype=torch.int64)
+        t2d[d2t] = torch.arange(d2t.numel())
+        with torch.no_grad():
+            self.d2t = d2t.to(self.d2t.device)
+            self.t2d = t2d.to(self.t2d.device)
+
+    def full_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [N, Vd] -> target-vocabulary logits [N, V] (-inf where the draft
+        has no id). Identity for a full-vocabulary draft."""
+        if not self.reduced_vocab:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        return full.index_copy(1, self.d2t, logits)
 
     @_grad_only_when_training
     def forward(
@@ -201,20 +271,23 @@ class Eagle3Draft(DraftModel):
         *,
         context_is_aux: bool,
         logits_indices: torch.Tensor | None = None,
+        draft_vocab_logits: bool = False,
     ) -> DraftOutput:
         """One draft-layer pass over the plan's positions.
 
         ``next_token_ids`` [T]: for the row at position i, the token t[i+1]. ``context``:
-        ``[T, 3H]`` target aux hidden a[i] when ``context_is_aux`` (fill), else ``[T, H]`` the
-        draft's own previous ``DraftOutput.hidden`` (drafting). Mutates draft pool layer 0 at
-        ``plan.slot_mapping`` only. Returns g[i] and logits predicting t[i+2]."""
-        h = self.target_config.hidden_size
-        self._check_common(next_token_ids, context, plan, kv, 3 * h if context_is_aux else h)
+        ``[T, 3H_target]`` target aux hidden a[i] when ``context_is_aux`` (fill), else ``[T, H]``
+        the draft's own previous ``DraftOutput.hidden`` (drafting). Mutates draft pool layer 0 at
+        ``plan.slot_mapping`` only. Returns g[i] and logits predicting t[i+2], over the target
+        vocabulary (or, with ``draft_vocab_logits``, the draft's own ids: for training)."""
+        width = 3 * self.target_config.hidden_size if context_is_aux else self.layer_config.hidden_size
+        self._check_common(next_token_ids, context, plan, kv, width)
         hidden = self.fc(context) if context_is_aux else context
         emb = self.embed_tokens(next_token_ids)
-        out = self.layer(emb, hidden, plan, backend, kv.layer(0))
+        out = self.midlayer(emb, hidden, plan, backend, kv.layer(0))
         rows = out if logits_indices is None else out.index_select(0, logits_indices)
-        return DraftOutput(hidden=out, logits=self.lm_head(self.norm(rows)).float())
+        logits = self.lm_head(self.norm(rows)).float()
+        return DraftOutput(hidden=out, logits=logits if draft_vocab_logits else self.full_vocab_logits(logits))
 
 
 class MTPModule(nn.Module):

@@ -107,11 +107,15 @@ class Attention(nn.Module):
         h, hd = config.hidden_size, config.head_dim
         nq, nkv = config.num_heads, config.num_kv_heads
         in_size = input_size or h
-        bias = config.attention_bias
+        # Llama's attention_bias covers q/k/v/o; Qwen2's bias is on q/k/v only
+        bias = config.attention_bias or config.qkv_bias
         self.q_proj = nn.Linear(in_size, nq * hd, bias=bias)
         self.k_proj = nn.Linear(in_size, nkv * hd, bias=bias)
         self.v_proj = nn.Linear(in_size, nkv * hd, bias=bias)
-        self.o_proj = nn.Linear(nq * hd, h, bias=bias)
+        self.o_proj = nn.Linear(nq * hd, h, bias=config.attention_bias)
+        # Qwen3: RMSNorm over head_dim of every q and k head, before RoPE
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = nq, nkv, hd
         self.scale = hd**-0.5
         # a plain attribute, not a submodule: one table shared by every layer
@@ -140,6 +144,8 @@ class Attention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.view(T, nq, hd), k.view(T, nkv, hd), v.view(T, nkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.ops.rope_(self.rope, q, k, plan.positions)
         backend.write_kv(plan, kv_layer, k, v)
         out = backend.attend(plan, q, kv_layer, scale=self.scale)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "num_draft_tokens", "stop_token_ids", "request_id")
+    __slots__ = ("text", "token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "num_draft_tokens", "stop_token_ids", "request_id", "stop", "ignore_eos", "min_p")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,9 @@ class GenerateRequest(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _common_pb2.TokenIds
     max_new_tokens: int
@@ -29,35 +32,22 @@ class GenerateRequest(_message.Message):
     num_draft_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
-
-class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "mean_acceptance_length", "worker_id", "time_to_first_token_s", "finish_reason")
-    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    mean_acceptance_length: float
-    worker_id: str
-    time_to_first_token_s: float
-    finish_reason: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., worker_id: _Optional[str] = ..., time_to_first_token_s: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    min_p: float
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "usage")
+    __slots__ = ("text", "token_ids", "usage", "finish_reason")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    usage: Usage
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    usage: _common_pb2.Usage
+    finish_reason: _common_pb2.FinishReason
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

@@ -1,6 +1,5 @@
 from tandem.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
-from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -8,32 +7,23 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
-    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
-    FINISH_REASON_STOP: _ClassVar[FinishReason]
-    FINISH_REASON_MAX_SEQ_LEN: _ClassVar[FinishReason]
-FINISH_REASON_UNSPECIFIED: FinishReason
-FINISH_REASON_LENGTH: FinishReason
-FINISH_REASON_STOP: FinishReason
-FINISH_REASON_MAX_SEQ_LEN: FinishReason
-
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop_token_ids")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "stop_token_ids", "min_p")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
     seed: int
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    min_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class SpecParams(_message.Message):
     __slots__ = ("num_draft_tokens",)
@@ -63,31 +53,15 @@ class GenerateRequest(_message.Message):
     reservation: ReservationRef
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., spec: _Optional[_Union[SpecParams, _Mapping]] = ..., reservation: _Optional[_Union[ReservationRef, _Mapping]] = ...) -> None: ...
 
-class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "mean_acceptance_length", "decode_steps", "time_to_first_token_s")
-    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
-    TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    mean_acceptance_length: float
-    decode_steps: int
-    time_to_first_token_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., decode_steps: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ...) -> None: ...
-
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "usage")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    finish_reason: FinishReason
-    usage: Usage
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    finish_reason: _common_pb2.FinishReason
+    usage: _common_pb2.Usage
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

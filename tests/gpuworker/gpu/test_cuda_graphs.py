@@ -58,7 +58,7 @@ def test_graph_replay_equals_eager(models, k):
 
 def write_checkpoint(folder) -> str:
     """A random Llama with FlashInfer's head size (128), written by transformers; the loader
-    gives it a seeded random EAGLE-3 draft (no tandem_draft.json in the folder). A byte-sized
+    gives it a seeded random EAGLE-3 draft (``draft_model="random"``). A byte-sized
     vocabulary lets the router use its built-in byte tokenizer (the router refuses a worker whose
     vocabulary differs from its tokenizer's)."""
     import transformers
@@ -90,7 +90,7 @@ async def _served_tokens(model: str, prompts_: list[list[int]], max_new: int, k:
     kv_addr = f"127.0.0.1:{kv_server.port}"
     worker_settings = WorkerSettings(
         host="127.0.0.1", port=0, kvstore=kv_addr, model=model, device="cuda:0", backend="flashinfer",
-        dtype="bfloat16", spec_mode="eagle3", num_blocks=256, grace_s=0.0,
+        dtype="bfloat16", spec_mode="eagle3", draft_model="random", num_blocks=256, grace_s=0.0,
     )
     w_server, runner, _identity = await start_worker(worker_settings)
     captured_at_serving = runner.engine.graphs.captured  # start_worker returns once SERVING
@@ -127,7 +127,7 @@ def test_served_path_equals_engine_alone_and_warms_up_first(tmp_path, k):
     assert engine.graphs.replays > 0
 
     settings = WorkerSettings(model=model, device="cuda:0", backend="flashinfer", dtype="bfloat16",
-                              spec_mode="eagle3", num_blocks=256)
+                              spec_mode="eagle3", draft_model="random", num_blocks=256)
     source = LocalBlockSource(256, settings.block_size)
     alone = build_engine(settings, lambda _num_blocks: source).engine
     alone.warmup()

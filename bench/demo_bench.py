@@ -1,0 +1,133 @@
+"""Acceptance length and tokens/s of the shipped demo model + its EAGLE-3 draft, k = 0 vs k > 0,
+greedy, on held-out standard-library text (files the model and draft never trained on).
+
+    held-out stdlib files ──evenly spaced windows──▶ prompts (BOS + --prompt-len bytes)
+    engine alone (build_engine: the worker's own recipe, local block source), batch B:
+        k = 0   plain greedy decoding            -> tokens/s
+        k = K   EAGLE-3 speculative decoding     -> tokens/s, acceptance length (1 + accepted / verify)
+    outputs of every k must be token-identical (greedy speculation changes nothing but speed)
+
+Usage (CPU; ``--device cuda:0`` on a GPU box picks FlashInfer + bf16)::
+
+    python bench/demo_bench.py --out docs/demo_bench.json --png docs/img/demo_bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import machine  # noqa: E402
+
+
+def run(args) -> dict:
+    import torch
+
+    from services.gpuworker.build import build_engine
+    from services.gpuworker.engine.capacity import LocalBlockSource, blocks_for
+    from services.gpuworker.engine.local import LocalSetup, generate
+    from services.gpuworker.settings import WorkerSettings
+    from services.gpuworker.train_demo import held_out_text
+    from services.common.tokenizer import ByteTokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gpu = args.device.startswith("cuda")
+    tok = ByteTokenizer()
+    prompts = [tok.encode(t)[: args.prompt_len + 1] for t in held_out_text(args.prompts, args.prompt_len)]
+    per = blocks_for(args.prompt_len + 1 + args.max_new_tokens + max(args.k) + 1, 16)
+    num_blocks = args.batch * per + 8
+    setups, models = {}, None
+    ks = [0, *args.k]
+    for k in ks:
+        settings = WorkerSettings(model=args.model, spec_mode="eagle3", device=args.device,
+                                  backend="flashinfer" if gpu else "torch", num_blocks=num_blocks)
+        source = LocalBlockSource(num_blocks, settings.block_size)
+        built = build_engine(settings, lambda _n: source, models=models)
+        models = (built.target, built.draft)
+        setups[k] = LocalSetup(built.engine, source, built.target, built.draft)
+        if gpu:
+            built.engine.warmup()
+        generate(setups[k], prompts[: args.batch], max_new_tokens=8, k=k)  # warm-up, not timed
+    # the machine may be shared: every repeat runs each k once, interleaved; medians reported
+    walls = {k: [] for k in ks}
+    outputs, stats = {}, {}
+    for _ in range(args.repeats):
+        for k in ks:
+            done, wall = [], 0.0
+            for i in range(0, len(prompts), args.batch):
+                start = time.perf_counter()
+                done += generate(setups[k], prompts[i : i + args.batch], max_new_tokens=args.max_new_tokens, k=k)
+                wall += time.perf_counter() - start
+            walls[k].append(wall)
+            outputs[k] = [c.tokens for c in done]
+            stats[k] = (sum(c.decode_steps for c in done), sum(c.accepted_drafts for c in done),
+                        sum(len(c.tokens) for c in done), len(done))
+    rows = []
+    for k in ks:
+        steps, accepted, tokens, n = stats[k]
+        med = statistics.median(walls[k])
+        row = {"k": k, "batch": args.batch, "requests": n, "tokens": tokens, "repeats": args.repeats,
+               "wall_s_median": round(med, 3), "wall_s_all": [round(w, 3) for w in walls[k]],
+               "tokens_per_s": round(tokens / med, 1),
+               "acceptance_length": round((steps + accepted) / max(steps, 1), 3) if k else 1.0,
+               "identical_to_k0": outputs[k] == outputs[0]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    sample = tok.decode(prompts[0] + outputs[0][0])
+    return {"machine": machine(), "command": " ".join(sys.argv), "model": args.model, "device": args.device,
+            "dtype": settings.torch_dtype_name, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
+            "rows": rows, "sample": sample}
+
+
+def plot(result: dict, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    labels = [f"k={r['k']}" for r in rows]
+    a.bar(labels, [r["tokens_per_s"] for r in rows], color=["#888"] + ["#2a7"] * (len(rows) - 1))
+    a.set_ylabel("tokens/s")
+    a.set_title(f"demo model, {result['device']}, batch {rows[0]['batch']}")
+    b.bar(labels, [r["acceptance_length"] for r in rows], color=["#888"] + ["#27a"] * (len(rows) - 1))
+    b.axhline(2.0, ls="--", c="k", lw=0.8)
+    b.set_ylabel("acceptance length (tokens / verify)")
+    b.set_title("held-out stdlib text, greedy")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--k", type=int, nargs="+", default=[3])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every k (medians reported)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--png", default=None)
+    args = ap.parse_args()
+    result = run(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.png:
+        plot(result, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

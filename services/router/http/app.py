@@ -1,0 +1,359 @@
+"""The OpenAI-compatible HTTP front: a thin adapter over the router's :class:`Dispatcher`.
+
+    HTTP request ──▶ bearer token → tenant (the gRPC path's TenantRegistry)
+                 ──▶ JSON body → schema (400s) → prompt ids (chat template) → jobs.build_job
+                 ──▶ Dispatcher.generate (the same routing, reservation and settling as gRPC)
+                 ──▶ one JSON response, or server-sent events ending in ``data: [DONE]``
+
+Errors before the first token are HTTP errors in OpenAI's shape (see ``errors``); after it, a
+stream carries one ``data: {"error": ...}`` event and ends. A client that disconnects cancels its
+request: the cancellation reaches ``Dispatcher.generate``, which cancels the worker call (the
+worker aborts the reservation) or settles a reservation no worker acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from services.common.auth import bearer_token
+from services.common.chat_template import ChatTemplate, load_chat_template, normalize_messages
+from services.common.errors import TandemError, Unavailable
+from services.router.dispatcher import Completion, Dispatcher, TextDelta
+from services.router.http.errors import ModelNotFound, RequestError, http_error
+from services.router.http.schema import ChatCompletionRequest, CompletionRequest, parse
+from services.router.jobs import GenerateJob, RequestLimits, build_job
+from services.router.tenants import Tenant, TenantRegistry
+
+log = logging.getLogger(__name__)
+
+
+
+def _json(status: int, body: dict) -> Response:
+    return Response(json.dumps(body, separators=(",", ":")), status_code=status, media_type="application/json")
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def usage_body(usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, awaitable):
+    """Await ``awaitable`` unless the client disconnects first (then cancel it: ClientGone)."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        raise ClientGone
+    finally:
+        watch.cancel()
+
+
+class OpenAIFront:
+    """Routes of the HTTP front. ``source()`` returns the router's current (tokenizer, limits,
+    model name): all None until ``--model auto`` learned the model from a worker."""
+
+    def __init__(self, dispatcher: Dispatcher, tenants: TenantRegistry, source: Callable[[], tuple],
+                 *, metrics=None, clock: Callable[[], float] = time.time):
+        self.dispatcher = dispatcher
+        self.metrics = metrics  # RouterMetrics: HTTP generations count in the same series as gRPC ones
+        self.tenants = tenants
+        self._source = source
+        self._clock = clock
+        self._templates: dict[str, ChatTemplate] = {}
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ])
+
+    # ------------------------------------------------------------------------------- helpers
+    def _tenant(self, request: Request) -> Tenant:
+        header = request.headers.get("authorization")
+        return self.tenants.authenticate(bearer_token([("authorization", header)] if header else []))
+
+    def _bound(self) -> tuple:
+        tokenizer, limits, model = self._source()
+        if tokenizer is None or limits is None or not model:
+            raise Unavailable("no worker is registered yet, so the router does not know its model")
+        return tokenizer, limits, model
+
+    @staticmethod
+    def _check_model(asked: str, served: str) -> None:
+        if asked not in (served, Path(served).name):
+            raise ModelNotFound(asked)
+
+    async def _body(self, request: Request, schema):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise RequestError("the request body is not valid JSON") from None
+        return parse(schema, body)
+
+    def _template(self, model: str) -> ChatTemplate:
+        if model not in self._templates:
+            self._templates[model] = load_chat_template(model)
+        return self._templates[model]
+
+    @staticmethod
+    def _jobs(req, limits: RequestLimits, tokenizer, *, text=None, token_ids=None, max_tokens: int) -> list[GenerateJob]:
+        """One job per sample (``n``); sample i of a seeded request uses seed + i."""
+        return [build_job(
+            text=text,
+            token_ids=token_ids,
+            max_new_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k in (None, -1) else req.top_k,
+            seed=None if req.seed is None else (req.seed + i) % (1 << 64),
+            num_draft_tokens=req.num_draft_tokens,
+            stop_token_ids=req.stop_token_ids or (),
+            stop_strings=req.stop_strings(),
+            ignore_eos=req.ignore_eos,
+            min_p=req.min_p,
+            limits=limits,
+            tokenizer=tokenizer,
+        ) for i in range(req.n)]
+
+    async def _handle(self, request: Request, run, *, tracked: bool = True) -> Response:
+        """Run a handler; every typed error becomes OpenAI's JSON error with its HTTP status.
+        ``tracked``: a generation, counted in the router's metrics (a stream counts itself)."""
+        track = _Track(self.metrics if tracked else None)
+        try:
+            response = await run(track)
+        except ClientGone:
+            track.end("CANCELLED")
+            return Response(status_code=499)  # nobody reads it; for the access log
+        except TandemError as exc:
+            track.end(exc.code.value)
+            status, body = http_error(exc)
+            return _json(status, body)
+        except Exception as exc:  # a bug: logged with its trace, never shown to the client
+            track.end("INTERNAL")
+            log.exception("HTTP %s %s failed", request.method, request.url.path)
+            status, body = http_error(exc)
+            return _json(status, body)
+        if not isinstance(response, StreamingResponse):
+            track.end("OK")
+        return response
+
+    # -------------------------------------------------------------------------------- routes
+    async def models(self, request: Request) -> Response:
+        async def run(_track):
+            self._tenant(request)
+            _tok, _lim, model = self._source()
+            data = [{"id": model, "object": "model", "created": 0, "owned_by": "tandem"}] if model else []
+            return _json(200, {"object": "list", "data": data})
+
+        return await self._handle(request, run, tracked=False)
+
+    async def completions(self, request: Request) -> Response:
+        async def run(track):
+            tenant = self._tenant(request)
+            req: CompletionRequest = await self._body(request, CompletionRequest)
+            tokenizer, limits, model = self._bound()
+            self._check_model(req.model, model)
+            text, ids = req.single_prompt()
+            jobs = self._jobs(req, limits, tokenizer, text=text, token_ids=ids, max_tokens=req.max_tokens or 16)
+            return await self._respond(request, req, jobs, tenant, model, track, chat=False)
+
+        return await self._handle(request, run)
+
+    async def chat_completions(self, request: Request) -> Response:
+        async def run(track):
+            tenant = self._tenant(request)
+            req: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
+            tokenizer, limits, model = self._bound()
+            self._check_model(req.model, model)
+            messages = normalize_messages([m.model_dump() for m in req.messages])
+            ids = self._template(model).encode(messages, tokenizer, add_generation_prompt=req.add_generation_prompt)
+            max_tokens = req.token_limit() or limits.max_new_tokens
+            jobs = self._jobs(req, limits, tokenizer, token_ids=ids, max_tokens=max_tokens)
+            return await self._respond(request, req, jobs, tenant, model, track, chat=True)
+
+        return await self._handle(request, run)
+
+    # ------------------------------------------------------------------------------ responses
+    async def _respond(self, request: Request, req, jobs: list[GenerateJob], tenant: Tenant, model: str,
+                       track: _Track, *, chat: bool) -> Response:
+        """Run ``jobs`` (``n`` samples of one prompt) and answer with all of them as choices."""
+        arrival = time.monotonic()
+        streams = [self.dispatcher.generate(j, tenant, deadline=None, arrival=arrival) for j in jobs]
+        shape = _Shape(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(self._clock()), model, chat, track)
+        # Take every sample's first event before answering, so that a request failing before its
+        # first token (capacity, no worker, bad prompt) gets its HTTP status, not an SSE error. The
+        # first sample goes alone: its prefill publishes the prompt's blocks, which the others reuse.
+        try:
+            firsts = [await until_disconnect(request, anext(streams[0]))]
+            if len(streams) > 1:
+                rest = await until_disconnect(
+                    request, asyncio.gather(*(anext(s) for s in streams[1:]), return_exceptions=True))
+                for r in rest:
+                    if isinstance(r, BaseException):
+                        raise r
+                firsts += rest
+        except BaseException:
+            for s in streams:
+                await s.aclose()
+            raise
+        events = _merged(firsts, streams)
+        if not req.stream:
+            return _json(200, await until_disconnect(request, shape.collect(events, len(jobs))))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(shape.stream(events, len(jobs), include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+
+async def _merged(firsts: list, streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, TextDelta | Completion]]:
+    """(sample index, event) of all samples as they arrive, each sample's first event first.
+    Closing it (client gone) cancels every sample still running."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for event in streams[i]:
+                await queue.put((i, event))
+        except Exception as exc:  # typed errors reach the client as an error event
+            await queue.put((i, exc))
+
+    for i, first in enumerate(firsts):
+        queue.put_nowait((i, first))
+    tasks = [asyncio.ensure_future(pump(i)) for i, first in enumerate(firsts) if not isinstance(first, Completion)]
+    try:
+        remaining = len(firsts)
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield i, item
+            remaining -= isinstance(item, Completion)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+
+
+def summed_usage(usages: list) -> dict:
+    """OpenAI's usage of ``n`` samples: the prompt once (as the first sample saw it), completions summed."""
+    body = usage_body(usages[0])
+    body["completion_tokens"] = sum(u.completion_tokens for u in usages)
+    body["total_tokens"] = body["prompt_tokens"] + body["completion_tokens"]
+    return body
+
+
+class _Track:
+    """One generation in the router's metrics: in flight from creation, one outcome at the end."""
+
+    def __init__(self, metrics):
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.in_flight.inc()
+
+    def usage(self, usage) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_usage(usage)
+
+    def end(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.outcome(outcome)
+            self._metrics = None  # once
+
+
+class _Shape:
+    """The response objects of one request (completion or chat; whole or chunks)."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool, track: _Track):
+        self.rid, self.created, self.model, self.chat, self.track = rid, created, model, chat, track
+
+    def _envelope(self, choices: list, *, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def _choice(self, i: int, text: str, finish: str | None, *, chunk: bool, first: bool = False) -> dict:
+        if not self.chat:
+            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+        if chunk:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+
+    async def collect(self, events: AsyncIterator, n: int) -> dict:
+        pieces: list[list[str]] = [[] for _ in range(n)]
+        usages: list = [None] * n
+        async for i, event in events:
+            pieces[i].append(event.text)
+            if isinstance(event, Completion):
+                usages[i] = event.usage
+                self.track.usage(event.usage)
+        choices = [self._choice(i, "".join(p), u.finish_reason, chunk=False) for i, (p, u) in enumerate(zip(pieces, usages))]
+        body = self._envelope(choices, chunk=False)
+        body["usage"] = summed_usage(usages)
+        return body
+
+    async def stream(self, events: AsyncIterator, n: int, include_usage: bool) -> AsyncIterator[str]:
+        """SSE lines; closing this generator (client gone) closes ``events``, which cancels the request."""
+        outcome = "CANCELLED"  # unless it ends below (a client that hangs up cancels the generator)
+        opened, usages = [False] * n, [None] * n
+        try:
+            async for i, event in events:
+                if event.text or not opened[i]:
+                    yield _sse(self._envelope([self._choice(i, event.text, None, chunk=True, first=not opened[i])], chunk=True))
+                    opened[i] = True
+                if isinstance(event, Completion):
+                    usages[i] = event.usage
+                    self.track.usage(event.usage)
+                    yield _sse(self._envelope([self._choice(i, "", event.usage.finish_reason, chunk=True)], chunk=True))
+            outcome = "OK"
+            if include_usage:
+                body = self._envelope([], chunk=True)
+                body["usage"] = summed_usage(usages)
+                yield _sse(body)
+        except TandemError as exc:
+            outcome = exc.code.value
+            _status, body = http_error(exc)
+            yield _sse(body)
+        except Exception as exc:
+            outcome = "INTERNAL"
+            log.exception("HTTP stream %s failed", self.rid)
+            _status, body = http_error(exc)
+            yield _sse(body)
+        finally:
+            self.track.end(outcome)
+            await events.aclose()
+        yield "data: [DONE]\n\n"
