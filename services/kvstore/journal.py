@@ -134,10 +134,11 @@ class JournaledStore:
     needs the same). Attribute access falls through to the store for read-only verbs."""
 
     def __init__(self, store_args: dict, sink: Sink | None = None, *, clock: JournalClock | None = None,
-                 seq: int = 0, store: KVStore | None = None):
+                 seq: int = 0, store: KVStore | None = None, ids: Callable[[], str] | None = None):
         self.store_args = dict(store_args)
         self.clock = clock or JournalClock()
         self._replay_id: str | None = None  # the id the core must draw next, during replay
+        self._ids = ids  # where fresh ids come from (default: 128 random bits; tests pass a counter)
         self.store = store if store is not None else KVStore(clock=self.clock, new_id=self._new_id, **self.store_args)
         self.sink = sink
         self.seq = seq  # entries committed to this store so far (a snapshot counts for its seq)
@@ -148,7 +149,9 @@ class JournaledStore:
         """The core's reservation-id source: random (as the core's own), or during replay the
         journaled one."""
         rid, self._replay_id = self._replay_id, None
-        return rid if rid is not None else "r-" + secrets.token_hex(16)
+        if rid is not None:
+            return rid
+        return self._ids() if self._ids is not None else "r-" + secrets.token_hex(16)
 
     def durable(self):
         """An awaitable done once everything journaled so far is durable, or None if it is
@@ -219,7 +222,8 @@ class JournaledStore:
     # ------------------------------------------------------------------------ recovery
     @classmethod
     def recover(cls, store_args: dict, snapshot: bytes | None, entries: Iterable[tuple[int, bytes]],
-                sink: Sink | None = None, *, clock: JournalClock | None = None) -> JournaledStore:
+                sink: Sink | None = None, *, clock: JournalClock | None = None,
+                ids: Callable[[], str] | None = None) -> JournaledStore:
         """Rebuild the exact state: load ``snapshot`` (or start from genesis ``store_args``),
         then replay ``entries`` ((seq, entry), consecutive after the snapshot's seq). The clock
         resumes from the last journaled reading. JournalDiverged if an outcome differs or an
@@ -233,7 +237,7 @@ class JournaledStore:
             store._clock = clock
         else:
             seq, last_time, store = 0, 0.0, None
-        journaled = cls(store_args, None, clock=clock, seq=seq, store=store)
+        journaled = cls(store_args, None, clock=clock, seq=seq, store=store, ids=ids)
         if store is not None:
             store._new_id = journaled._new_id
         journaled.last_time = last_time

@@ -166,7 +166,7 @@ class RedisLog:
         return int(base or 0) + n
 
     def load(self, store_args: dict, sink=None, *, previous: JournaledStore | None = None, previous_epoch: int = 0,
-             acknowledged: int = 0, clock=None) -> JournaledStore:
+             acknowledged: int = 0, clock=None, ids=None) -> JournaledStore:
         """The store the journal describes (we must hold the lease). The genesis arguments in
         Redis win over ``store_args`` (replay needs the originals).
 
@@ -216,7 +216,7 @@ class RedisLog:
                     return
                 start += _LOAD_CHUNK
 
-        return JournaledStore.recover(store_args, snapshot, entries(), sink, clock=clock)
+        return JournaledStore.recover(store_args, snapshot, entries(), sink, clock=clock, ids=ids)
 
     def wipe(self) -> None:
         """Delete every key of this journal (tests and ``--redis-reset``)."""

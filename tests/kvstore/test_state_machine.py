@@ -578,7 +578,11 @@ class JournalMachine(KVStoreMachine):
         super().__init__()
         self.entries: list[tuple[int, bytes]] = []
         self.snapshot_blob: bytes | None = None
-        self.store = JournaledStore(STORE_ARGS, self.entries_sink(), clock=HandClock(self.clock))
+        # Reservation ids from a counter, as in the base machine: hypothesis draws from them and
+        # needs the same ids when it replays an example.
+        self.ids = (f"j-{i:06d}" for i in range(10**9))
+        self.store = JournaledStore(STORE_ARGS, self.entries_sink(), clock=HandClock(self.clock),
+                                    ids=lambda: next(self.ids))
         self.restarts = 0
 
     def entries_sink(self):
@@ -589,7 +593,7 @@ class JournalMachine(KVStoreMachine):
 
     def recovered(self) -> JournaledStore:
         return JournaledStore.recover(STORE_ARGS, self.snapshot_blob, self.entries, self.entries_sink(),
-                                      clock=HandClock(self.clock))
+                                      clock=HandClock(self.clock), ids=lambda: next(self.ids))
 
     @rule(snapshot_first=st.booleans())
     def restart(self, snapshot_first):
@@ -619,7 +623,7 @@ class RedisMachine(JournalMachine):
         self.log.write_snapshot(self.store.seq, self.store.snapshot())
 
     def recovered(self) -> JournaledStore:
-        return self.log.load(STORE_ARGS, self.entries_sink(), clock=HandClock(self.clock))
+        return self.log.load(STORE_ARGS, self.entries_sink(), clock=HandClock(self.clock), ids=lambda: next(self.ids))
 
     def teardown(self) -> None:
         self.log.wipe()
