@@ -52,6 +52,11 @@ class WorkerPlan:
         return out
 
 
+# head sizes FlashInfer's kernels are built for: the backend's own list (flashinfer_backend.py,
+# which imports torch; a test keeps the two equal)
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
 def plan_workers(
     *,
     device: Literal["auto", "cpu", "cuda"],
@@ -62,12 +67,14 @@ def plan_workers(
     min_free_bytes: int = MIN_FREE_BYTES,
     cuda_torch: bool = True,
     flashinfer: bool = True,
+    head_dim: int | None = None,
 ) -> tuple[list[WorkerPlan], list[str]]:
     """The workers to start and notes for the person (GPUs left out and why).
 
     ``workers`` 0 means one per usable GPU (one on CPU). ``cuda_torch``: the installed torch is a
     CUDA build (else ``auto`` stays on CPU); ``flashinfer``: FlashInfer is installed (else the
-    torch backend runs on the GPU). Raises :class:`StartupError` when ``device='cuda'`` finds no
+    torch backend runs on the GPU); ``head_dim``: the model's (FlashInfer's kernels exist for a few
+    head sizes only; others run the torch backend on the GPU, with a note). Raises :class:`StartupError` when ``device='cuda'`` finds no
     usable GPU or no CUDA torch, or more workers are asked for than usable GPUs.
     """
     notes: list[str] = []
@@ -85,6 +92,10 @@ def plan_workers(
     if not flashinfer:
         backend = "torch"
         notes.append("FlashInfer is not installed (pip install -e '.[gpu]'): the torch attention backend runs on the GPUs")
+    elif head_dim is not None and head_dim not in FLASHINFER_HEAD_DIMS:
+        backend = "torch"
+        notes.append(f"the model's head_dim {head_dim} has no FlashInfer kernels (sizes {FLASHINFER_HEAD_DIMS}): "
+                     "the torch attention backend runs on the GPUs")
     usable = []
     for gpu in gpus:
         if gpu.free_bytes < min_free_bytes:

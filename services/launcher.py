@@ -288,24 +288,26 @@ def supervise_once(children: list[Child], now: float) -> str | None:
     return None
 
 
-def choose_workers(s: UpSettings) -> list[WorkerPlan]:
+def choose_workers(s: UpSettings, head_dim: int | None = None) -> list[WorkerPlan]:
     gpus = [] if s.device == "cpu" else detect_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
     cuda_torch, flashinfer = installed_capabilities() if gpus or s.device == "cuda" else (False, False)
     plans, notes = plan_workers(device=s.device, gpus=gpus, workers=s.workers, kv_memory_fraction=s.kv_memory_fraction,
-                                dtype=s.dtype, cuda_torch=cuda_torch, flashinfer=flashinfer)
+                                dtype=s.dtype, cuda_torch=cuda_torch, flashinfer=flashinfer, head_dim=head_dim)
     for note in notes:
         print(f"tandem up: {note}", file=sys.stderr)
     return plans
 
 
-def check_model(s: UpSettings) -> None:
+def check_model(s: UpSettings) -> int:
     """Refuse a model / spec mode / draft that cannot go together before starting anything (the
-    workers would exit with the same line, and be restarted, again and again)."""
+    workers would exit with the same line, and be restarted, again and again). Returns the
+    model's head_dim (which attention backend can run it)."""
     from services.gpuworker.build import preflight
     from services.gpuworker.settings import WorkerSettings
 
-    preflight(WorkerSettings(model=s.model, spec_mode=s.spec_mode, draft_model=s.draft_model, revision=s.revision,
-                             draft_revision=s.draft_revision))
+    plan = preflight(WorkerSettings(model=s.model, spec_mode=s.spec_mode, draft_model=s.draft_model, revision=s.revision,
+                                    draft_revision=s.draft_revision))
+    return plan.config.head_dim
 
 
 def run(args: argparse.Namespace) -> int:
@@ -318,8 +320,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"serving the tiny model with its distilled draft from {distilled}")
             elif s.spec_mode != "none":
                 print("serving the tiny model with a random draft (run `tandem distill-draft tiny` for a trained one)")
-        check_model(s)
-        plans = choose_workers(s)
+        head_dim = check_model(s)
+        plans = choose_workers(s, head_dim)
         where = "CPU" if plans[0].device == "cpu" else f"{len(plans)} GPU(s), {plans[0].backend}, {plans[0].dtype}"
         print(f"starting kvstore, {len(plans)} worker(s) on {where} and router (model {s.model}) ...", flush=True)
         certs_dir = None

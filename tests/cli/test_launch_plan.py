@@ -111,3 +111,27 @@ def test_worker_command_line_carries_the_plan_and_the_passthrough_flags():
     joined = " ".join(worker_argv(hub, cpu_plan, 0, "x:1"))
     assert "--model org/m" in joined and "--revision v2" in joined and "--draft-model org/d" in joined
     assert "--draft-revision abc" in joined and "--served-model-name m-prod" in joined
+
+
+@pytest.mark.parametrize("head_dim,backend", [(128, "flashinfer"), (64, "flashinfer"), (32, "torch"), (16, "torch")])
+def test_a_head_size_without_flashinfer_kernels_runs_the_torch_backend_on_the_gpus(head_dim, backend):
+    # the shipped demo model (head_dim 32) and tiny (16) must still start on a GPU box
+    plans, notes = plan_workers(device="auto", gpus=gpus(70, 70), head_dim=head_dim)
+    assert {(p.device, p.backend, p.dtype) for p in plans} == {("cuda:0", backend, "bfloat16")}
+    assert (backend == "torch") == any(f"head_dim {head_dim}" in n for n in notes)
+
+
+def test_the_plan_and_the_backend_agree_on_flashinfer_head_sizes():
+    from services.gpuworker.attention import flashinfer_backend  # imports no flashinfer until used
+    from services.launch_plan import FLASHINFER_HEAD_DIMS
+
+    assert tuple(flashinfer_backend._SUPPORTED_HEAD_DIMS) == FLASHINFER_HEAD_DIMS
+
+
+def test_tandem_up_checks_the_demo_model_head_size():
+    from services.launcher import UpSettings, check_model
+
+    from services.gpuworker.model.loader import plan_model  # the launcher's own answer, from config alone
+    head_dim = check_model(UpSettings())
+    assert head_dim not in (64, 128, 256)  # the demo model: why the fallback exists
+    assert head_dim == plan_model(UpSettings().model).config.head_dim
