@@ -133,8 +133,18 @@ def start_service(service_loop):
         svc.channel.close()
 
 
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server for the session (see ``tests/redis_server.py``)."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
-def start_kvstore_service(start_service):
+def start_kvstore_service(start_service, request):
     """Factory: ``start_kvstore_service(store=None, **settings_overrides) -> RunningService`` whose
     ``payload`` is the ``KVStore``, with a blocking ``stub`` (``KVStoreStub``) and ``kv``
     (:class:`KVClient`) attached."""
@@ -142,15 +152,49 @@ def start_kvstore_service(start_service):
     from services.kvstore.settings import KVStoreSettings
     from tandem.kvstore.v1 import kvstore_pb2_grpc
 
+    leaderships: list = []
+
     def _start(store=None, **overrides: Any) -> RunningService:
         settings = KVStoreSettings(**{"host": "127.0.0.1", "port": 0, "grace_s": 0.0, **overrides})
-        svc = start_service(lambda: start_kvstore(settings, store=store))
+        if settings.backend == "redis":
+            if store is not None:
+                raise ValueError("the redis backend recovers its own store")
+            from tests.redis_server import unique_prefix
+
+            if "redis_url" not in overrides:
+                settings = settings.model_copy(update=dict(
+                    redis_url=request.getfixturevalue("redis_server").url, redis_prefix=unique_prefix()))
+            if "redis_lease_ms" not in overrides:  # a loaded CI box must not lose the lease mid-test
+                settings = settings.model_copy(update=dict(redis_lease_ms=10_000))
+
+            async def start():
+                from services.kvstore.leader import Leadership
+
+                async def serve(s, recovered):
+                    return (await start_kvstore(s, store=recovered))[0]
+
+                lead = Leadership(settings, start_server=serve)
+                lead.task = asyncio.get_running_loop().create_task(lead.run())
+                leaderships.append(lead)
+                await asyncio.wait_for(lead.leading.wait(), STARTUP_TIMEOUT_S)
+                return lead.server, lead.store
+
+            svc = start_service(start)
+            svc.leadership = leaderships[-1]  # type: ignore[attr-defined]
+        else:
+            svc = start_service(lambda: start_kvstore(settings, store=store))
         svc.stub = kvstore_pb2_grpc.KVStoreStub(svc.channel)  # type: ignore[attr-defined]
         svc.settings = settings  # type: ignore[attr-defined]
         svc.kv = KVClient(svc)  # type: ignore[attr-defined]
         return svc
 
-    return _start
+    yield _start
+    for lead in leaderships:
+        async def finish(lead=lead):
+            lead.stop.set()
+            await asyncio.gather(lead.task, return_exceptions=True)
+
+        request.getfixturevalue("service_loop").run(finish())  # leaderships run on the session loop
 
 
 @pytest.fixture

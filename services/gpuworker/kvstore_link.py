@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import grpc
 
@@ -115,14 +116,26 @@ class KVStoreLink:
         """Extend the lease; the answer lists reservations the router ended (to stop and confirm)."""
         return self._call(self._stub.Heartbeat, kv.HeartbeatRequest(worker_id=worker_id, incarnation=self.incarnation))
 
-    def get_reservation(self, reservation_id: str, incarnation: int) -> kv.GetReservationResponse:
-        """The block table, reused prefix and prompt of a reservation this worker owns."""
-        return self._call(self._stub.GetReservation,
-                          kv.GetReservationRequest(reservation_id=reservation_id, incarnation=incarnation))
+    def get_reservation(self, reservation_id: str, incarnation: int, *, retry_s: float = 10.0) -> kv.GetReservationResponse:
+        """The block table, reused prefix and prompt of a reservation this worker owns. A read:
+        resent through a kvstore outage (failover to a standby) for up to ``retry_s``."""
+        request = kv.GetReservationRequest(reservation_id=reservation_id, incarnation=incarnation)
+        deadline = time.monotonic() + retry_s
+        delay = 0.02
+        while True:
+            try:
+                return self._call(self._stub.GetReservation, request)
+            except Unavailable:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     # -- reservation verbs ------------------------------------------------------------------------
 
-    def publish(self, reservation_id: str, incarnation: int, new_tokens, final_positions: int) -> kv.PublishResponse:
+    def publish(self, reservation_id: str, incarnation: int, new_tokens, final_positions: int,
+                known_tokens: int = 0) -> kv.PublishResponse:
+        """``known_tokens``: what the kvstore holds before ``new_tokens`` (makes a resend safe)."""
         return self._call(
             self._stub.Publish,
             kv.PublishRequest(
@@ -130,6 +143,7 @@ class KVStoreLink:
                 incarnation=incarnation,
                 new_tokens=tokens_to_proto(new_tokens),
                 final_positions=final_positions,
+                known_tokens=known_tokens,
             ),
         )
 

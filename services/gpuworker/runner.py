@@ -268,12 +268,13 @@ class EngineRunner:
         blocks = result.publishable_positions // result.block_size
         if blocks <= job.publish_sent_blocks:
             return
-        new_tokens = job.tokens[job.known_tokens :]
+        known = job.known_tokens  # what the kvstore holds: lets the courier resend it safely
+        new_tokens = job.tokens[known:]
         job.known_tokens = len(job.tokens)
         job.publish_sent_blocks = blocks
         rid, res_id, inc, final = job.spec.request_id, job.reservation_id, job.incarnation, result.publishable_positions
         # a Publish may free our copy of a deduplicated block: after the step that wrote it
-        self.courier.send(lambda: self.link.publish(res_id, inc, new_tokens, final),
+        self.courier.send(lambda: self.link.publish(res_id, inc, new_tokens, final, known),
                           lambda response: self._published(rid, response), kind="publish",
                           after=self.engine.last_fence)
 

@@ -81,12 +81,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 del self._claims[rid]  # finished: its reservation was ended by the runner
         return confirm
 
-    async def _reserved(self, request) -> tuple[list[int], int]:
-        """(block table, reused positions) of the named reservation, read from the kvstore;
-        InvalidArgument if the prompt is not the one it was reserved for."""
+    async def _reserved(self, request, context) -> tuple[list[int], int]:
+        """(block table, reused positions) of the named reservation, read from the kvstore (resent
+        through a kvstore outage while the caller's deadline allows, at most 10 s); InvalidArgument
+        if the prompt is not the one it was reserved for."""
         ref = request.reservation
+        remaining = context.time_remaining()
+        retry_s = 10.0 if remaining is None else max(0.0, min(10.0, remaining - 0.5))
         try:
-            got = await asyncio.to_thread(self.identity.link.get_reservation, ref.reservation_id, ref.incarnation)
+            got = await asyncio.to_thread(self.identity.link.get_reservation, ref.reservation_id, ref.incarnation,
+                                          retry_s=retry_s)
         except TandemError as exc:
             raise type(exc)(f"reservation not usable: {exc.message}") from None
         prompt = tokens_from_proto(request.prompt, field="prompt")
@@ -146,7 +150,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._claims[rid] = spec.request_id
         self._pending.add(rid)
         try:
-            table, reused = await self._reserved(request)
+            table, reused = await self._reserved(request, context)
             spec = dataclasses.replace(spec, block_table=table, reused_positions=reused)
             loop = asyncio.get_running_loop()
             job = Job(spec, rid, request.reservation.incarnation, loop, asyncio.Queue())

@@ -15,7 +15,7 @@ class WorkerSettings(TandemSettings):
 
     port: int = Field(50061, ge=0, le=65535, description="port to bind (0 = any free port)")
     advertise: str = Field("", description="host:port the router should dial (default: bound host:port)")
-    kvstore: str = Field("127.0.0.1:50051", description="kvstore host:port")
+    kvstore: str = Field("127.0.0.1:50051", description="kvstore host:port, or a comma-separated list (a leader and its standbys: the one that leads is used)")
     worker_id: str = Field("worker0", min_length=1, max_length=128, description="name in the kvstore registry")
     model: str = Field("tiny", description="model folder (config.json + *.safetensors), hub id (org/name), 'demo' (the shipped demo model) or 'tiny' (random weights, for tests)")
     revision: str = Field("", description="hub revision (branch, tag or commit) of --model ('' = main)")

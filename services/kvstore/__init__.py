@@ -14,6 +14,11 @@ mutable worker/reservation records, ``audit`` is the full invariant check, ``eve
 per-worker stored/removed/cleared event stream (opt-in), ``view`` is a read-only window on the live
 state and ``types`` holds the immutable values that cross the API. The core is plain synchronous
 Python with no network imports; ``servicer``/``server`` put it behind gRPC.
+
+Durability (``--backend redis``): ``journal`` wraps the core unchanged and records every committed
+transaction (verb, arguments, clock reading, outcome) for deterministic replay, plus pickled
+snapshots; ``redis_backend`` writes them to Redis with fenced Lua scripts (group commit) and
+loads them back; ``leader`` holds the Redis lease, recovers, serves, and stands by otherwise.
 """
 
 from .keys import BlockKey, KeyStream, Namespace

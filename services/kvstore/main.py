@@ -15,6 +15,9 @@ async def serve(settings: KVStoreSettings) -> None:
     from services.kvstore.server import start_kvstore, tune_gc
 
     setup_tracing("tandem-kvstore")
+    if settings.backend == "redis":
+        await serve_redis(settings)
+        return
     server, _store = await start_kvstore(settings)
     tune_gc()
     server.install_signal_handlers()
@@ -23,3 +26,20 @@ async def serve(settings: KVStoreSettings) -> None:
 
 
 add_arguments, run = service_command(KVStoreSettings, serve)
+
+
+async def serve_redis(settings: KVStoreSettings) -> None:
+    """Stand by for the Redis lease, then serve the recovered store (``leader``)."""
+    from services.kvstore.leader import Leadership
+    from services.kvstore.server import start_kvstore, tune_gc
+
+    async def start(settings, store):
+        server, _ = await start_kvstore(settings, store=store)
+        tune_gc()
+        log.info("kvstore serving on %s (redis backend, %s)", server.address, settings.redis_url)
+        return server
+
+    leadership = Leadership(settings, start_server=start)
+    leadership.install_signal_handlers()
+    log.info("kvstore on %s: standing by for the lease", settings.redis_url)
+    await leadership.run()

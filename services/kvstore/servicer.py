@@ -138,6 +138,15 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: KVStore, *, event_queue: int = 4096):
         self.store = store
         self._event_queue = event_queue
+        # A durable store (``journal.JournaledStore``) says when a mutation is in Redis; the
+        # reply waits for that. The memory store has no such hook.
+        self._durable = getattr(store, "durable", None)
+
+    async def _committed(self) -> None:
+        if self._durable is not None:
+            pending = self._durable()
+            if pending is not None:
+                await pending
 
     async def RegisterWorker(self, request, context):
         _own_worker(request.worker_id)
@@ -152,7 +161,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             vocab_size=request.vocab_size,
             max_seq_len=request.max_seq_len,
         )
-        return pb.RegisterWorkerResponse(worker=_worker_info(self.store.register_worker(spec)))
+        info = self.store.register_worker(spec)
+        await self._committed()
+        return pb.RegisterWorkerResponse(worker=_worker_info(info))
 
     async def ListWorkers(self, request, context):
         return pb.ListWorkersResponse(workers=[_worker_info(w) for w in self.store.list_workers()])
@@ -160,6 +171,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
     async def Heartbeat(self, request, context):
         _own_worker(request.worker_id)
         left = self.store.heartbeat(request.worker_id, request.incarnation)
+        await self._committed()
         ending = self.store.ending_for(request.worker_id, request.incarnation)
         return pb.HeartbeatResponse(lease_expires_in_s=left, ending_reservation_ids=ending)
 
@@ -199,16 +211,19 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             r = self.store.reserve_first(candidates=[(c.worker_id, c.incarnation) for c in request.candidates], **common)
         else:
             r = self.store.reserve(worker_id=request.worker_id, incarnation=request.incarnation, **common)
+        await self._committed()
         return pb.ReserveResponse(reservation=_reservation(r))
 
     async def Extend(self, request, context):
         results = self.store.extend(_capacity_items(request.items, core.ExtendItem), worker_id=_caller_worker())
+        await self._committed()
         return pb.ExtendResponse(
             results=[_capacity_result(i.reservation_id, r) for i, r in zip(request.items, results)]
         )
 
     async def Trim(self, request, context):
         results = self.store.trim(_capacity_items(request.items, core.TrimItem), worker_id=_caller_worker())
+        await self._committed()
         return pb.TrimResponse(
             results=[_capacity_result(i.reservation_id, r) for i, r in zip(request.items, results)]
         )
@@ -220,14 +235,16 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             new_tokens=tokens_from_proto(request.new_tokens, field="new_tokens"),
             final_positions=request.final_positions,
             worker_id=_caller_worker(),
+            known_tokens=request.known_tokens,
         )
+        await self._committed()
         return pb.PublishResponse(
             reservation=_reservation(result.reservation),
             newly_published=result.newly_published,
             deduplicated=result.deduplicated,
         )
 
-    def _end(self, verb, request) -> pb.ReleaseResponse:
+    async def _end(self, verb, request) -> pb.ReleaseResponse:
         result = verb(
             reservation_id=request.reservation_id,
             incarnation=request.incarnation,
@@ -235,20 +252,22 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             final_positions=request.final_positions,
             worker_id=_caller_worker(),
         )
+        await self._committed()
         return pb.ReleaseResponse(
             newly_published=result.newly_published, freed_blocks=result.freed_blocks, deduplicated=result.deduplicated
         )
 
     async def Release(self, request, context):
-        return self._end(self.store.release, request)
+        return await self._end(self.store.release, request)
 
     async def Suspend(self, request, context):
-        return self._end(self.store.suspend, request)
+        return await self._end(self.store.suspend, request)
 
     async def Abort(self, request, context):
         worker_id = acting_worker(current_peer(), request.worker_id)
         aborted = self.store.abort(reservation_id=request.reservation_id, incarnation=request.incarnation,
                                    worker_id=worker_id)
+        await self._committed()
         return pb.AbortResponse(aborted=bool(aborted))
 
     async def Stats(self, request, context):

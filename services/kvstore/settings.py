@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import TandemSettings
@@ -27,3 +29,21 @@ class KVStoreSettings(TandemSettings):
     max_num_blocks: int = Field(1 << 20, ge=1, le=MAX_BLOCKS_PER_WORKER, description="largest num_blocks a worker may register (each block costs the kvstore a record)")
     max_workers: int = Field(1024, ge=1, description="registered workers at most (bounds every Match and ListWorkers reply)")
     max_items_per_call: int = Field(MAX_ITEMS_PER_CALL, ge=1, le=1 << 16, description="most items in one Extend or Trim call")
+    backend: Literal["memory", "redis"] = Field(
+        "memory", description="where state lives: memory (this process only) or redis (durable, with standby)"
+    )
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for --backend redis: redis://HOST:PORT/DB")
+    redis_prefix: str = Field("tandem:kv:", min_length=1, description="prefix of every Redis key of this kvstore")
+    redis_lease_ms: int = Field(
+        1500, ge=200, le=60_000, description="leader lease in Redis; a standby takes over this long after the leader dies"
+    )
+    snapshot_every: int = Field(
+        10_000, ge=0, description="journal entries between snapshots in Redis (0 = never: recovery replays everything)"
+    )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be redis://HOST:PORT/DB, rediss://HOST:PORT/DB (TLS) or unix:///path/to/socket")
+        return value

@@ -434,14 +434,19 @@ class KVStore:
         return ItemResult(record.reservation_id, None, record.block_table(), record.capacity_positions, **changes)
 
     def publish(self, *, reservation_id: str, incarnation: int, new_tokens=(), final_positions: int,
-                worker_id: str | None = None) -> PublishResult:
+                worker_id: str | None = None, known_tokens: int = 0) -> PublishResult:
         """Append ``new_tokens`` (accepted since the last call) to the reservation's sequence and
         publish every full keyed block ``j`` with ``(j+1) * block_size <= final_positions``
         (mutates). ``final_positions`` = leading positions whose target *and* draft KV are final.
         Dedup: a block already resident on the worker under another id replaces the
-        reservation's own copy (which is freed), so the returned block table may change."""
+        reservation's own copy (which is freed), so the returned block table may change.
+        ``known_tokens`` > 0 makes a resend safe: the sequence must hold that many tokens, or
+        already ``known_tokens + len(new_tokens)`` (the call landed before: nothing is appended)."""
         self.expire_leases()
         record = self._live(reservation_id, incarnation, worker_id)
+        known = validation.count("known_tokens", known_tokens)
+        if known:
+            new_tokens = validation.resent_tokens(record.stream, new_tokens, known)
         stream = validation.appended(record.stream, new_tokens, record.worker.spec, self.max_tokens)
         final = validation.final_positions(final_positions, stream, record.capacity_positions)
         self.tick += 1

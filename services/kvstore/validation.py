@@ -151,3 +151,15 @@ def final_positions(value: object, stream: KeyStream, capacity_positions: int) -
     if final > capacity_positions:
         raise InvalidArgument(f"final_positions {final} exceeds the capacity {capacity_positions}")
     return final
+
+
+def resent_tokens(stream: KeyStream, new_tokens: object, known: int) -> object:
+    """``new_tokens`` of a Publish that says the sequence held ``known`` tokens before them: as
+    given if it does, nothing if they are already there (a resend of a call that landed),
+    InvalidArgument otherwise."""
+    if stream.n == known:
+        return new_tokens
+    added = len(token_array(new_tokens))
+    if stream.n == known + added and stream.buf[known * 4 :] == token_array(new_tokens).tobytes():
+        return ()
+    raise InvalidArgument(f"the reservation holds {stream.n} tokens, the call assumes {known}")

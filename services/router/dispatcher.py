@@ -83,6 +83,7 @@ class DispatchConfig:
     queue_retry_max_s: float = 0.5
     max_queue_wait_s: float = 30.0
     kvstore_timeout_s: float = 2.0
+    kvstore_outage_wait_s: float = 10.0  # a new request waits this long for an unreachable kvstore
     worker_probe_timeout_s: float = 1.0
     max_request_s: float = 600.0
     idle_timeout_s: float = 60.0  # a worker stream silent this long fails UNAVAILABLE
@@ -175,6 +176,20 @@ def _entry(w: kv_pb.WorkerInfo) -> WorkerEntry:
     )
 
 
+class KVStoreUnavailable(Unavailable):
+    """The kvstore did not answer (down, failing over to a standby, slow): worth waiting for."""
+
+
+class NoWorkerRegistered(Unavailable):
+    """The kvstore lists no worker (it just restarted empty, or every worker is re-registering):
+    worth waiting for as briefly as an outage."""
+
+
+class AllCoolingDown(Unavailable):
+    """Every compatible worker is in its failure cooldown (other requests failed on it, none of
+    this request's attempts did): waited for like an outage, not answered at once."""
+
+
 async def _with_idle_timeout(call, idle_s: float):
     """The messages of a server stream; UNAVAILABLE (as a worker failure) when none comes for
     ``idle_s`` seconds — a frozen worker (SIGSTOP) keeps its connection open, keepalive may not
@@ -193,8 +208,31 @@ async def _with_idle_timeout(call, idle_s: float):
 def _kv_error(verb: str, err: grpc.aio.AioRpcError) -> Exception:
     code = err.code()
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return Unavailable(f"kvstore {verb} failed: {code.name}: {err.details()}")
+        return KVStoreUnavailable(f"kvstore {verb} failed: {code.name}: {err.details()}")
     return error_for(code.name, f"kvstore {verb}: {err.details()}")
+
+
+class _Outage:
+    """How long one request waits for an unreachable kvstore: up to ``kvstore_outage_wait_s``
+    from its first failed call, and never past its own deadline; then UNAVAILABLE with a hint."""
+
+    def __init__(self, dispatcher: Dispatcher, deadline: float | None):
+        self._d = dispatcher
+        self._deadline = deadline
+        self._until: float | None = None
+        self._delays = backoff_delays(0.05, 0.5)
+
+    async def wait(self, exc: Exception) -> None:
+        clock, config = self._d._clock, self._d.config
+        now = clock()
+        if self._until is None:
+            self._until = now + config.kvstore_outage_wait_s
+        limit = self._until if self._deadline is None else min(self._until, self._deadline - _QUEUE_DEADLINE_MARGIN_S)
+        delay = next(self._delays)
+        if now + delay > limit:
+            raise Unavailable(f"{exc} (waited {now - self._until + config.kvstore_outage_wait_s:.1f} s); "
+                              "retry in a few seconds") from None
+        await asyncio.sleep(delay)
 
 
 class Dispatcher:
@@ -344,6 +382,10 @@ class Dispatcher:
                 model_id=self.config.model_id, exclude=state.excluded,
             )
         if not ranked:
+            if candidates and not state.failures and not any(c.healthy for c in candidates):
+                # Nothing failed for this request: every worker is cooling down after other
+                # requests' failures (e.g. a kvstore restart ended their streams). Waitable.
+                raise AllCoolingDown(state.no_worker_left().message)
             if candidates:
                 raise state.no_worker_left()
             raise Unavailable("the workers changed while routing; try again")
@@ -354,7 +396,7 @@ class Dispatcher:
         model = self.config.model_id
         workers = [e for e in self.directory.entries() if not model or e.model_id == model]
         if not workers:
-            return Unavailable("no worker is registered" + (f" for model {model!r}" if model else ""))
+            return NoWorkerRegistered("no worker is registered" + (f" for model {model!r}" if model else ""))
         longest = max(e.max_seq_len for e in workers)
         if job.prompt_tokens > longest:
             return InvalidArgument(
@@ -368,9 +410,14 @@ class Dispatcher:
         the kvstore: one reservation on success, nothing otherwise)."""
         delays = backoff_delays(self.config.queue_retry_s, self.config.queue_retry_max_s)
         queued_until: float | None = None
+        outage = _Outage(self, deadline)
         try:
             while True:
-                ranked = await self._plan(job, tenant, prompt_pb, state, deadline)
+                try:
+                    ranked = await self._plan(job, tenant, prompt_pb, state, deadline)
+                except (KVStoreUnavailable, NoWorkerRegistered, AllCoolingDown) as exc:
+                    await outage.wait(exc)
+                    continue
                 # One Reserve for the whole preference order: the kvstore takes the first worker
                 # with room, so a full first choice costs no extra round trip.
                 request = kv_pb.ReserveRequest(
@@ -388,6 +435,16 @@ class Dispatcher:
                     self._reclaim_later(request)  # the kvstore may have reserved all the same
                     raise
                 except grpc.aio.AioRpcError as err:
+                    if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        # The kvstore is down or failing over. The identical Reserve is sent again
+                        # (idempotent per request id: a lost one that happened comes back); only
+                        # when we stop waiting is the id reclaimed in the background.
+                        try:
+                            await outage.wait(_kv_error("Reserve", err))
+                        except Unavailable:
+                            self._reclaim_later(request)
+                            raise
+                        continue
                     if err.code() in _NO_ANSWER:
                         self._reclaim_later(request)
                     if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -82,6 +82,7 @@ def dispatch_config(settings: RouterSettings) -> DispatchConfig:
         queue_retry_max_s=settings.queue_retry_max_s,
         max_queue_wait_s=settings.max_queue_wait_s,
         kvstore_timeout_s=settings.kvstore_timeout_s,
+        kvstore_outage_wait_s=settings.kvstore_outage_wait_s,
         worker_probe_timeout_s=settings.worker_probe_timeout_s,
         max_request_s=settings.max_request_s,
         idle_timeout_s=settings.idle_timeout_s,

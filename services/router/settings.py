@@ -15,7 +15,7 @@ class RouterSettings(TandemSettings):
 
     # --- serving
     port: int = Field(50050, ge=0, le=65535, description="port to bind (0 = any free port)")
-    kvstore: str = Field("127.0.0.1:50051", min_length=1, description="kvstore host:port")
+    kvstore: str = Field("127.0.0.1:50051", min_length=1, description="kvstore host:port, or a comma-separated list (a leader and its standbys: the one that leads is used)")
     model: str = Field("auto", min_length=1, description="model folder whose tokenizer to load, 'tiny' (byte-level), or 'auto': the model the first registered worker serves (workers serving another model are refused)")
     model_id: str = Field("", description="only route to workers registered with this model fingerprint ('' = any)")
     max_concurrent_rpcs: int = Field(1024, ge=1, description="RPCs handled at once; more are refused")
@@ -47,6 +47,9 @@ class RouterSettings(TandemSettings):
     queue_retry_max_s: float = Field(0.5, gt=0, description="longest wait between capacity retries")
     max_queue_wait_s: float = Field(30.0, ge=0, description="longest a request waits for capacity (also bounded by its deadline)")
     kvstore_timeout_s: float = Field(2.0, gt=0, description="deadline cap of each kvstore call")
+    kvstore_outage_wait_s: float = Field(
+        10.0, ge=0, description="how long a new request waits for an unreachable kvstore (failover) or for a worker to (re-)register before UNAVAILABLE"
+    )
     worker_probe_timeout_s: float = Field(1.0, gt=0, description="deadline of worker health checks and abort probes")
     max_request_s: float = Field(600.0, gt=0, description="deadline of a worker Generate call when the client set none (and its cap)")
     registry_ttl_s: float = Field(2.0, ge=0, description="how long a kvstore ListWorkers answer is reused")

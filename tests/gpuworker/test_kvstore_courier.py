@@ -15,7 +15,7 @@ from services.gpuworker.kvstore_courier import KVStoreCourier
 
 @pytest.fixture
 def courier():
-    c = KVStoreCourier()
+    c = KVStoreCourier(retry_s=0)  # no retries here: riding through outages is tested below
     yield c
     c.close()
 
@@ -98,3 +98,57 @@ def test_cpu_steps_report_a_complete_fence():
     fence = StepFence.record(torch.device("cpu"))
     assert fence.done()
     fence.wait()  # returns at once
+
+
+def _flaky(failures: list[Exception], answer="ok"):
+    """A call that raises ``failures`` one by one, then answers."""
+    calls = []
+
+    def fn():
+        calls.append(1)
+        if failures:
+            raise failures.pop(0)
+        return answer
+
+    return fn, calls
+
+
+def test_an_outage_is_ridden_through_where_a_retry_is_safe():
+    from services.common.errors import Unavailable
+    from services.gpuworker.kvstore_courier import retryable
+
+    c = KVStoreCourier(retry_s=5.0)
+    try:
+        # The step's Extend (idempotent: a target capacity) rides through any UNAVAILABLE.
+        fn, calls = _flaky([Unavailable("kvstore: Socket closed"), Unavailable("kvstore: failed to connect to all addresses")])
+        assert c.call(fn) == "ok" and len(calls) == 3
+        # The worker's Publish names the tokens the kvstore held before it: resent on any cut.
+        got = []
+        fn, calls = _flaky([Unavailable("kvstore: Stream removed (Socket closed)")])
+        c.send(fn, got.append, kind="publish")
+        assert c.wait_idle(5) and got == ["ok"] and len(calls) == 2
+        # Any other call is sent again only when it certainly changed nothing.
+        got = []
+        fn, calls = _flaky([Unavailable("kvstore: this instance lost its Redis lease (another kvstore leads); retry")])
+        c.send(fn, got.append, kind="other")
+        fn2, calls2 = _flaky([Unavailable("kvstore: Socket closed")])
+        c.send(fn2, got.append, kind="other")
+        assert c.wait_idle(5)
+        assert got[0] == "ok" and len(calls) == 2
+        assert isinstance(got[1], Unavailable) and len(calls2) == 1  # ambiguous: not resent
+    finally:
+        c.close()
+    assert not retryable("trim", ValueError("a bug is no outage"))
+    # Bounded: past retry_s the last error is the answer.
+    c = KVStoreCourier(retry_s=0.1)
+    try:
+        fn, calls = _flaky([Unavailable("kvstore: failed to connect")] * 100)
+        try:
+            c.call(fn)
+        except Unavailable:
+            pass
+        else:
+            raise AssertionError("an outage longer than retry_s must surface")
+        assert 2 <= len(calls) < 10
+    finally:
+        c.close()

@@ -77,7 +77,8 @@ def fingerprint():
     return _fingerprint
 
 
-@pytest.fixture
-def kvstore_service(start_kvstore_service):
-    """A fresh kvstore on port 0 with block events on (they are opt-in; WatchEvents is tested)."""
-    return start_kvstore_service(events_per_worker=256)
+@pytest.fixture(params=["memory", "redis"])
+def kvstore_service(start_kvstore_service, request):
+    """A fresh kvstore on port 0 with block events on (they are opt-in; WatchEvents is tested),
+    on each backend: every gRPC contract test of the kvstore runs against memory and Redis."""
+    return start_kvstore_service(events_per_worker=256, backend=request.param)

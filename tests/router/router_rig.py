@@ -243,7 +243,8 @@ class Rig:
         settings = RouterSettings(**{
             "host": "127.0.0.1", "port": 0, "kvstore": self.kv.address, "grace_s": 0.0, "policy_seed": 0, "model": "tiny",
             "registry_ttl_s": 0.0, "queue_retry_s": 0.02, "queue_retry_max_s": 0.05,
-            "worker_probe_timeout_s": 1.0, "salt_secret": SALT_SECRET.decode(), **overrides,
+            "worker_probe_timeout_s": 1.0, "salt_secret": SALT_SECRET.decode(), "kvstore_outage_wait_s": 0.3,
+            **overrides,
         })
         provider = self.tracer_provider
         svc = self.start_service(lambda: start_router(settings, tracer_provider=provider))

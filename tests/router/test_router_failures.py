@@ -6,6 +6,7 @@ import threading
 import time
 
 import grpc
+import pytest
 
 from router_rig import TIMEOUT, Script, collect, wait_serving
 from services.common.tokenizer import ByteTokenizer
@@ -216,9 +217,12 @@ def test_no_worker_and_too_long_prompts(rig):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "longest sequence" in err.details()
 
 
-def test_a_reserve_whose_answer_was_lost_is_reclaimed(start_service, service_loop):
-    """The kvstore reserves but answers too late: the router gives up on the request and then
-    finds the orphan by re-sending the idempotent Reserve, and aborts it."""
+@pytest.mark.parametrize("outage_wait_s", [0.0, 5.0])
+def test_a_reserve_whose_answer_was_lost_is_reclaimed(start_service, service_loop, outage_wait_s):
+    """The kvstore reserves but answers too late. Riding through (``kvstore_outage_wait_s`` > 0)
+    the router re-sends the identical Reserve, which returns that same reservation (idempotent
+    per request id) and the request is served; not waiting, it gives the request up and then
+    finds the orphan by re-sending the Reserve in the background, and aborts it."""
     import asyncio
 
     from router_rig import Rig
@@ -249,12 +253,70 @@ def test_a_reserve_whose_answer_was_lost_is_reclaimed(start_service, service_loo
     kv.stub = kvstore_pb2_grpc.KVStoreStub(kv.channel)
     rig = Rig(kv=kv, start_service=start_service, service_loop=service_loop)
     worker = rig.worker("a")
-    router = rig.router(kvstore_timeout_s=0.3)
+    router = rig.router(kvstore_timeout_s=0.3, kvstore_outage_wait_s=outage_wait_s)
     _, err = collect(router, text="the answer gets lost", max_new_tokens=2)
-    assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE and "Reserve" in err.details()
-    assert worker.requests == []
+    if outage_wait_s:
+        assert err is None and len(worker.requests) == 1
+    else:
+        assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE and "Reserve" in err.details()
+        assert worker.requests == []
     assert rig.stats().reservations_created == 1
     rig.wait_no_live_reservations()
+
+
+@pytest.mark.parametrize("outage_wait_s", [0.0, 5.0])
+def test_a_new_request_waits_out_a_short_kvstore_outage(start_service, service_loop, outage_wait_s):
+    """The kvstore answers UNAVAILABLE for a while (failing over to its standby): a new request
+    waits (bounded by kvstore_outage_wait_s and its deadline) and is served once it is back;
+    without the wait it gets UNAVAILABLE saying when to retry."""
+    from router_rig import Rig
+    from services.common.server import GrpcServer, ServiceBinding
+    from services.kvstore.servicer import KVStoreServicer
+    from services.kvstore.store import KVStore
+    from tandem.kvstore.v1 import kvstore_pb2_grpc
+
+    class Outage(KVStoreServicer):
+        down = 0  # Matches still to refuse
+
+        async def Match(self, request, context):
+            if Outage.down:
+                Outage.down -= 1
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "no leader yet")
+            return await super().Match(request, context)
+
+    async def start():
+        store = KVStore(lease_ttl_s=120.0)
+        server = GrpcServer([ServiceBinding(kvstore_pb2_grpc.add_KVStoreServicer_to_server, Outage(store),
+                                            "tandem.kvstore.v1.KVStore")], port=0, grace_s=0)
+        await server.start()
+        await server.set_serving()
+        return server, store
+
+    kv = start_service(start)
+    kv.stub = kvstore_pb2_grpc.KVStoreStub(kv.channel)
+    rig = Rig(kv=kv, start_service=start_service, service_loop=service_loop)
+    worker = rig.worker("a")
+    router = rig.router(kvstore_outage_wait_s=outage_wait_s)
+    Outage.down = 4
+    _, err = collect(router, text="during a failover", max_new_tokens=2)
+    if outage_wait_s:
+        assert err is None and len(worker.requests) == 1 and Outage.down == 0
+    else:
+        assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE and "retry" in err.details()
+        assert worker.requests == []
+    rig.wait_no_live_reservations()
+
+
+def test_a_new_request_waits_for_a_worker_to_register(rig):
+    """A kvstore that just restarted empty lists no worker until they re-register: a new request
+    waits for one (bounded, like an outage) instead of failing at once."""
+    router = rig.router(wait=False, kvstore_outage_wait_s=5.0)  # no worker yet
+    workers = []
+    late = threading.Timer(0.5, lambda: workers.append(rig.worker("a")))
+    late.start()
+    _, err = collect(router, text="after a restart", max_new_tokens=2)
+    late.join()
+    assert err is None and len(workers[0].requests) == 1
 
 
 def test_row9_a_silent_worker_stream_fails_on_the_idle_timeout(rig):
@@ -277,4 +339,20 @@ def test_row15_draft_tokens_are_capped_at_the_worker_limit(rig):
     msgs, err = collect(router, text="speculate a lot", max_new_tokens=3, num_draft_tokens=12)
     assert err is None, err
     assert worker.requests[-1].spec.num_draft_tokens == 8
+    rig.wait_no_live_reservations()
+
+
+def test_a_new_request_waits_out_a_cooldown_it_did_not_cause(rig):
+    """Another request's stream failed on the only worker (as when a kvstore restart ends running
+    streams): the worker cools down, and a new request waits for it (bounded, like an outage)
+    instead of being refused at once; without the wait it is refused."""
+    script = Script(fail_after=1)
+    worker = rig.worker("a", script)
+    router = rig.router(failed_worker_cooldown_s=0.8, kvstore_outage_wait_s=5.0, max_attempts=1)
+    _, err = collect(router, text="fails after a token", max_new_tokens=4)
+    assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE  # and the worker cools down
+    script.fail_after = None
+    started = time.monotonic()
+    _, err = collect(router, text="waits for the cooldown", max_new_tokens=2)
+    assert err is None and len(worker.requests) == 2 and time.monotonic() - started >= 0.3
     rig.wait_no_live_reservations()

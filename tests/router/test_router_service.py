@@ -67,7 +67,7 @@ def test_not_serving_until_the_kvstore_answers(start_service):
     from services.router.settings import RouterSettings
 
     settings = RouterSettings(host="127.0.0.1", port=0, kvstore=f"127.0.0.1:{_free_port()}", grace_s=0.0, model="tiny",
-                              kvstore_timeout_s=0.2)
+                              kvstore_timeout_s=0.2, kvstore_outage_wait_s=0.5)
     router = start_service(lambda: start_router(settings))
     health = health_pb2_grpc.HealthStub(router.channel)
     time.sleep(0.3)

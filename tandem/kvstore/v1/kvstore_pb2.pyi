@@ -253,16 +253,18 @@ class TrimResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[CapacityResult, _Mapping]]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("reservation_id", "incarnation", "new_tokens", "final_positions")
+    __slots__ = ("reservation_id", "incarnation", "new_tokens", "final_positions", "known_tokens")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINAL_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     incarnation: int
     new_tokens: _common_pb2.TokenIds
     final_positions: int
-    def __init__(self, reservation_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., new_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., final_positions: _Optional[int] = ...) -> None: ...
+    known_tokens: int
+    def __init__(self, reservation_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., new_tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., final_positions: _Optional[int] = ..., known_tokens: _Optional[int] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("reservation", "newly_published", "deduplicated")

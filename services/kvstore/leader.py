@@ -1,0 +1,134 @@
+"""``--backend redis``: stand by until this process holds the Redis lease, recover, serve, and go
+back to standing by if the lease is lost.
+
+    standby ──lease taken──▶ recover (snapshot + journal) ──▶ bind gRPC, SERVING ──┐
+       ▲                                                                           │
+       └──────────── lease lost / Redis unreachable past the lease: unbind ◀───────┘
+
+A standby does not bind its gRPC port, so clients given a list of kvstore addresses
+(``--kvstore a,b``) connect to whichever one leads; a SIGKILLed leader's lease runs out after
+``redis_lease_ms`` and a standby takes over; a SIGTERMed leader drains, then gives the lease up
+at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import redis
+
+from services.common.startup import StartupError
+
+from .journal import JournalDiverged
+from .redis_backend import Committer, JournalFormatError, RedisLog
+from .settings import KVStoreSettings
+
+log = logging.getLogger(__name__)
+
+
+def store_args(settings: KVStoreSettings) -> dict:
+    """KVStore constructor arguments for a new journal (``epoch`` fixed at genesis)."""
+    return dict(
+        lease_ttl_s=settings.lease_ttl_s,
+        max_tokens=settings.max_tokens,
+        events_per_worker=settings.events_per_worker,
+        max_num_blocks=settings.max_num_blocks,
+        max_items=settings.max_items_per_call,
+        max_workers=settings.max_workers,
+        epoch=time.time_ns() // 1000,
+    )
+
+
+class Leadership:
+    """One kvstore process on the Redis backend (see the module docstring)."""
+
+    def __init__(self, settings: KVStoreSettings, *, start_server, node_id: str | None = None):
+        self.settings = settings
+        self._start_server = start_server  # async (settings, store) -> GrpcServer
+        self.log = RedisLog(settings.redis_url, prefix=settings.redis_prefix, node_id=node_id,
+                            lease_ms=settings.redis_lease_ms)
+        self.stop = asyncio.Event()
+        self.leading = asyncio.Event()
+        self.server = None  # the GrpcServer ``start_server`` returned, while leading
+        self.store = None
+        self.terms = 0  # leaderships held so far
+        self.recovery_s: float | None = None
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self.stop.set)
+            except (NotImplementedError, RuntimeError):
+                pass
+
+    async def _acquire(self) -> bool:
+        """Wait for the lease (True) or a stop (False)."""
+        period = self.settings.redis_lease_ms / 4000
+        last_note = 0.0
+        while not self.stop.is_set():
+            try:
+                if await asyncio.to_thread(self.log.try_acquire):
+                    return True
+            except (redis.RedisError, OSError) as exc:
+                if time.monotonic() - last_note > 5:
+                    log.warning("kvstore standby: Redis at %s unreachable (%s); retrying", self.settings.redis_url, exc)
+                    last_note = time.monotonic()
+            try:
+                await asyncio.wait_for(self.stop.wait(), period)
+            except TimeoutError:
+                pass
+        return False
+
+    async def run(self) -> None:
+        previous, previous_epoch, acknowledged = None, 0, 0
+        while await self._acquire():
+            started = time.monotonic()
+            committer = Committer(self.log, lambda: self.store, snapshot_every=self.settings.snapshot_every)
+            keeper = asyncio.get_running_loop().create_task(committer._keep_lease())
+            try:
+                store = await asyncio.to_thread(self.log.load, store_args(self.settings), committer.submit,
+                                                previous=previous, previous_epoch=previous_epoch,
+                                                acknowledged=acknowledged)
+            except (JournalDiverged, JournalFormatError) as exc:
+                keeper.cancel()
+                await asyncio.to_thread(self.log.resign)  # another kvstore may read it
+                raise StartupError(f"cannot recover the kvstore from {self.settings.redis_url}: {exc}") from None
+            self.store = store
+            store.waiter = committer.durable
+            committer.durable_seq = store.seq
+            writer = asyncio.get_running_loop().create_task(committer._run())
+            self.recovery_s = time.monotonic() - started
+            self.terms += 1
+            log.info("kvstore leads (lease %s): recovered %d journal entries in %.3f s",
+                     self.log.token, store.seq, self.recovery_s)
+            self.server = await self._start_server(self.settings, store)
+            self.leading.set()
+            lost = asyncio.ensure_future(committer.lost.wait())
+            stopping = asyncio.ensure_future(self.stop.wait())
+            await asyncio.wait([lost, stopping], return_when=asyncio.FIRST_COMPLETED)
+            self.leading.clear()
+            if committer.lost.is_set():
+                stopping.cancel()
+                await self.server.stop(0)
+                # kept: Redis may have lost what we acknowledged (see RedisLog.load)
+                previous, previous_epoch, acknowledged = store, self.log.epoch(), committer.durable_seq
+            else:
+                lost.cancel()
+                await self.server.stop()
+                await self._drain(committer)
+                await asyncio.to_thread(self.log.resign)
+            for task in (keeper, writer):
+                task.cancel()
+            await asyncio.gather(keeper, writer, return_exceptions=True)
+            await committer.close()
+            self.server = None
+        self.log.close()
+
+    async def _drain(self, committer: Committer, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while committer.durable_seq < self.store.seq and not committer.lost.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)

@@ -1,0 +1,410 @@
+"""The kvstore's Redis backend: a fenced journal of committed transactions plus snapshots.
+
+Keys under ``prefix`` (default ``tandem:kv:``)::
+
+    lease     "<epoch>:<node>" with a PX expiry: who may write. Taken with SET-if-absent after
+              INCR of ``epoch``, so every leader has a fresh fencing epoch.
+    epoch     counter of leaderships
+    meta      pickled KVStore constructor arguments (the journal's genesis)
+    snapshot  pickled store at seq ``base`` (``journal.JournaledStore.snapshot``)
+    base      seq of the snapshot; ``journal`` holds entries base+1 .. base+LLEN
+    journal   list of pickled entries (``journal`` module)
+
+Every write is one Lua script that first compares ``lease`` with the writer's token: a kvstore
+that lost its lease (a standby took over, or it was cut off past the lease) can never write
+again, whatever it still believes. Appends also check the sequence number, so a gap — Redis
+lost acknowledged entries (``appendfsync everysec`` crash) — is detected at the next write and
+repaired from the leader's memory with a fresh snapshot.
+
+Hot path (``Committer``): a handler mutates the in-memory store, the entry is queued, and the
+handler awaits ``durable(seq)``; one task sends everything queued as ONE script call (group
+commit: concurrent RPCs share one round trip), in order, retrying a failed call with backoff
+while the lease lasts. Reads (Match, Stats) never touch Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import socket
+import time
+import uuid
+
+import redis
+import redis.asyncio as aredis
+
+from services.common.errors import Unavailable
+
+from .journal import FORMAT, JournaledStore
+
+log = logging.getLogger(__name__)
+
+_APPEND = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('FENCED lease held by another kvstore') end
+local have = tonumber(redis.call('GET', KEYS[3]) or '0') + redis.call('LLEN', KEYS[2])
+local first = tonumber(ARGV[2])
+local n = #ARGV - 2
+if first - 1 > have then return redis.error_reply('GAP ' .. have .. ' ' .. (first - 1)) end
+-- Entries at or below `have` are there already: a resent batch that had landed, or a snapshot
+-- taken while they were still queued.
+local skip = have - (first - 1)
+if skip >= n then return have end
+for i = 3 + skip, #ARGV, 4000 do
+  redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 3999, #ARGV)))
+end
+return have + n - skip
+"""
+
+_SNAPSHOT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('FENCED lease held by another kvstore') end
+local base = tonumber(redis.call('GET', KEYS[3]) or '0')
+local len = redis.call('LLEN', KEYS[2])
+local seq = tonumber(ARGV[2])
+if seq >= base + len then
+  redis.call('DEL', KEYS[2])
+else
+  redis.call('LTRIM', KEYS[2], seq - base, -1)
+end
+redis.call('SET', KEYS[3], seq)
+redis.call('SET', KEYS[4], ARGV[3])
+return base + len
+"""
+
+_ACQUIRE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return false end
+local epoch = redis.call('INCR', KEYS[2])
+local token = epoch .. ':' .. ARGV[1]
+redis.call('SET', KEYS[1], token, 'PX', ARGV[2])
+return token
+"""
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+_RESIGN = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+_LOAD_CHUNK = 10_000
+
+
+class Fenced(Unavailable):
+    """This kvstore no longer holds the lease: it must not write (UNAVAILABLE to clients)."""
+
+
+class RedisLog:
+    """Synchronous access to one journal in Redis: leadership, load, snapshot, append. Used for
+    start-up, recovery and tests; the serving hot path uses ``Committer``."""
+
+    def __init__(self, url: str, *, prefix: str = "tandem:kv:", node_id: str | None = None, lease_ms: int = 1500):
+        self.url = url
+        self.prefix = prefix
+        self.node_id = node_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.lease_ms = int(lease_ms)
+        self.client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+        self.keys = {k: prefix + k for k in ("lease", "epoch", "meta", "snapshot", "base", "journal")}
+        self.token: str | None = None
+        c = self.client
+        self._append = c.register_script(_APPEND)
+        self._snapshot = c.register_script(_SNAPSHOT)
+        self._acquire = c.register_script(_ACQUIRE)
+        self._renew = c.register_script(_RENEW)
+        self._resign = c.register_script(_RESIGN)
+
+    def close(self) -> None:
+        self.client.close()
+
+    # -- leadership -------------------------------------------------------------------------------
+    def try_acquire(self) -> str | None:
+        """Take the lease if nobody holds it; returns the fencing token (or None)."""
+        token = self._acquire(keys=[self.keys["lease"], self.keys["epoch"]], args=[self.node_id, self.lease_ms])
+        self.token = token.decode() if token else None
+        return self.token
+
+    def renew(self) -> bool:
+        return bool(self._renew(keys=[self.keys["lease"]], args=[self.token, self.lease_ms]))
+
+    def resign(self) -> None:
+        """Give the lease up at once (graceful stop: the standby need not wait for expiry)."""
+        if self.token:
+            self._resign(keys=[self.keys["lease"]], args=[self.token])
+            self.token = None
+
+    def epoch(self) -> int:
+        """The fencing epoch of the lease we hold (0 if none)."""
+        return int(self.token.split(":", 1)[0]) if self.token else 0
+
+    def holder(self) -> str | None:
+        value = self.client.get(self.keys["lease"])
+        return value.decode() if value else None
+
+    # -- journal ----------------------------------------------------------------------------------
+    def append_args(self, first_seq: int, entries: list[bytes]) -> tuple[list, list]:
+        k = self.keys
+        return [k["lease"], k["journal"], k["base"]], [self.token, first_seq, *entries]
+
+    def snapshot_args(self, seq: int, blob: bytes) -> tuple[list, list]:
+        k = self.keys
+        return [k["lease"], k["journal"], k["base"], k["snapshot"]], [self.token, seq, blob]
+
+    def append(self, first_seq: int, entries: list[bytes]) -> int:
+        keys, args = self.append_args(first_seq, entries)
+        return _script_call(self._append, keys, args)
+
+    def write_snapshot(self, seq: int, blob: bytes) -> int:
+        keys, args = self.snapshot_args(seq, blob)
+        return _script_call(self._snapshot, keys, args)
+
+    def length(self) -> int:
+        """Entries the journal covers (snapshot seq + entries after it)."""
+        base, n = self.client.pipeline().get(self.keys["base"]).llen(self.keys["journal"]).execute()
+        return int(base or 0) + n
+
+    def load(self, store_args: dict, sink=None, *, previous: JournaledStore | None = None, previous_epoch: int = 0,
+             acknowledged: int = 0, clock=None, ids=None) -> JournaledStore:
+        """The store the journal describes (we must hold the lease). The genesis arguments in
+        Redis win over ``store_args`` (replay needs the originals).
+
+        ``previous`` is our own store from before we lost the lease (``previous_epoch`` the
+        fencing epoch we held, ``acknowledged`` the entries we had answered for). It is kept only
+        if nobody led in between (our new epoch is the next one) and Redis holds no more than it:
+        then fewer entries than ``acknowledged`` means Redis lost writes, and our memory — which
+        has them, plus transactions nobody was answered for, harmless to keep — is written back as
+        a snapshot. Otherwise Redis is the truth."""
+        k = self.keys
+        meta = self.client.get(k["meta"])
+        if meta is None:
+            self.client.set(k["meta"], pickle.dumps({"format": FORMAT, "store_args": store_args}))
+        else:
+            stored = pickle.loads(meta)
+            if not isinstance(stored, dict) or stored.get("format") != FORMAT:
+                found = stored.get("format") if isinstance(stored, dict) else "unknown"
+                raise JournalFormatError(
+                    f"the kvstore journal under {self.prefix!r} has format {found}, this kvstore reads format "
+                    f"{FORMAT}: finish with the version that wrote it, or start over with another --redis-prefix"
+                )
+            stored = stored["store_args"]
+            if {k: v for k, v in stored.items() if k != "epoch"} != {k: v for k, v in store_args.items() if k != "epoch"}:
+                log.warning("kvstore settings %s differ from the journal's %s: the journal's are used", store_args, stored)
+            store_args = stored
+        have = self.length()
+        nobody_between = previous is not None and self.epoch() == previous_epoch + 1
+        if nobody_between and have <= previous.seq:
+            if have < acknowledged:
+                log.error("Redis holds %d journal entries but this kvstore acknowledged %d: Redis lost writes "
+                          "(appendfsync / restart); repairing from memory", have, acknowledged)
+            if have < previous.seq:
+                self.write_snapshot(previous.seq, previous.snapshot())
+            previous.sink = sink
+            previous.clock.resume(previous.last_time)
+            return previous
+        snapshot = self.client.get(k["snapshot"])
+        base = int(self.client.get(k["base"]) or 0)
+
+        def entries():
+            start = 0
+            while True:
+                chunk = self.client.lrange(k["journal"], start, start + _LOAD_CHUNK - 1)
+                for i, raw in enumerate(chunk):
+                    yield base + start + i + 1, raw
+                if len(chunk) < _LOAD_CHUNK:
+                    return
+                start += _LOAD_CHUNK
+
+        return JournaledStore.recover(store_args, snapshot, entries(), sink, clock=clock, ids=ids)
+
+    def wipe(self) -> None:
+        """Delete every key of this journal (tests and ``--redis-reset``)."""
+        self.client.delete(*self.keys.values())
+
+
+def _script_call(script, keys, args) -> int:
+    try:
+        return int(script(keys=keys, args=args))
+    except redis.ResponseError as exc:
+        raise _script_error(exc) from None
+
+
+def _script_error(exc: redis.ResponseError) -> Exception:
+    text = str(exc)
+    if "FENCED" in text:
+        return Fenced("kvstore: this instance lost its Redis lease (another kvstore leads); retry")
+    if "GAP" in text:
+        return JournalGap(text)
+    return exc
+
+
+class JournalFormatError(RuntimeError):
+    """The journal in Redis was written by an incompatible kvstore version."""
+
+
+class JournalGap(RuntimeError):
+    """Redis holds fewer entries than were written: it lost acknowledged writes."""
+
+
+class Committer:
+    """Group commit of journal entries (and snapshots) to Redis, in order, off the handlers.
+
+    ``submit`` is the ``JournaledStore`` sink (called synchronously inside a handler);
+    ``durable(seq)`` resolves once entry ``seq`` is in Redis. On a lost lease every waiter gets
+    ``Fenced`` and ``lost`` is set: the server must stop serving."""
+
+    def __init__(self, log_: RedisLog, store_ref, *, snapshot_every: int = 20_000, max_batch: int = 2000):
+        self.log = log_
+        self._store_ref = store_ref  # () -> JournaledStore, for snapshots and repair
+        self.snapshot_every = snapshot_every
+        self.max_batch = max_batch
+        self.client = aredis.Redis.from_url(log_.url, socket_timeout=5, socket_connect_timeout=2)
+        self._append = self.client.register_script(_APPEND)
+        self._snapshot = self.client.register_script(_SNAPSHOT)
+        self._renew = self.client.register_script(_RENEW)
+        self._queue: list[tuple[int, bytes | None]] = []  # (seq, entry); None = snapshot after seq
+        self._wake = asyncio.Event()
+        self.durable_seq = 0
+        self._waiters: dict[int, asyncio.Future] = {}
+        self.lost = asyncio.Event()
+        self._error: Exception | None = None
+        self.lease_deadline = time.monotonic() + log_.lease_ms / 1000
+        self.batches = 0
+        self.repairs = 0
+        self.snapshots = 0
+
+    def start(self, durable_seq: int) -> list[asyncio.Task]:
+        self.durable_seq = durable_seq
+        loop = asyncio.get_running_loop()
+        return [loop.create_task(self._run()), loop.create_task(self._keep_lease())]
+
+    # -- called from handlers ---------------------------------------------------------------------
+    def submit(self, seq: int, entry: bytes) -> None:
+        self._queue.append((seq, entry))
+        if self.snapshot_every and seq % self.snapshot_every == 0:
+            self._queue.append((seq, None))
+        self._wake.set()
+
+    def durable(self, seq: int):
+        """An awaitable that is done once entry ``seq`` is in Redis (None if it already is)."""
+        if self._error is not None:
+            raise self._error
+        if seq <= self.durable_seq:
+            return None
+        fut = self._waiters.get(seq)
+        if fut is None:
+            fut = self._waiters[seq] = asyncio.get_running_loop().create_future()
+        return fut
+
+    # -- background -------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        delay = 0.005
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch: list[bytes] = []
+            first = self._queue[0][0]
+            snap = False
+            while self._queue and len(batch) < self.max_batch:
+                seq, entry = self._queue[0]
+                if entry is None:
+                    if batch:
+                        break  # the snapshot goes after the entries before it
+                    snap = True
+                    self._queue.pop(0)
+                    break
+                batch.append(entry)
+                self._queue.pop(0)
+            try:
+                if snap:
+                    await self._snapshot_now()
+                else:
+                    await self._call(self._append, *self.log.append_args(first, batch))
+                    self.batches += 1
+                    self._advance(first + len(batch) - 1)
+                delay = 0.005
+            except Fenced as exc:
+                self._fail(exc)
+                return
+            except JournalGap as exc:
+                # Redis lost entries we had acknowledged: our memory is the truth, write it back.
+                log.error("kvstore journal gap (%s): Redis lost acknowledged writes; repairing from memory", exc)
+                self.repairs += 1
+                store = self._store_ref()
+                self._queue = [(s, e) for s, e in self._queue if s > store.seq]
+                try:
+                    await self._write_snapshot(store.seq, store.snapshot())  # inline: rare, and must be first
+                except Exception as exc2:  # noqa: BLE001
+                    self._fail(Fenced(f"kvstore: repair failed: {exc2}"))
+                    return
+                self._advance(store.seq)
+            except (redis.RedisError, OSError) as exc:
+                # Unreachable or slow Redis: put the batch back, retry while the lease can last.
+                if time.monotonic() > self.lease_deadline:
+                    self._fail(Fenced(f"kvstore: Redis unreachable past the lease ({exc}); retry"))
+                    return
+                self._queue[:0] = [(first + i, e) for i, e in enumerate(batch)]
+                log.warning("kvstore journal write failed (%s); retrying in %.3f s", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.2)
+
+    async def _write_snapshot(self, seq: int, blob: bytes) -> None:
+        await self._call(self._snapshot, *self.log.snapshot_args(seq, blob))
+
+    async def _snapshot_now(self) -> None:
+        """Snapshot the store as it is now (its seq may be past the marker: the entries between
+        are still queued, and the append script skips what the snapshot covers). Inline: the
+        pickle holds the loop for its duration (measured in docs/benchmarks.md); a forked child
+        (like Redis's BGSAVE) would not, but this grpcio's fork handlers crash the child unless
+        GRPC_ENABLE_FORK_SUPPORT=0 is set before gRPC starts."""
+        store = self._store_ref()
+        started = time.perf_counter()
+        seq, blob = store.seq, store.snapshot()
+        await self._write_snapshot(seq, blob)
+        self.snapshots += 1
+        log.info("kvstore snapshot at entry %d (%d bytes, %.1f ms to pickle) written to Redis", seq, len(blob),
+                 (time.perf_counter() - started) * 1000)
+
+    async def _call(self, script, keys, args):
+        try:
+            return await script(keys=keys, args=args)
+        except redis.ResponseError as exc:
+            raise _script_error(exc) from None
+
+    def _advance(self, seq: int) -> None:
+        self.durable_seq = max(self.durable_seq, seq)
+        for s in [s for s in self._waiters if s <= self.durable_seq]:
+            fut = self._waiters.pop(s)
+            if not fut.done():
+                fut.set_result(None)
+
+    def _fail(self, exc: Exception) -> None:
+        log.error("kvstore stops leading: %s", exc)
+        self._error = exc
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._waiters.clear()
+        self.lost.set()
+
+    async def _keep_lease(self) -> None:
+        period = self.log.lease_ms / 3000
+        while not self.lost.is_set():
+            started = time.monotonic()
+            try:
+                ok = await self._renew(keys=[self.log.keys["lease"]], args=[self.log.token, self.log.lease_ms])
+                if not ok:
+                    self._fail(Fenced("kvstore: the Redis lease was taken over; retry"))
+                    return
+                self.lease_deadline = started + self.log.lease_ms / 1000
+            except (redis.RedisError, OSError) as exc:
+                if time.monotonic() > self.lease_deadline:
+                    self._fail(Fenced(f"kvstore: Redis unreachable past the lease ({exc}); retry"))
+                    return
+            await asyncio.sleep(period)
+
+    async def close(self) -> None:
+        await self.client.aclose()

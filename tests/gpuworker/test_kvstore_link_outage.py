@@ -1,0 +1,58 @@
+"""The worker's reads from the kvstore ride through an outage (a failover to a standby): the
+GetReservation of a new request is resent until the kvstore answers, within a bound."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from services.common.errors import Unavailable
+from services.common.spec import SpecMode
+
+
+def _refusing_kvstore(start_service, refuse: int):
+    from services.common.server import GrpcServer, ServiceBinding
+    from services.kvstore.servicer import KVStoreServicer
+    from services.kvstore.store import KVStore
+    from tandem.kvstore.v1 import kvstore_pb2_grpc
+
+    class Failover(KVStoreServicer):
+        down = refuse
+
+        async def GetReservation(self, request, context):
+            if Failover.down:
+                Failover.down -= 1
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "no leader yet")
+            return await super().GetReservation(request, context)
+
+    async def start():
+        store = KVStore(lease_ttl_s=120.0)
+        server = GrpcServer([ServiceBinding(kvstore_pb2_grpc.add_KVStoreServicer_to_server, Failover(store),
+                                            "tandem.kvstore.v1.KVStore")], port=0, grace_s=0)
+        await server.start()
+        await server.set_serving()
+        return server, store
+
+    return start_service(start), Failover
+
+
+@pytest.mark.parametrize("retry_s", [5.0, 0.0])
+def test_get_reservation_is_resent_through_an_outage(start_service, retry_s):
+    from services.gpuworker.kvstore_link import KVStoreLink
+
+    svc, failover = _refusing_kvstore(start_service, refuse=3)
+    link = KVStoreLink(svc.address, timeout_s=2.0)
+    try:
+        info = link.register(worker_id="w", address="x", model_id="m", spec_mode=SpecMode.NONE, mtp_depth=0,
+                             block_size=4, num_blocks=16, vocab_size=100, max_seq_len=64)
+        r = svc.in_loop(lambda: svc.payload.reserve(worker_id="w", incarnation=info.incarnation, request_id="q",
+                                                    tokens=list(range(10))))
+        if retry_s:
+            got = link.get_reservation(r.reservation_id, info.incarnation, retry_s=retry_s)
+            assert list(got.reservation.block_table) == list(r.block_table) and failover.down == 0
+        else:
+            with pytest.raises(Unavailable):
+                link.get_reservation(r.reservation_id, info.incarnation, retry_s=retry_s)
+            assert failover.down == 2
+    finally:
+        link.close()
