@@ -46,9 +46,15 @@ def run(args) -> dict:
     num_blocks = args.batch * per + 8
     setups, models = {}, None
     ks = [0, *args.k]
+    # the worker's own choice (tandem up's): FlashInfer on CUDA where it has kernels for the head size
+    from services.gpuworker.model.loader import plan_model
+    from services.launch_plan import FLASHINFER_HEAD_DIMS
+
+    head_dim = plan_model(args.model).config.head_dim
+    backend = "flashinfer" if gpu and head_dim in FLASHINFER_HEAD_DIMS else "torch"
     for k in ks:
         settings = WorkerSettings(model=args.model, spec_mode="eagle3", device=args.device,
-                                  backend="flashinfer" if gpu else "torch", num_blocks=num_blocks)
+                                  backend=backend, num_blocks=num_blocks)
         source = LocalBlockSource(num_blocks, settings.block_size)
         built = build_engine(settings, lambda _n: source, models=models)
         models = (built.target, built.draft)
