@@ -85,7 +85,9 @@ build_images() {
     if [ "$base_py" = "$host_py" ]; then
         log "wheels for the image (Python $host_py) -> .whl/"
         # shellcheck disable=SC2046
-        "$TANDEM_PY" -m pip wheel -q --wheel-dir .whl "torch==$TORCH_VERSION" . $(cpu_torch_index_args)
+        # async-timeout: redis needs it below Python 3.11.3 (Debian's 3.11.2 in the image), which
+        # the host's newer 3.11.x resolves away; the image installs from these wheels offline
+        "$TANDEM_PY" -m pip wheel -q --wheel-dir .whl "torch==$TORCH_VERSION" . "async-timeout>=4.0.3" $(cpu_torch_index_args)
     fi
     log "building tandem:smoke on $BASE"
     docker build -q "${nocache[@]}" --network host -t tandem:smoke --build-arg BASE_IMAGE="$BASE" . >/dev/null
