@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 from services.common.errors import TandemError, error_class
 
-FINISH_NAMES = {1: "stop", 2: "length", 3: "abort"}  # tandem.common.v1.FinishReason values
 
 
 class ClientError(TandemError):
@@ -81,12 +80,14 @@ def _request(prompt: str | Sequence[int], *, max_tokens: int, temperature: float
 
 
 def _delta(msg) -> Delta:
+    from services.common.wire import FINISH_REASONS
+
     if not msg.HasField("usage"):
         return Delta(msg.text, tuple(msg.token_ids))
     u = msg.usage
     usage = Usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.mean_acceptance_length, u.worker_id,
                   u.time_to_first_token_s)
-    return Delta(msg.text, tuple(msg.token_ids), usage, FINISH_NAMES.get(msg.finish_reason, "length"))
+    return Delta(msg.text, tuple(msg.token_ids), usage, FINISH_REASONS.get(msg.finish_reason, "length"))
 
 
 def _typed(err) -> TandemError:

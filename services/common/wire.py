@@ -10,6 +10,12 @@ from tandem.common.v1 import common_pb2
 
 _LE_U32 = np.dtype("<u4")
 
+FINISH_REASONS = {  # the one enum (tandem.common.v1.FinishReason) <-> OpenAI's strings
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
 
 def tokens_from_proto(msg: common_pb2.TokenIds, *, field: str = "tokens") -> np.ndarray:
     """Decode a ``TokenIds`` into a uint32 numpy array (empty if unset). Read-only, no copy for packed."""

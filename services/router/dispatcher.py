@@ -43,7 +43,7 @@ from services.common.channels import ChannelPool, call_timeout
 from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.telemetry import get_tracer
 from services.common.tokenizer import StreamDecoder, Tokenizer
-from services.common.wire import tokens_to_proto
+from services.common.wire import FINISH_REASONS, tokens_to_proto
 from services.router.directory import WorkerDirectory, WorkerEntry
 from services.router.jobs import GenerateJob
 from services.router.policy import PolicyWeights, RoutingPolicy, WorkerCandidate, rank_workers, rotate_workers
@@ -58,11 +58,6 @@ from tandem.worker.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = {  # the one enum (tandem.common.v1.FinishReason) <-> OpenAI's strings
-    common_pb.FINISH_REASON_STOP: "stop",
-    common_pb.FINISH_REASON_LENGTH: "length",
-    common_pb.FINISH_REASON_ABORT: "abort",
-}
 # Codes after which a Reserve may or may not have happened in the kvstore.
 _NO_ANSWER = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
                         grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN})

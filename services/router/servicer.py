@@ -15,7 +15,8 @@ from services.common.auth import current_principal
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.tokenizer import Tokenizer
 from services.common.wire import tokens_from_proto
-from services.router.dispatcher import FINISH_REASONS, Completion, Dispatcher
+from services.common.wire import FINISH_REASONS
+from services.router.dispatcher import Completion, Dispatcher
 from services.router.jobs import RequestLimits, build_job
 from services.router.tenants import Tenant, TenantRegistry
 from tandem.common.v1 import common_pb2 as common_pb
