@@ -133,6 +133,35 @@ def start_service(service_loop):
         svc.channel.close()
 
 
+@pytest.fixture
+def start_kvstore(start_service):
+    """Factory: ``start_kvstore(servicer_cls=KVStoreServicer)`` serves a fresh in-memory KVStore
+    (a long lease) through ``servicer_cls`` — a subclass that injects faults, say — and returns
+    the running service with ``.stub`` set; ``.payload`` is the store."""
+
+    def _start(servicer_cls=None, *, lease_ttl_s: float = 120.0) -> RunningService:
+        from services.common.server import GrpcServer, ServiceBinding
+        from services.kvstore.servicer import KVStoreServicer
+        from services.kvstore.store import KVStore
+        from tandem.kvstore.v1 import kvstore_pb2_grpc
+
+        cls = servicer_cls or KVStoreServicer
+
+        async def start():
+            store = KVStore(lease_ttl_s=lease_ttl_s)
+            server = GrpcServer([ServiceBinding(kvstore_pb2_grpc.add_KVStoreServicer_to_server, cls(store),
+                                                "tandem.kvstore.v1.KVStore")], port=0, grace_s=0)
+            await server.start()
+            await server.set_serving()
+            return server, store
+
+        svc = start_service(start)
+        svc.stub = kvstore_pb2_grpc.KVStoreStub(svc.channel)
+        return svc
+
+    return _start
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     """A real redis-server for the session (see ``tests/redis_server.py``)."""

@@ -10,11 +10,8 @@ from services.common.errors import Unavailable
 from services.common.spec import SpecMode
 
 
-def _refusing_kvstore(start_service, refuse: int):
-    from services.common.server import GrpcServer, ServiceBinding
+def _refusing_kvstore(start_kvstore, refuse: int):
     from services.kvstore.servicer import KVStoreServicer
-    from services.kvstore.store import KVStore
-    from tandem.kvstore.v1 import kvstore_pb2_grpc
 
     class Failover(KVStoreServicer):
         down = refuse
@@ -25,22 +22,14 @@ def _refusing_kvstore(start_service, refuse: int):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no leader yet")
             return await super().GetReservation(request, context)
 
-    async def start():
-        store = KVStore(lease_ttl_s=120.0)
-        server = GrpcServer([ServiceBinding(kvstore_pb2_grpc.add_KVStoreServicer_to_server, Failover(store),
-                                            "tandem.kvstore.v1.KVStore")], port=0, grace_s=0)
-        await server.start()
-        await server.set_serving()
-        return server, store
-
-    return start_service(start), Failover
+    return start_kvstore(Failover), Failover
 
 
 @pytest.mark.parametrize("retry_s", [5.0, 0.0])
-def test_get_reservation_is_resent_through_an_outage(start_service, retry_s):
+def test_get_reservation_is_resent_through_an_outage(start_kvstore, retry_s):
     from services.gpuworker.kvstore_link import KVStoreLink
 
-    svc, failover = _refusing_kvstore(start_service, refuse=3)
+    svc, failover = _refusing_kvstore(start_kvstore, refuse=3)
     link = KVStoreLink(svc.address, timeout_s=2.0)
     try:
         info = link.register(worker_id="w", address="x", model_id="m", spec_mode=SpecMode.NONE, mtp_depth=0,

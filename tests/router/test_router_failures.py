@@ -218,7 +218,7 @@ def test_no_worker_and_too_long_prompts(rig):
 
 
 @pytest.mark.parametrize("outage_wait_s", [0.0, 5.0])
-def test_a_reserve_whose_answer_was_lost_is_reclaimed(start_service, service_loop, outage_wait_s):
+def test_a_reserve_whose_answer_was_lost_is_reclaimed(start_kvstore, start_service, service_loop, outage_wait_s):
     """The kvstore reserves but answers too late. Riding through (``kvstore_outage_wait_s`` > 0)
     the router re-sends the identical Reserve, which returns that same reservation (idempotent
     per request id) and the request is served; not waiting, it gives the request up and then
@@ -226,10 +226,7 @@ def test_a_reserve_whose_answer_was_lost_is_reclaimed(start_service, service_loo
     import asyncio
 
     from router_rig import Rig
-    from services.common.server import GrpcServer, ServiceBinding
     from services.kvstore.servicer import KVStoreServicer
-    from services.kvstore.store import KVStore
-    from tandem.kvstore.v1 import kvstore_pb2_grpc
 
     class SlowFirstReserve(KVStoreServicer):
         slow = True
@@ -241,16 +238,7 @@ def test_a_reserve_whose_answer_was_lost_is_reclaimed(start_service, service_loo
                 await asyncio.sleep(0.6)
             return resp
 
-    async def start():
-        store = KVStore(lease_ttl_s=120.0)
-        server = GrpcServer([ServiceBinding(kvstore_pb2_grpc.add_KVStoreServicer_to_server, SlowFirstReserve(store),
-                                            "tandem.kvstore.v1.KVStore")], port=0, grace_s=0)
-        await server.start()
-        await server.set_serving()
-        return server, store
-
-    kv = start_service(start)
-    kv.stub = kvstore_pb2_grpc.KVStoreStub(kv.channel)
+    kv = start_kvstore(SlowFirstReserve)
     rig = Rig(kv=kv, start_service=start_service, service_loop=service_loop)
     worker = rig.worker("a")
     router = rig.router(kvstore_timeout_s=0.3, kvstore_outage_wait_s=outage_wait_s)
@@ -265,15 +253,12 @@ def test_a_reserve_whose_answer_was_lost_is_reclaimed(start_service, service_loo
 
 
 @pytest.mark.parametrize("outage_wait_s", [0.0, 5.0])
-def test_a_new_request_waits_out_a_short_kvstore_outage(start_service, service_loop, outage_wait_s):
+def test_a_new_request_waits_out_a_short_kvstore_outage(start_kvstore, start_service, service_loop, outage_wait_s):
     """The kvstore answers UNAVAILABLE for a while (failing over to its standby): a new request
     waits (bounded by kvstore_outage_wait_s and its deadline) and is served once it is back;
     without the wait it gets UNAVAILABLE saying when to retry."""
     from router_rig import Rig
-    from services.common.server import GrpcServer, ServiceBinding
     from services.kvstore.servicer import KVStoreServicer
-    from services.kvstore.store import KVStore
-    from tandem.kvstore.v1 import kvstore_pb2_grpc
 
     class Outage(KVStoreServicer):
         down = 0  # Matches still to refuse
@@ -284,16 +269,7 @@ def test_a_new_request_waits_out_a_short_kvstore_outage(start_service, service_l
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no leader yet")
             return await super().Match(request, context)
 
-    async def start():
-        store = KVStore(lease_ttl_s=120.0)
-        server = GrpcServer([ServiceBinding(kvstore_pb2_grpc.add_KVStoreServicer_to_server, Outage(store),
-                                            "tandem.kvstore.v1.KVStore")], port=0, grace_s=0)
-        await server.start()
-        await server.set_serving()
-        return server, store
-
-    kv = start_service(start)
-    kv.stub = kvstore_pb2_grpc.KVStoreStub(kv.channel)
+    kv = start_kvstore(Outage)
     rig = Rig(kv=kv, start_service=start_service, service_loop=service_loop)
     worker = rig.worker("a")
     router = rig.router(kvstore_outage_wait_s=outage_wait_s)
