@@ -396,21 +396,16 @@ class Engine:
         self.last_fence = fence = StepFence.record(self.device)
         for s in suspects:
             s.finish_reason = FinishReason.ERROR
+            self._ledger[s.request_id].error = exc
         results = {}
         for rid, entry in self._ledger.items():
-            s = self._states.get(rid)
-            tokens = entry.emitted or []
-            if s is None or (not tokens and not s.finished):
+            s = entry.state
+            if self._states.get(rid) is not s or (not entry.emitted and not s.finished):
                 continue
             if s.finished:
                 s.drafts = s.draft_probs = s.chain_hidden = None
-            results[rid] = RequestStepResult(
-                request_id=rid, new_token_ids=list(tokens), proposed_drafts=0, accepted_drafts=0,
-                logical_len=s.logical_len, target_len=s.target_len, publishable_positions=s.draft_len,
-                block_table=list(s.block_table), block_size=self.block_size, blocks_written=[],
-                capacity_before=s.capacity, capacity_after=s.capacity, finish_reason=s.finish_reason,
-                error=exc if s.finish_reason is FinishReason.ERROR else entry.error, counts=s.counts,
-            )
+            entry.prefill_tokens = 0  # nothing the failed step computed counts
+            results[rid] = entry.result(self.block_size, blocks_written=[])
             if s.finished:
                 del self._states[rid]
         return StepReport(results=results, extend_wants={}, trim_keeps={}, target_tokens=0, draft_tokens=0,
@@ -466,26 +461,7 @@ class Engine:
             s = e.state
             if e.emitted is None and e.error is None and rid not in trim_keeps:
                 continue  # untouched this step
-            proposed, accepted = e.verified or (0, 0)
-            results[rid] = RequestStepResult(
-                request_id=rid,
-                new_token_ids=e.emitted or [],
-                proposed_drafts=proposed,
-                accepted_drafts=accepted,
-                logical_len=s.logical_len,
-                target_len=s.target_len,
-                publishable_positions=s.draft_len,
-                block_table=list(s.block_table),
-                block_size=self.block_size,
-                blocks_written=blocks_written[rid],
-                capacity_before=e.capacity_before,
-                capacity_after=s.capacity,
-                prefill_tokens=e.prefill_tokens,
-                verified=e.verified is not None,
-                finish_reason=s.finish_reason,
-                error=e.error,
-                counts=s.counts,
-            )
+            results[rid] = e.result(self.block_size, blocks_written[rid])
             if s.finished:
                 del self._states[rid]
         return StepReport(results=results, extend_wants=extend_wants, trim_keeps=trim_keeps,
@@ -818,6 +794,30 @@ class _Ledger:
         if self.emitted is None:
             self.emitted = []
         self.emitted.extend(tokens)
+
+    def result(self, block_size: int, blocks_written: list[int]) -> RequestStepResult:
+        """The step's result for this request, as its state stands now. Pure."""
+        s = self.state
+        proposed, accepted = self.verified or (0, 0)
+        return RequestStepResult(
+            request_id=s.request_id,
+            new_token_ids=self.emitted or [],
+            proposed_drafts=proposed,
+            accepted_drafts=accepted,
+            logical_len=s.logical_len,
+            target_len=s.target_len,
+            publishable_positions=s.draft_len,
+            block_table=list(s.block_table),
+            block_size=block_size,
+            blocks_written=blocks_written,
+            capacity_before=self.capacity_before,
+            capacity_after=s.capacity,
+            prefill_tokens=self.prefill_tokens,
+            verified=self.verified is not None,
+            finish_reason=s.finish_reason,
+            error=self.error,
+            counts=s.counts,
+        )
 
 
 class _LaggingTokens:
