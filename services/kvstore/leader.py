@@ -31,15 +31,7 @@ log = logging.getLogger(__name__)
 
 def store_args(settings: KVStoreSettings) -> dict:
     """KVStore constructor arguments for a new journal (``epoch`` fixed at genesis)."""
-    return dict(
-        lease_ttl_s=settings.lease_ttl_s,
-        max_tokens=settings.max_tokens,
-        events_per_worker=settings.events_per_worker,
-        max_num_blocks=settings.max_num_blocks,
-        max_items=settings.max_items_per_call,
-        max_workers=settings.max_workers,
-        epoch=time.time_ns() // 1000,
-    )
+    return dict(settings.store_args(), epoch=time.time_ns() // 1000)
 
 
 class Leadership:

@@ -36,10 +36,7 @@ async def start_kvstore(
     With ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
     :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
     """
-    store = store or KVStore(
-        lease_ttl_s=settings.lease_ttl_s, max_tokens=settings.max_tokens, events_per_worker=settings.events_per_worker,
-        max_num_blocks=settings.max_num_blocks, max_items=settings.max_items_per_call, max_workers=settings.max_workers,
-    )
+    store = store or KVStore(**settings.store_args())
     server_credentials, _ = suite_credentials(settings)
     warn_if_insecure(settings, log)
     servicer = KVStoreServicer(store, event_queue=settings.event_queue)

@@ -41,6 +41,17 @@ class KVStoreSettings(TandemSettings):
         10_000, ge=0, description="journal entries between snapshots in Redis (0 = never: recovery replays everything)"
     )
 
+    def store_args(self) -> dict:
+        """``KVStore`` constructor arguments these settings give (the one mapping, for both backends)."""
+        return dict(
+            lease_ttl_s=self.lease_ttl_s,
+            max_tokens=self.max_tokens,
+            events_per_worker=self.events_per_worker,
+            max_num_blocks=self.max_num_blocks,
+            max_items=self.max_items_per_call,
+            max_workers=self.max_workers,
+        )
+
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, value: str) -> str:
