@@ -101,7 +101,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type[BaseSettings])
     for name, field in cls.model_fields.items():
         flag = "--" + name.replace("_", "-")
         help_text = (field.description or "") + f" [env {prefix}{name.upper()}; default {field.default!r}]"
-        if field.annotation is bool:
+        if field.annotation is bool or field.annotation == (bool | None):  # --x / --no-x (unset: the default)
             parser.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             choices = _choices(field.annotation)

@@ -20,6 +20,7 @@ For autoscalers and gateways (semantics of vLLM's ``num_requests_waiting`` and
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -32,6 +33,34 @@ GENERATE_METHOD = "/" + worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_na
 
 STEP_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 ACCEPTANCE_BUCKETS = tuple(float(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17, 33))
+
+
+@dataclass(frozen=True, slots=True)
+class StepTally:
+    """What the metrics keep of one step: plain values, so an engine process can send it."""
+
+    elapsed_s: float
+    generated: int
+    prefill: int
+    proposed: int
+    accepted: int
+    acceptance_lengths: tuple[int, ...]  # 1 + accepted drafts, per verified request
+    finish_reasons: tuple[str, ...]
+
+    @classmethod
+    def of(cls, report: StepReport, elapsed_s: float) -> "StepTally":
+        generated = prefill = proposed = accepted = 0
+        lengths, reasons = [], []
+        for result in report.results.values():
+            generated += len(result.new_token_ids)
+            prefill += result.prefill_tokens
+            if result.verified:
+                proposed += result.proposed_drafts
+                accepted += result.accepted_drafts
+                lengths.append(1 + result.accepted_drafts)
+            if result.finish_reason is not None:
+                reasons.append(result.finish_reason.value)
+        return cls(elapsed_s, generated, prefill, proposed, accepted, tuple(lengths), tuple(reasons))
 
 
 class WorkerMetrics:
@@ -63,21 +92,19 @@ class WorkerMetrics:
 
     def on_step(self, report: StepReport, elapsed_s: float) -> None:
         """Record one completed step (engine thread; mutates the metrics only)."""
-        self.step_duration.observe(elapsed_s)
-        generated = prefill = proposed = accepted = 0
-        for result in report.results.values():
-            generated += len(result.new_token_ids)
-            prefill += result.prefill_tokens
-            if result.verified:
-                proposed += result.proposed_drafts
-                accepted += result.accepted_drafts
-                self.acceptance_length.observe(1 + result.accepted_drafts)
-            if result.finish_reason is not None:
-                self.finished.labels(result.finish_reason.value).inc()
-        self.generated_tokens.inc(generated)
-        self.prefill_tokens.inc(prefill)
-        self.proposed_drafts.inc(proposed)
-        self.accepted_drafts.inc(accepted)
+        self.record(StepTally.of(report, elapsed_s))
+
+    def record(self, tally: "StepTally") -> None:
+        """Record one step's tally (any thread; an engine in another process ships tallies)."""
+        self.step_duration.observe(tally.elapsed_s)
+        for length in tally.acceptance_lengths:
+            self.acceptance_length.observe(length)
+        for reason in tally.finish_reasons:
+            self.finished.labels(reason).inc()
+        self.generated_tokens.inc(tally.generated)
+        self.prefill_tokens.inc(tally.prefill)
+        self.proposed_drafts.inc(tally.proposed)
+        self.accepted_drafts.inc(tally.accepted)
 
     def interceptor(self) -> grpc.aio.ServerInterceptor:
         """A server interceptor keeping :attr:`waiting` (Worker.Generate only)."""

@@ -39,13 +39,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Job:
-    """One Generate call as the engine thread sees it."""
+    """One Generate call as the engine thread sees it. ``loop``/``events`` are where the default
+    :class:`Outbox` delivers its events; an engine in its own process has neither (its outbox
+    ships events by request id, see ``engine_process.py``)."""
 
     spec: RequestSpec
     reservation_id: str
     incarnation: int
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
     arrived: float = field(default_factory=time.monotonic)
     tokens: list[int] = field(default_factory=list)  # prompt + generated, as streamed
     known_tokens: int = 0  # tokens sent to the kvstore for this reservation (prompt at Reserve)
@@ -54,7 +56,7 @@ class Job:
     first_token_at: float | None = None
 
 class Outbox:
-    """Events for the asyncio handlers, delivered once per engine-loop turn: one
+    """Events for the asyncio handlers, delivered once per engine-loop turn (``flush``): one
     ``call_soon_threadsafe`` per event loop instead of one per request and step (each wakes the
     loop; at 64 requests a step that is 64 wake-ups competing with the engine for the GIL)."""
 
@@ -106,6 +108,8 @@ class EngineRunner:
         extend_watermark_blocks: int = 2,
         extend_chunk_blocks: int = 4,
         on_step: Callable[[StepReport, float], None] | None = None,
+        outbox: Outbox | None = None,
+        on_disown: Callable[[str], None] | None = None,
     ):
         self.engine = engine
         self.link = link
@@ -115,7 +119,8 @@ class EngineRunner:
         self.extend_watermark_blocks = extend_watermark_blocks
         self.extend_chunk_blocks = extend_chunk_blocks
         self._extending: set[str] = set()  # request ids with an ahead-of-need Extend in flight
-        self._outbox = Outbox()
+        self._outbox = outbox if outbox is not None else Outbox()
+        self._on_disown = on_disown  # told when a request's reservation has been ended
         self._commands: queue.Queue = queue.Queue()
         self._jobs: dict[str, Job] = {}  # engine thread only: admitted, running requests
         # Any thread: every request from submit() until its reservation has been ended, so that
@@ -162,6 +167,8 @@ class EngineRunner:
     def _disown(self, rid: str) -> None:
         with self._owned_lock:
             self._owned.discard(rid)
+        if self._on_disown is not None:
+            self._on_disown(rid)
 
     # -- engine thread ------------------------------------------------------------------------------
 

@@ -1,13 +1,11 @@
-"""Assemble a running gpuworker: model + pools + engine + engine thread + gRPC server, registered
-with the kvstore and kept alive by heartbeats (re-registering with a new incarnation if the
-kvstore forgot it)."""
+"""Assemble a running gpuworker: the engine side (``runtime.py``: model, pools, engine, runner; in
+an engine process of its own or on a thread) + gRPC server, registered with the kvstore and kept
+alive by heartbeats (re-registering with a new incarnation if the kvstore forgot it)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,13 +17,13 @@ from services.common.metrics import ServiceMetrics
 from services.common.peers import PeerRoleInterceptor
 from services.common.server import GrpcServer, ServiceBinding
 from services.common.spec import SpecMode
-from services.common.startup import StartupError, wait_for
+from services.common.startup import wait_for
 from services.common.telemetry import ServerTracingInterceptor
-from services.gpuworker.build import build_engine
-from services.gpuworker.kvstore_courier import KVStoreCourier
-from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource
+from services.gpuworker.engine_process import EngineProcess
+from services.gpuworker.kvstore_link import KVStoreLink
 from services.gpuworker.metrics import WorkerMetrics
 from services.gpuworker.runner import EngineRunner
+from services.gpuworker.runtime import build_runtime
 from services.gpuworker.servicer import ROLE_RULES, WorkerServicer
 from services.gpuworker.settings import WorkerSettings
 from tandem.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -48,12 +46,15 @@ class WorkerIdentity:
     num_blocks: int
     vocab_size: int
     max_seq_len: int
-    max_draft_tokens: int
+    max_draft_tokens: int  # 0 without a draft
     backend: str
     device: str
-    draft: object
     link: KVStoreLink
     model_name: str = ""  # the --model it was started with (Info reports it to routers)
+
+    @property
+    def has_draft(self) -> bool:
+        return self.max_draft_tokens > 0
 
     def register(self) -> None:
         self.link.register(
@@ -74,32 +75,18 @@ async def start_worker(
     *,
     tracer_provider: trace.TracerProvider | None = None,
     metrics: ServiceMetrics | None = None,
-) -> tuple[GrpcServer, EngineRunner, WorkerIdentity]:
+) -> tuple[GrpcServer, EngineRunner | EngineProcess, WorkerIdentity]:
     """Load the model, build pools and engine, warm it up (kernels compiled, CUDA graphs
     captured), serve, register; health SERVING only after all of that.
 
+    The engine runs in a process of its own (``engine_process.py``) or on a thread of this one
+    (``settings.separate_engine_process``); the runner returned has the same public surface.
     With ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
     :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
     """
-    if settings.gil_switch_interval_ms is not None:
-        sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
     server_credentials, channel_credentials = suite_credentials(settings)
     warn_if_insecure(settings, log)
     link = KVStoreLink(settings.kvstore, timeout_s=settings.rpc_timeout_s, credentials=channel_credentials)
-    courier = KVStoreCourier()
-    source = ReservationBlockSource(link, courier)
-    try:
-        built = await asyncio.to_thread(build_engine, settings, lambda _num_blocks: source)
-    except TandemError as exc:  # a missing or unusable model folder, no room for KV: one line, not a traceback
-        raise StartupError(f"cannot load model {settings.model!r}: {exc.message}") from None
-    engine, target, draft, spec_mode, num_blocks = built.engine, built.target, built.draft, built.spec_mode, built.num_blocks
-    device, c = engine.device, target.config
-    if settings.warmup:
-        # kernels compiled and graphs captured before health says SERVING: the first request
-        # then costs what any other does
-        started = time.perf_counter()
-        graphs = await asyncio.to_thread(engine.warmup, lambda msg: log.info("warm-up: %s", msg))
-        log.info("warm-up done in %.1fs (%d CUDA graphs)", time.perf_counter() - started, graphs)
     interceptors: list = [ServerTracingInterceptor(tracer_provider)]
     worker_metrics: WorkerMetrics | None = None
     if settings.metrics_port is not None:
@@ -110,12 +97,6 @@ async def start_worker(
         interceptors.append(worker_metrics.interceptor())
     if server_credentials is not None:
         interceptors.append(PeerRoleInterceptor(ROLE_RULES))
-    runner = EngineRunner(
-        engine, link, source, courier, max_running=settings.max_running,
-        extend_watermark_blocks=settings.extend_watermark_blocks, extend_chunk_blocks=settings.extend_chunk_blocks,
-        on_step=worker_metrics.on_step if worker_metrics is not None else None,
-    )
-
     server = GrpcServer(
         [],  # the servicer needs the identity, which needs the bound port: added below
         host=settings.host,
@@ -125,21 +106,30 @@ async def start_worker(
         interceptors=interceptors,
         server_credentials=server_credentials,
     )
+    runner: EngineRunner | EngineProcess
+    if settings.separate_engine_process:
+        loop = asyncio.get_running_loop()
+        runner = EngineProcess(settings, metrics=worker_metrics is not None,
+                               on_tally=worker_metrics.record if worker_metrics is not None else None,
+                               # a worker without its engine stops; its supervisor starts a new incarnation
+                               on_exit=lambda: loop.call_soon_threadsafe(lambda: loop.create_task(server.stop())))
+        facts = await runner.start()
+    else:
+        runner, facts = await asyncio.to_thread(
+            build_runtime, settings, link, on_step=worker_metrics.on_step if worker_metrics is not None else None)
     identity = WorkerIdentity(
         worker_id=settings.worker_id,
         address="",
-        # the draft's weights shape the draft KV, so they are part of the cache namespace too
-        model_id=target.fingerprint + (f"+{draft.fingerprint}" if draft is not None else ""),
-        spec_mode=spec_mode,
-        mtp_depth=settings.mtp_depth if spec_mode is SpecMode.MTP else 1,
+        model_id=facts.model_id,
+        spec_mode=facts.spec_mode,
+        mtp_depth=settings.mtp_depth if facts.spec_mode is SpecMode.MTP else 1,
         block_size=settings.block_size,
-        num_blocks=num_blocks,
-        vocab_size=c.vocab_size,
-        max_seq_len=engine.max_seq_len,
-        max_draft_tokens=settings.max_draft_tokens if draft is not None else 0,
+        num_blocks=facts.num_blocks,
+        vocab_size=facts.vocab_size,
+        max_seq_len=facts.max_seq_len,
+        max_draft_tokens=facts.max_draft_tokens,
         backend=settings.backend,
-        device=str(device),
-        draft=draft,
+        device=facts.device,
         link=link,
         model_name=settings.model,
     )
@@ -149,15 +139,21 @@ async def start_worker(
         metrics.ready = lambda: server.serving  # /ready follows gRPC health
         metrics.serve(settings.host, settings.metrics_port)  # a taken port fails before gRPC binds
         server.on_stop(metrics.stop)
-    port = await server.start()
+    try:
+        port = await server.start()
+    except BaseException:
+        await asyncio.to_thread(runner.stop)
+        raise
     identity.address = settings.advertise or f"{settings.host}:{port}"
-    runner.start()
+    if isinstance(runner, EngineRunner):
+        runner.start()
+    server.on_stop(lambda: runner.stop())
     # The kvstore may come up after us (compose, Kubernetes): wait with bounded backoff, NOT_SERVING.
     await wait_for(lambda: asyncio.to_thread(identity.register), what=f"the kvstore at {settings.kvstore}", logger=log)
     server.run_in_background(_heartbeat(identity, runner, servicer, settings.heartbeat_s))
-    server.on_stop(lambda: runner.stop())
     await server.set_serving()
-    log.info("worker %s serving on %s (incarnation %d, %d blocks)", identity.worker_id, identity.address, link.incarnation, num_blocks)
+    log.info("worker %s serving on %s (incarnation %d, %d blocks, engine %s)", identity.worker_id, identity.address,
+             link.incarnation, facts.num_blocks, "in its own process" if settings.separate_engine_process else "on a thread")
     return server, runner, identity
 
 
@@ -182,7 +178,7 @@ def _kv_usage_probe(settings: WorkerSettings, credentials=None) -> Callable[[], 
     return usage
 
 
-async def _heartbeat(identity: WorkerIdentity, runner: EngineRunner, servicer: WorkerServicer, period_s: float) -> None:
+async def _heartbeat(identity: WorkerIdentity, runner: EngineRunner | EngineProcess, servicer: WorkerServicer, period_s: float) -> None:
     while True:
         await asyncio.sleep(period_s)
         try:

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,6 +37,9 @@ from tandem.common.v1 import common_pb2 as common_pb
 from tandem.worker.v1 import worker_pb2 as pb
 from tandem.worker.v1 import worker_pb2_grpc
 
+if TYPE_CHECKING:
+    from services.gpuworker.engine_process import EngineProcess
+
 log = logging.getLogger(__name__)
 MAX_REQUEST_ID_BYTES = 128
 ROUTER = frozenset({"router"})
@@ -52,7 +56,7 @@ _FINISH = {  # OpenAI's reasons: the worker's max_seq_len is a length limit too
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Thin adapter; ``identity`` carries what Info reports (see ``server.WorkerIdentity``)."""
 
-    def __init__(self, runner: EngineRunner, identity, *, tracer_provider: trace.TracerProvider | None = None):
+    def __init__(self, runner: "EngineRunner | EngineProcess", identity, *, tracer_provider: trace.TracerProvider | None = None):
         self.runner = runner
         self.identity = identity
         self._tracer = get_tracer(__name__, tracer_provider)
@@ -122,7 +126,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         k = request.spec.num_draft_tokens
         if k > ident.max_draft_tokens:
             raise InvalidArgument(f"num_draft_tokens {k} exceeds this worker's maximum {ident.max_draft_tokens}")
-        if ident.draft is None:
+        if not ident.has_draft:
             k = 0  # no draft: plain decoding, whatever the caller hoped for
         sampling = SamplingParams(  # validates (InvalidArgument)
             temperature=float(s.temperature),

@@ -45,6 +45,9 @@ class WorkerSettings(TandemSettings):
     gil_switch_interval_ms: float | None = Field(
         None, gt=0, le=100, description="Python's thread switch interval in this process (sys.setswitchinterval; unset: Python's 5 ms). The engine thread and the gRPC event loop share the GIL"
     )
+    engine_process: bool | None = Field(
+        None, description="run the engine in an OS process of its own, beside the gRPC process (unset: on for CUDA, where the engine and gRPC streaming would share one GIL; off on CPU)"
+    )
     max_batch_size: int = Field(64, ge=1, description="requests per step")
     max_draft_tokens: int = Field(8, ge=0, le=32, description="largest k a request may ask for")
     max_running: int = Field(256, ge=1, description="requests admitted at once; more get RESOURCE_EXHAUSTED")
@@ -61,6 +64,11 @@ class WorkerSettings(TandemSettings):
     @property
     def on_cuda(self) -> bool:
         return self.device.startswith("cuda")
+
+    @property
+    def separate_engine_process(self) -> bool:
+        """``engine_process`` as set, or its device default."""
+        return self.engine_process if self.engine_process is not None else self.on_cuda
 
     @property
     def step_tokens(self) -> int:

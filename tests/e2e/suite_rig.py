@@ -123,7 +123,8 @@ def spawn_worker_process(kv_address: str, worker_id: str, **flags) -> subprocess
     argv = [sys.executable, "-m", "services.cli", "worker", "--kvstore", kv_address, "--port", "0",
             "--worker-id", worker_id, "--heartbeat-s", "0.2", "--num-blocks", "512"]
     for key, value in flags.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
+        flag = f"--{key.replace('_', '-')}"
+        argv += [flag] if value is True else [flag, str(value)]  # True: a --switch
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 

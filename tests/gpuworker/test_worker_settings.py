@@ -34,10 +34,8 @@ def test_gil_switch_interval_is_bounded(bad):
         WorkerSettings(gil_switch_interval_ms=bad)
 
 
-def test_gil_switch_interval_is_applied_by_the_worker(monkeypatch):
-    import asyncio
-
-    from services.gpuworker import server
+def test_gil_switch_interval_is_applied_where_the_engine_runs(monkeypatch):
+    from services.gpuworker import runtime
 
     seen = []
     monkeypatch.setattr(sys, "setswitchinterval", seen.append)
@@ -45,13 +43,20 @@ def test_gil_switch_interval_is_applied_by_the_worker(monkeypatch):
     class Stop(Exception):
         pass
 
-    def no_kvstore(*a, **k):  # stop right after the interval is set: nothing else is under test
+    def no_courier(*a, **k):  # stop right after the interval is set: nothing else is under test
         raise Stop
 
-    monkeypatch.setattr(server, "KVStoreLink", no_kvstore)
+    monkeypatch.setattr(runtime, "KVStoreCourier", no_courier)
     with pytest.raises(Stop):
-        asyncio.run(server.start_worker(WorkerSettings(gil_switch_interval_ms=0.5)))
+        runtime.build_runtime(WorkerSettings(gil_switch_interval_ms=0.5), link=None)
     assert seen == [0.0005]
+
+
+def test_the_engine_gets_its_own_process_on_cuda_by_default():
+    assert WorkerSettings(device="cuda:0").separate_engine_process
+    assert not WorkerSettings(device="cpu").separate_engine_process
+    assert WorkerSettings(device="cpu", engine_process=True).separate_engine_process
+    assert not WorkerSettings(device="cuda:0", engine_process=False).separate_engine_process
 
 
 def test_dtype_auto_follows_the_device():

@@ -1,0 +1,184 @@
+"""The worker's engine in an OS process of its own (``--engine-process``, the CUDA default),
+through the real router and kvstore: the same answers as the engine on a thread, cancellation and
+Worker.Abort cross the process boundary, metrics arrive, and neither side outlives the other."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from services.common.metrics import ServiceMetrics
+from services.gpuworker.server import start_worker
+from services.gpuworker.settings import WorkerSettings
+from suite_rig import LONG_PREFIX, TIMEOUT, spawn_worker_process
+from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
+from tandem.router.v1 import router_pb2
+from tandem.worker.v1 import worker_pb2, worker_pb2_grpc
+
+
+def _engine(svc):
+    runner, _identity = svc.payload
+    return runner
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(p) for p in f.read().split()]
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_disowned(runner) -> None:
+    """Until the engine has disowned every request (once their Release or Abort was answered)."""
+    end = time.monotonic() + TIMEOUT
+    while runner.running_ids():
+        assert time.monotonic() < end, runner.running_ids()
+        time.sleep(0.05)
+
+
+def test_an_engine_process_answers_exactly_what_an_engine_thread_does(suite):
+    threaded = suite.add_worker("thread", engine_process=False)
+    suite.add_router()
+    prompt = LONG_PREFIX + "Question: where does the engine run?"
+    expected = {k: suite.generate(prompt, max_new_tokens=24, num_draft_tokens=k)[0] for k in (0, 3)}
+    threaded.stop()
+    suite.workers.remove(threaded)
+    separate = suite.add_worker("process", engine_process=True)
+    assert _engine(separate).facts is not None  # the process said it was ready before SERVING
+    end = time.monotonic() + TIMEOUT
+    while not [w for w in suite.kv.stub.ListWorkers(kv_pb.ListWorkersRequest(), timeout=TIMEOUT).workers if w.worker_id == "process"]:
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    for k in (0, 3):
+        first, _, u1 = suite.generate(prompt, max_new_tokens=24, num_draft_tokens=k)
+        second, _, u2 = suite.generate(prompt, max_new_tokens=24, num_draft_tokens=k)
+        assert first == second == expected[k], k
+        assert u1.worker_id == u2.worker_id == "process"
+        assert u2.cached_tokens >= 64  # published from the engine process, reused by the next request
+        assert u1.completion_tokens == 24
+        assert u1.mean_acceptance_length >= 1.0
+    assert suite.wait_no_live_reservations().live_reservations == 0
+    check = suite.invariants()
+    assert check.ok, check.violations
+    _wait_disowned(_engine(separate))
+
+
+def test_cancel_and_worker_abort_cross_the_process_boundary(suite):
+    svc = suite.add_worker("w0", engine_process=True)
+    suite.add_router()
+    call = suite.stub.Generate(router_pb2.GenerateRequest(text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
+    got = 0
+    for msg in call:
+        got += len(msg.token_ids)
+        if got >= 8:
+            break
+    assert suite.stats().live_reservations == 1
+    call.cancel()
+    assert suite.wait_no_live_reservations().live_reservations == 0
+
+    # Worker.Abort names a request id; the engine process ends it between two steps
+    runner = _engine(svc)
+    call = suite.stub.Generate(router_pb2.GenerateRequest(text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
+    next(call)
+    (request_id,) = runner.running_ids()
+    worker = worker_pb2_grpc.WorkerStub(svc.channel)
+    worker.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=TIMEOUT)
+    tail = []
+    with pytest.raises(grpc.RpcError) as err:
+        for msg in call:
+            tail.append(msg)
+    assert err.value.code() == grpc.StatusCode.CANCELLED, tail[-1:]
+    assert suite.wait_no_live_reservations().live_reservations == 0
+    _wait_disowned(runner)
+    with pytest.raises(grpc.RpcError) as err:
+        worker.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=TIMEOUT)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    check = suite.invariants()
+    assert check.ok, check.violations
+    ids, _, _ = suite.generate("after abort", max_new_tokens=3)
+    assert len(ids) == 3
+
+
+def test_step_metrics_come_back_from_the_engine_process(start_kvstore_service, start_service):
+    from test_metrics import scrape, value
+
+    kv = start_kvstore_service(lease_ttl_s=1.5)
+    metrics = ServiceMetrics("gpuworker")
+    settings = WorkerSettings(host="127.0.0.1", port=0, kvstore=kv.address, worker_id="w0", model="tiny", num_blocks=256,
+                              heartbeat_s=0.2, grace_s=0.0, metrics_port=0, engine_process=True)
+
+    async def worker():
+        server, runner, identity = await start_worker(settings, metrics=metrics)
+        return server, (runner, identity)
+
+    from suite_rig import Suite
+
+    suite = Suite(kv=kv, start_service=start_service)
+    suite.workers.append(start_service(worker))
+    suite.add_router()
+    _, _, usage = suite.generate(LONG_PREFIX, max_new_tokens=10, num_draft_tokens=2)
+    end = time.monotonic() + TIMEOUT
+    while value(scrape(metrics), "tandem_worker_generated_tokens_total") < usage.completion_tokens:
+        assert time.monotonic() < end, "the engine process's step tallies never arrived"
+        time.sleep(0.05)
+    samples = scrape(metrics)
+    assert value(samples, "tandem_worker_generated_tokens_total") == usage.completion_tokens
+    assert value(samples, "tandem_worker_step_duration_seconds_count") >= 1
+    assert value(samples, "tandem_worker_requests_finished_total", reason="length") == 1
+
+
+def test_a_dead_engine_process_fails_its_streams_and_stops_the_worker(suite):
+    svc = suite.add_worker("w0", engine_process=True)
+    suite.add_router()
+    call = suite.stub.Generate(router_pb2.GenerateRequest(text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
+    assert next(call).token_ids
+    engine = _engine(svc)
+    os.kill(engine.pid, signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert engine.exited
+    end = time.monotonic() + TIMEOUT
+    while svc.server.serving:  # it stops itself, so a supervisor starts a new incarnation
+        assert time.monotonic() < end, "the worker kept serving without an engine"
+        time.sleep(0.05)
+    stats = suite.wait_no_live_reservations(timeout_s=15)  # its lease lapses: the kvstore frees it all
+    assert stats.live_reservations == 0
+    check = suite.invariants()
+    assert check.ok, check.violations
+
+
+def test_the_engine_process_does_not_outlive_a_killed_worker(suite):
+    proc = spawn_worker_process(suite.kv.address, "doomed", engine_process=True)
+    try:
+        end = time.monotonic() + 60
+        while not any(w.worker_id == "doomed" for w in suite.kv.stub.ListWorkers(kv_pb.ListWorkersRequest(), timeout=TIMEOUT).workers):
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < end, "worker did not register"
+            time.sleep(0.1)
+        children = _children(proc.pid)
+        assert children, "the worker has no engine process"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        end = time.monotonic() + 20
+        while any(_alive(pid) for pid in children):
+            assert time.monotonic() < end, "the engine process outlived its worker"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
