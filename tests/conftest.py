@@ -118,9 +118,11 @@ def start_service(service_loop):
     ``(GrpcServer, payload)``; waits until it answers and stops it at teardown."""
     started: list[RunningService] = []
 
-    def _start(start: Callable[[], Awaitable[tuple[Any, Any]]], credentials: Any = None) -> RunningService:
-        """``credentials``: channel credentials for a service that serves (m)TLS."""
-        server, payload = service_loop.run(start())
+    def _start(start: Callable[[], Awaitable[tuple[Any, Any]]], credentials: Any = None,
+               timeout: float = STARTUP_TIMEOUT_S) -> RunningService:
+        """``credentials``: channel credentials for a service that serves (m)TLS; ``timeout``: for
+        starters that spawn processes (an engine process imports torch and builds its model)."""
+        server, payload = service_loop.run(start(), timeout=timeout)
         channel = grpc.secure_channel(server.address, credentials) if credentials else grpc.insecure_channel(server.address)
         grpc.channel_ready_future(channel).result(timeout=STARTUP_TIMEOUT_S)
         svc = RunningService(server=server, payload=payload, loop=service_loop, channel=channel)

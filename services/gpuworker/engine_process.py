@@ -94,6 +94,8 @@ class EngineProcess:
         """Ask the engine to fail what still runs (aborting its reservations) and exit; kill it
         if it does not within ``timeout_s``. Blocking."""
         self._stopping = True
+        if not self._process.is_alive():  # never started, or already gone (see _gone)
+            return
         self._send(("stop",))
         self._process.join(timeout_s)
         if self._process.is_alive():
@@ -176,6 +178,7 @@ class EngineProcess:
                 batches.setdefault(job.loop, []).append((job.events, ("error", error)))
             _post(batches)
         if self.exited:
+            self._process.join(1.0)  # reap it, for its exit code
             log.error("the engine process exited unexpectedly (exit code %s)", self._process.exitcode)
             if self._on_exit is not None:
                 self._on_exit()

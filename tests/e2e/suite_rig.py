@@ -25,6 +25,7 @@ from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
 from tandem.router.v1 import router_pb2, router_pb2_grpc
 
 TIMEOUT = 30.0
+PROCESS_STARTUP_TIMEOUT = 120.0  # a worker whose engine process imports torch on a loaded 2-core machine
 ROOT = Path(__file__).resolve().parents[2]
 
 # A prompt long enough to span several 16-position blocks (byte tokenizer: one token per byte).
@@ -63,7 +64,7 @@ class Suite:
             server, runner, identity = await start_worker(settings, tracer_provider=self.tracer_provider)
             return server, (runner, identity)
 
-        svc = self.start_service(start)
+        svc = self.start_service(start, timeout=PROCESS_STARTUP_TIMEOUT if settings.separate_engine_process else TIMEOUT)
         self.workers.append(svc)
         return svc
 

@@ -14,7 +14,7 @@ import pytest
 from services.common.metrics import ServiceMetrics
 from services.gpuworker.server import start_worker
 from services.gpuworker.settings import WorkerSettings
-from suite_rig import LONG_PREFIX, TIMEOUT, spawn_worker_process
+from suite_rig import LONG_PREFIX, PROCESS_STARTUP_TIMEOUT, TIMEOUT, spawn_worker_process
 from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
 from tandem.router.v1 import router_pb2
 from tandem.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -127,7 +127,7 @@ def test_step_metrics_come_back_from_the_engine_process(start_kvstore_service, s
     from suite_rig import Suite
 
     suite = Suite(kv=kv, start_service=start_service)
-    suite.workers.append(start_service(worker))
+    suite.workers.append(start_service(worker, timeout=PROCESS_STARTUP_TIMEOUT))
     suite.add_router()
     _, _, usage = suite.generate(LONG_PREFIX, max_new_tokens=10, num_draft_tokens=2)
     end = time.monotonic() + TIMEOUT
