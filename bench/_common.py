@@ -50,15 +50,30 @@ class Suite:
         self.procs.append((name, proc))
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU time (user + system) each live child has used so far (Linux /proc; {} elsewhere)."""
+        """CPU time (user + system) each live child has used so far (Linux /proc; {} elsewhere);
+        a child's own children (a worker's engine process) as ``name.1``, ``name.2``, ..."""
         tick = os.sysconf("SC_CLK_TCK")
         out = {}
-        for name, proc in self.procs:
+        for name, pid in self.pids():
             try:
-                fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
             except (OSError, IndexError, ValueError):
                 pass
+        return out
+
+    def pids(self) -> list[tuple[str, int]]:
+        """(name, pid) of each child and of its own children (``name.1``, ...; Linux /proc)."""
+        out = []
+        for name, proc in self.procs:
+            out.append((name, proc.pid))
+            kids = []
+            try:
+                for task in os.listdir(f"/proc/{proc.pid}/task"):
+                    kids += [int(p) for p in Path(f"/proc/{proc.pid}/task/{task}/children").read_text().split()]
+            except OSError:
+                pass
+            out += [(f"{name}.{i}", pid) for i, pid in enumerate(sorted(kids), 1)]
         return out
 
     def stop(self) -> None:

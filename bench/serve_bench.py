@@ -203,7 +203,7 @@ def worker_settings(args, model_dir: Path, a: int | None):
     kw = dict(model=str(model_dir), spec_mode="eagle3", draft_model="random", device=args.device,
               backend="flashinfer" if gpu else "torch", dtype="bfloat16" if gpu else "float32",
               num_blocks=kv_blocks(args), forced_acceptance=a)
-    for name in ("cuda_graphs", "overlap_steps", "max_batch_tokens", "chunk_size", "gil_switch_interval_ms"):
+    for name in ("cuda_graphs", "overlap_steps", "max_batch_tokens", "chunk_size", "gil_switch_interval_ms", "engine_process"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     return WorkerSettings(**kw)
@@ -297,12 +297,12 @@ def profile_level(args, suite, level: Level, out_dir: Path | None) -> list[subpr
     # the binary: $PY_SPY, on PATH, or beside this interpreter (pip install --target puts it in bin/)
     pyspy = os.environ.get("PY_SPY") or shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     procs = []
-    for name, proc in suite.procs:
-        if name == "kvstore":
+    for name, pid in suite.pids():
+        if name.startswith("kvstore"):
             continue
         for gil in (False, True):
             dest = out_dir / f"pyspy_{name}_{level.name.replace(' ', '')}{'_gil' if gil else ''}.txt"
-            cmd = [pyspy, "record", "--pid", str(proc.pid), "--duration",
+            cmd = [pyspy, "record", "--pid", str(pid), "--duration",
                    str(max(1, int(args.level_max_s) - 1)), "--rate", "200", "--format", "raw", "--threads",
                    "--nonblocking", "-o", str(dest)] + (["--gil"] if gil else [])
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -616,6 +616,8 @@ def parse_args(argv):
                    help="worker setting cuda_graphs (default: the worker's)")
     p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
                    help="worker setting overlap_steps (default: the worker's)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="worker setting engine_process (default: the worker's: own process on CUDA)")
     p.add_argument("--max-batch-tokens", type=int, help="worker setting (default: the worker's)")
     p.add_argument("--chunk-size", type=int, help="worker setting (default: the worker's)")
     p.add_argument("--gil-switch-interval-ms", type=float, help="worker setting (default: Python's)")

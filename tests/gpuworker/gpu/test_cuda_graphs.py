@@ -75,8 +75,11 @@ def write_checkpoint(folder) -> str:
     return str(folder)
 
 
-async def _served_tokens(model: str, prompts_: list[list[int]], max_new: int, k: int) -> tuple[list[list[int]], object]:
-    """Greedy tokens of each prompt through kvstore + worker (FlashInfer, CUDA graphs) + router."""
+async def _served_tokens(model: str, prompts_: list[list[int]], max_new: int, k: int,
+                         engine_process: bool) -> tuple[list[list[int]], int, int | None]:
+    """Greedy tokens of each prompt through kvstore + worker (FlashInfer, CUDA graphs) + router;
+    the graphs captured before SERVING, and the replays (None when the engine ran in its own
+    process, where this test cannot count them)."""
     from services.gpuworker.server import start_worker
     from services.gpuworker.settings import WorkerSettings
     from services.kvstore.server import start_kvstore
@@ -91,9 +94,11 @@ async def _served_tokens(model: str, prompts_: list[list[int]], max_new: int, k:
     worker_settings = WorkerSettings(
         host="127.0.0.1", port=0, kvstore=kv_addr, model=model, device="cuda:0", backend="flashinfer",
         dtype="bfloat16", spec_mode="eagle3", draft_model="random", num_blocks=256, grace_s=0.0,
+        engine_process=engine_process,
     )
     w_server, runner, _identity = await start_worker(worker_settings)
-    captured_at_serving = runner.engine.graphs.captured  # start_worker returns once SERVING
+    # start_worker returns once SERVING
+    captured_at_serving = runner.facts.graphs if engine_process else runner.engine.graphs.captured
     r_server, router = await start_router(RouterSettings(host="127.0.0.1", port=0, kvstore=kv_addr, grace_s=0.0,
                                                          registry_ttl_s=0.0))
     await asyncio.wait_for(router.ready.wait(), 30)
@@ -111,20 +116,21 @@ async def _served_tokens(model: str, prompts_: list[list[int]], max_new: int, k:
     finally:
         for s in (r_server, w_server, kv_server):
             await s.stop()
-    return out, (captured_at_serving, runner.engine)
+    return out, captured_at_serving, None if engine_process else runner.engine.graphs.replays
 
 
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
 @pytest.mark.parametrize("k", [0, 3])
-def test_served_path_equals_engine_alone_and_warms_up_first(tmp_path, k):
+def test_served_path_equals_engine_alone_and_warms_up_first(tmp_path, k, engine_process):
     from services.gpuworker.build import build_engine
     from services.gpuworker.settings import WorkerSettings
 
     g = torch.Generator().manual_seed(7)
     ps = [torch.randint(1, 250, (n,), generator=g).tolist() for n in (9, 33, 70)]
     model = write_checkpoint(tmp_path / "model")
-    served, (captured_at_serving, engine) = asyncio.run(_served_tokens(model, ps, 16, k))
+    served, captured_at_serving, replays = asyncio.run(_served_tokens(model, ps, 16, k, engine_process))
     assert captured_at_serving > 0, "the worker said SERVING before capturing its graphs"
-    assert engine.graphs.replays > 0
+    assert replays is None or replays > 0
 
     settings = WorkerSettings(model=model, device="cuda:0", backend="flashinfer", dtype="bfloat16",
                               spec_mode="eagle3", draft_model="random", num_blocks=256)
