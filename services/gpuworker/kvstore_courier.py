@@ -73,6 +73,7 @@ class KVStoreCourier:
         self._done: collections.deque = collections.deque()  # (result, on_done, kind), FIFO
         self._in_flight: collections.Counter = collections.Counter()  # kind -> sent, not drained
         self._closed = False
+        self.on_answer: Callable[[], None] | None = None  # called (courier thread) when an answer is ready to drain
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -153,6 +154,8 @@ class KVStoreCourier:
             with self._cond:
                 self._done.append((result, on_done, kind))
                 self._cond.notify_all()
+            if self.on_answer is not None:
+                self.on_answer()
 
     def _attempt(self, fn: Callable[[], Any], kind: str) -> Any:
         """``fn()``, sent again with backoff (20 ms doubling to 0.5 s) while it fails in a way

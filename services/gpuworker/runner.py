@@ -129,6 +129,9 @@ class EngineRunner:
         self._owned_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stop = threading.Event()
+        # an idle engine thread waits on its commands: a kvstore answer (a Release that lets the
+        # request id go, an Extend) wakes it instead of waiting out the poll
+        courier.on_answer = lambda: self._commands.put(("wake",))
         self.steps = 0
         self._on_step = on_step
 
