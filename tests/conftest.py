@@ -85,6 +85,7 @@ class RunningService:
     loop: LoopThread
     channel: grpc.Channel
     stopped: bool = field(default=False)
+    stop_timeout_s: float = STARTUP_TIMEOUT_S  # longer for services that run child processes
 
     @property
     def address(self) -> str:
@@ -98,7 +99,7 @@ class RunningService:
         """Drain and stop the server (idempotent). Mutates: the server stops serving."""
         if not self.stopped:
             self.stopped = True
-            self.loop.run(self.server.stop(grace_s), timeout=grace_s + STARTUP_TIMEOUT_S)
+            self.loop.run(self.server.stop(grace_s), timeout=grace_s + self.stop_timeout_s)
 
     def new_channel(self, **options: Any) -> grpc.Channel:
         """Another channel to the service (caller closes it); ``options`` become channel args."""
@@ -125,7 +126,8 @@ def start_service(service_loop):
         server, payload = service_loop.run(start(), timeout=timeout)
         channel = grpc.secure_channel(server.address, credentials) if credentials else grpc.insecure_channel(server.address)
         grpc.channel_ready_future(channel).result(timeout=STARTUP_TIMEOUT_S)
-        svc = RunningService(server=server, payload=payload, loop=service_loop, channel=channel)
+        svc = RunningService(server=server, payload=payload, loop=service_loop, channel=channel,
+                             stop_timeout_s=max(STARTUP_TIMEOUT_S, timeout))
         started.append(svc)
         return svc
 

@@ -18,6 +18,7 @@ thread never waits for the device except for a step's accept/reject verdict; ans
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -80,6 +81,34 @@ def _deliver(batch: list[tuple[asyncio.Queue, tuple]]) -> None:
         queue_.put_nowait(event)
 
 
+class BlocksInFlight:
+    """Block ids named by kvstore calls still in flight (a multiset: one block may be in two).
+
+    Admission waits for Publish answers only when the new request's table holds one of these:
+    only a block a Publish publishes can be freed by it (deduplicated against another request's
+    copy), and only a freed block can reach a new reservation. Waiting for every Publish in
+    flight instead stalled the engine at each admission (at 64 streams, ~16 Publishes a step)."""
+
+    def __init__(self):
+        self._count: collections.Counter[int] = collections.Counter()
+
+    def add(self, blocks) -> None:
+        self._count.update(blocks)
+
+    def discard(self, blocks) -> None:
+        self._count.subtract(blocks)
+        for b in set(blocks):
+            if self._count.get(b, 0) <= 0:
+                self._count.pop(b, None)
+
+    def touches(self, table) -> bool:
+        """Whether ``table`` holds a block in flight (pure)."""
+        return bool(self._count) and any(b in self._count for b in table)
+
+    def __len__(self) -> int:
+        return len(self._count)
+
+
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
@@ -119,6 +148,7 @@ class EngineRunner:
         self.extend_watermark_blocks = extend_watermark_blocks
         self.extend_chunk_blocks = extend_chunk_blocks
         self._extending: set[str] = set()  # request ids with an ahead-of-need Extend in flight
+        self._publishing = BlocksInFlight()  # blocks that Publishes in flight may deduplicate
         self._outbox = outbox if outbox is not None else Outbox()
         self._on_disown = on_disown  # told when a request's reservation has been ended
         self._commands: queue.Queue = queue.Queue()
@@ -233,9 +263,10 @@ class EngineRunner:
 
     def _admit(self, job: Job) -> None:
         rid = job.spec.request_id
-        if self.courier.in_flight("publish"):
-            # a Publish may have freed a deduplicated block we still read; the new request's
-            # blocks may include it, so adopt every Publish answer before it can write anything
+        if self._publishing.touches(job.spec.block_table):
+            # a Publish in flight may have freed (deduplicated) one of its blocks that a running
+            # request still reads, and the kvstore then handed it to this one: adopt every
+            # Publish answer before it can write anything
             self.courier.wait_idle()
         try:
             if len(self._jobs) >= self.max_running:
@@ -283,14 +314,19 @@ class EngineRunner:
         job.known_tokens = len(job.tokens)
         job.publish_sent_blocks = blocks
         rid, res_id, inc, final = job.spec.request_id, job.reservation_id, job.incarnation, result.publishable_positions
+        # the blocks this Publish may free (deduplicate): those it publishes that the kvstore
+        # has not confirmed yet
+        at_risk = self.engine.state(rid).block_table[job.published_blocks : blocks]
+        self._publishing.add(at_risk)
         # a Publish may free our copy of a deduplicated block: after the step that wrote it
         self.courier.send(lambda: self.link.publish(res_id, inc, new_tokens, final, known),
-                          lambda response: self._published(rid, response), kind="publish",
+                          lambda response: self._published(rid, response, at_risk), kind="publish",
                           after=self.engine.last_fence)
 
-    def _published(self, rid: str, response) -> None:
+    def _published(self, rid: str, response, at_risk: list[int]) -> None:
         """A Publish answered (engine thread; possibly inside a step's blocking Extend, so
         failures go through ``cancel``, which takes effect between steps)."""
+        self._publishing.discard(at_risk)
         job = self._jobs.get(rid)
         if job is None:
             return  # ended meanwhile: its Release or Abort follows in the queue
