@@ -25,6 +25,8 @@ so a supervisor restarts it as a new incarnation.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import logging
 import multiprocessing
 import threading
@@ -66,6 +68,8 @@ class EngineProcess:
         self._stopping = False
         self.exited = False  # the engine process ended without being asked to
         self._reader: threading.Thread | None = None
+        self._calls: dict[int, concurrent.futures.Future] = {}  # call id -> its answer, from the reader
+        self._next_call = 0
         self.facts: EngineFacts | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -120,10 +124,32 @@ class EngineProcess:
             if rid in self._jobs:
                 raise AlreadyExists(f"request {rid!r} is already running on this worker")
             self._jobs[rid] = job
-        self._send(("add", job.spec, job.reservation_id, job.incarnation, job.arrived))
+        # the job without its event loop and queue, which stay here (its other fields are plain)
+        self._send(("add", dataclasses.replace(job, loop=None, events=None)))
 
     def cancel(self, request_id: str, reason: TandemError) -> None:
         self._send(("abort", request_id, reason))
+
+    def reregister(self, registration: dict, timeout_s: float = 30.0) -> int:
+        """``EngineRunner.reregister`` in the engine process (blocking; any thread)."""
+        return self._call("reregister", registration, timeout_s=timeout_s)
+
+    def _call(self, method: str, *args, timeout_s: float):
+        """Run ``runner.<method>(*args)`` in the engine process and return its answer (or raise
+        its exception); ``Unavailable`` if the process is gone."""
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self.exited:
+                raise Unavailable("the worker's engine process has exited")
+            self._next_call += 1
+            call_id = self._next_call
+            self._calls[call_id] = answer
+        self._send(("call", call_id, method, args))
+        try:
+            return answer.result(timeout_s)
+        finally:
+            with self._lock:
+                self._calls.pop(call_id, None)
 
     @property
     def running(self) -> int:
@@ -149,6 +175,13 @@ class EngineProcess:
                 message = self._events.recv()
             except (EOFError, OSError):
                 break
+            if message[0] == "answer":
+                _, call_id, ok, value = message
+                with self._lock:
+                    answer = self._calls.get(call_id)
+                if answer is not None:
+                    answer.set_result(value) if ok else answer.set_exception(value)
+                continue
             _, events, disowned, running, tallies = message
             self._running = running
             if self._on_tally is not None:
@@ -169,7 +202,10 @@ class EngineProcess:
         """The pipe closed: fail whatever still waits on the engine."""
         with self._lock:
             jobs, self._jobs = self._jobs, {}
+            calls, self._calls = self._calls, {}
             self.exited = not self._stopping
+        for answer in calls.values():
+            answer.set_exception(Unavailable("the worker's engine process exited"))
         self._running = 0
         if jobs:
             error = Unavailable("the worker's engine process exited")
@@ -202,6 +238,7 @@ class PipeOutbox(Outbox):
     def __init__(self, conn: Connection):
         super().__init__()
         self._conn = conn
+        self._send_lock = threading.Lock()  # the engine thread flushes; the command thread answers calls
         self._batch: list[tuple[str, tuple]] = []
         self.disowned: list[str] = []
         self.tallies: list[StepTally] = []
@@ -224,10 +261,14 @@ class PipeOutbox(Outbox):
             return
         message = ("events", self._batch, self.disowned, self.running(), self.tallies)
         self._batch, self.disowned, self.tallies = [], [], []
-        try:
-            self._conn.send(message)
-        except (OSError, ValueError):  # the gRPC process is gone; the command thread stops us
-            pass
+        self.send(message)
+
+    def send(self, message: tuple) -> None:
+        with self._send_lock:
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):  # the gRPC process is gone; the command thread stops us
+                pass
 
 
 def _engine_main(settings_data: dict, metrics: bool, commands: Connection, events: Connection, log_level: int) -> None:
@@ -254,7 +295,7 @@ def _engine_main(settings_data: dict, metrics: bool, commands: Connection, event
         events.send(("failed", f"engine start-up failed: {type(exc).__name__}: {exc}", 1))
         return
     outbox.running = lambda: runner.running
-    events.send(("ready", facts))  # before the engine thread may send anything
+    outbox.send(("ready", facts))  # before the engine thread may send anything
     runner.start()
     try:
         while True:
@@ -263,17 +304,35 @@ def _engine_main(settings_data: dict, metrics: bool, commands: Connection, event
             except (EOFError, OSError):
                 log.warning("the worker's gRPC process is gone; stopping the engine")
                 break
-            kind = command[0]
-            if kind == "add":
-                _, spec, reservation_id, incarnation, arrived = command
-                try:
-                    runner.submit(Job(spec, reservation_id, incarnation, arrived=arrived))
-                except AlreadyExists:  # cannot happen: the gRPC side owns ids until we disown them
-                    log.error("request %r submitted twice; the second is ignored", spec.request_id)
-            elif kind == "abort":
-                runner.cancel(command[1], command[2])
-            elif kind == "stop":
-                break
+            try:
+                if not _handle(command, runner, outbox):
+                    break
+            except Exception:  # noqa: BLE001 - a bug in one command must not end every stream
+                log.exception("engine process: command %r failed", command[0])
     finally:
         runner.stop()
         link.close()
+
+
+def _handle(command: tuple, runner, outbox: PipeOutbox) -> bool:
+    """Carry out one command from the gRPC process; False for "stop"."""
+    kind = command[0]
+    if kind == "add":
+        job = command[1]
+        try:
+            runner.submit(job)
+        except AlreadyExists:  # cannot happen: the gRPC side owns ids until we disown them
+            log.error("request %r submitted twice; the second is ignored", job.spec.request_id)
+    elif kind == "call":
+        _, call_id, method, args = command
+        try:
+            outbox.send(("answer", call_id, True, getattr(runner, method)(*args)))
+        except Exception as exc:  # noqa: BLE001 - raised on the gRPC side
+            if not isinstance(exc, TandemError):
+                exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+            outbox.send(("answer", call_id, False, exc))
+    elif kind == "abort":
+        runner.cancel(command[1], command[2])
+    elif kind == "stop":
+        return False
+    return True

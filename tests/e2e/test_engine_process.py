@@ -74,6 +74,8 @@ def test_an_engine_process_answers_exactly_what_an_engine_thread_does(suite):
     check = suite.invariants()
     assert check.ok, check.violations
     _wait_disowned(_engine(separate))
+    # a call into the engine process answers with the runner's own value
+    assert _engine(separate)._call("running_ids", timeout_s=TIMEOUT) == frozenset()
 
 
 def test_cancel_and_worker_abort_cross_the_process_boundary(suite):
