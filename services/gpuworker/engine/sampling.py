@@ -34,6 +34,7 @@ import hashlib
 import torch
 
 from services.common.errors import InvalidArgument
+from services.common.logprobs import TokenLogprob
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,16 +184,6 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, counts: torch.
     if params.presence_penalty:
         x = x - params.presence_penalty * (c > 0).float()
     return x
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """One emitted token's log-probability under the raw target distribution and the ``top``
-    most likely tokens there (id, logprob), best first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def token_logprobs(logits: torch.Tensor, tokens, top_n: int) -> list[TokenLogprob]:

@@ -104,7 +104,7 @@ async def _served_tokens(model: str, prompts_: list[list[int]], max_new: int, k:
             for p in prompts_:
                 toks: list[int] = []
                 req = router_pb2.GenerateRequest(token_ids=tokens_to_proto(p), max_new_tokens=max_new,
-                                                 num_draft_tokens=k)
+                                                 num_draft_tokens=k, temperature=0.0)
                 async for msg in stub.Generate(req, timeout=120):
                     toks.extend(msg.token_ids)
                 out.append(toks)
