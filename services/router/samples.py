@@ -42,6 +42,15 @@ async def merged(firsts: list, streams: list[AsyncIterator]) -> AsyncIterator[tu
     """(sample index, event) of all samples as they arrive, each sample's first event first.
     A sample's error is raised (ending the others). Closing it (client gone) cancels every
     sample still running."""
+    if len(streams) == 1:  # the common case: no task and no queue hop per event
+        try:
+            yield 0, firsts[0]
+            if not isinstance(firsts[0], Completion):
+                async for event in streams[0]:
+                    yield 0, event
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int) -> None:

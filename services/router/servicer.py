@@ -81,8 +81,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         ), seed=request.seed if request.HasField("seed") else None, request_id=request.request_id)
         deadline = _deadline(context, arrival)
         streams = [self.dispatcher.generate(job, tenant, deadline=deadline, arrival=arrival) for job in jobs]
-        if len(streams) == 1:  # the common case: no merging task in between
-            events = ((0, e) async for e in streams[0])
+        if len(streams) == 1:
+            events = ((0, e) async for e in streams[0])  # errors before the first token stay gRPC errors anyway
         else:
             events = merged(await first_events(streams), streams)
         async for index, event in events:
