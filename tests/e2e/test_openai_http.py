@@ -79,6 +79,14 @@ def test_chat_whole_and_streamed_use_the_demo_template(front):
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_health_answers_like_vllms(front):
+    """GET /health (what vLLM serves and load generators such as guidellm probe): 200, no token."""
+    import urllib.request
+
+    with urllib.request.urlopen(front.router.payload.http_url + "/health", timeout=TIMEOUT) as r:
+        assert r.status == 200 and r.read() == b""
+
+
 def test_models_lists_the_served_model(front):
     models = client(front).models.list()
     assert [m.id for m in models.data] == [MODEL]

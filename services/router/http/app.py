@@ -96,6 +96,7 @@ class OpenAIFront:
 
     def app(self) -> Starlette:
         return Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -178,6 +179,13 @@ class OpenAIFront:
         return response
 
     # -------------------------------------------------------------------------------- routes
+    async def health(self, request: Request) -> Response:
+        """vLLM's liveness probe, which load generators (guidellm) call before a run: 200 with an
+        empty body once the router knows its model, 503 before. No token needed (it says nothing
+        about any tenant)."""
+        _tok, _lim, model = self._source()
+        return Response(status_code=200 if model else 503)
+
     async def models(self, request: Request) -> Response:
         async def run(_track):
             self._tenant(request)
