@@ -29,6 +29,7 @@ from services.common.errors import (
 )
 from services.common.spec import lookahead_span
 from services.common.wire import logprobs_to_proto, spec_mode_to_proto, tokens_from_proto
+from services.gpuworker.engine.engine import MAX_LOGPROBS
 from services.gpuworker.engine.request import FinishReason, RequestSpec
 from services.gpuworker.engine.sampling import SamplingParams
 from services.gpuworker.runner import AbortRequested, EngineRunner, Job
@@ -48,7 +49,6 @@ _FINISH = {  # OpenAI's reasons: the worker's max_seq_len is a length limit too
     FinishReason.MAX_SEQ_LEN: common_pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb.FINISH_REASON_ABORT,
 }
-
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -126,6 +126,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument(f"num_draft_tokens {k} exceeds this worker's maximum {ident.max_draft_tokens}")
         if ident.draft is None:
             k = 0  # no draft: plain decoding, whatever the caller hoped for
+        if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
+            raise InvalidArgument(f"sampling.logprobs must be in 0..{MAX_LOGPROBS}, got {s.logprobs}")
         sampling = SamplingParams(  # validates (InvalidArgument)
             temperature=float(s.temperature),
             top_p=float(s.top_p) if s.top_p else 1.0,
@@ -145,7 +147,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             stop_ids=tuple(int(t) for t in s.stop_token_ids),
             sampling=sampling,
             k=int(k),
-            logprobs=int(s.logprobs) if s.HasField("logprobs") else None,  # the engine checks the range
+            logprobs=int(s.logprobs) if s.HasField("logprobs") else None,
         )
 
     async def Generate(self, request, context):

@@ -16,9 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.router.http.errors import RequestError
-
-MAX_N = 16
-MAX_LOGPROBS = 20
+from services.router.jobs import MAX_LOGPROBS, MAX_SAMPLES
 
 
 class StreamOptions(BaseModel):
@@ -40,7 +38,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_N)  # samples of one prompt: the first's prefill is reused by the rest
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)  # samples of one prompt: the first's prefill is reused by the rest
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
