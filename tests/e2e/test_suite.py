@@ -136,6 +136,11 @@ def test_deadline_expiry_is_deadline_exceeded_and_frees_everything(suite):
         (dict(text="hi", max_new_tokens=4), "not-a-tenant", grpc.StatusCode.UNAUTHENTICATED),
         (dict(text="hi", max_new_tokens=4), None, grpc.StatusCode.UNAUTHENTICATED),
         (dict(text="hi", max_new_tokens=4, num_draft_tokens=1000), "tokA", grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text="hi", max_new_tokens=4, presence_penalty=2.5), "tokA", grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text="hi", max_new_tokens=4, frequency_penalty=float("nan")), "tokA", grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text="hi", max_new_tokens=4, repetition_penalty=0.0), "tokA", grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text="hi", max_new_tokens=4, logprobs=21), "tokA", grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text="hi", max_new_tokens=4, n=17), "tokA", grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
 def test_bad_requests_are_rejected_and_change_nothing(suite, request_fields, token, code):

@@ -146,3 +146,15 @@ def test_speculative_greedy_with_penalties_and_stops_equals_plain(presence, freq
                expected=prompt + script, miss_percent=miss)
     assert spec.tokens == plain.tokens
     assert spec.finish_reason == plain.finish_reason
+
+
+def test_logprobs_out_of_range_are_refused_and_change_nothing():
+    import pytest
+
+    from services.common.errors import InvalidArgument
+
+    setup = make_setup("none")
+    for bad in (-1, 21):
+        with pytest.raises(InvalidArgument):
+            submit(setup, "x", prompts((5,))[0], logprobs=bad)
+    assert not setup.engine.has_work() and len(setup.source._free) == setup.source.num_blocks
