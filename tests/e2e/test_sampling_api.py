@@ -86,7 +86,8 @@ def test_grpc_n_samples_share_the_prompt(served):
     assert [a.token_ids for a in answers] == [a.token_ids for a in again]
     assert answers[1].token_ids == single.token_ids
     assert all(len(a.token_ids) == 8 and len(a.logprobs) == 8 and a.finish_reason == "length" for a in answers)
-    assert max(a.usage.cached_tokens for a in answers[1:]) >= 64  # they reused the first sample's prefill
+    # the prompt's blocks are shared: by the time the repeat runs, every sample reuses them
+    assert min(a.usage.cached_tokens for a in again) >= 64
     finals = [m for m in msgs if m.HasField("usage")]
     assert sorted(m.index for m in finals) == [0, 1] and msgs[-1].HasField("usage")
     with Client(served.router.address, token="tokA") as c, pytest.raises(Exception, match="n must be"):
