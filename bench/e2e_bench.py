@@ -167,6 +167,7 @@ async def run_phase(policy: str, args, router: str, system_prompts, convs) -> tu
         request = router_pb2.GenerateRequest(
             token_ids=tokens_to_proto(prompt),
             max_new_tokens=args.max_new_tokens, num_draft_tokens=args.k, request_id=f"{policy}-u{u}-t{turn}",
+            temperature=0.0,
         )
         start = time.monotonic()
         first = None

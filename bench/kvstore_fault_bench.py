@@ -147,7 +147,8 @@ async def run(args) -> dict:
             while not stop.is_set():
                 n += 1
                 text = PREFIX + f"Question {rng.randrange(40)} from reader {k}: where does the road go?"
-                req = router_pb2.GenerateRequest(text=text, max_new_tokens=args.max_new_tokens, request_id=f"s{k}-{n}")
+                req = router_pb2.GenerateRequest(text=text, max_new_tokens=args.max_new_tokens, request_id=f"s{k}-{n}",
+                                                  temperature=0.0)
                 try:
                     usage = None
                     async for msg in router.Generate(req, timeout=60):

@@ -250,7 +250,7 @@ async def served_request(stub, prompt: list[int], level: Level, rid: str) -> Tra
     from tandem.router.v1 import router_pb2
 
     request = router_pb2.GenerateRequest(token_ids=tokens_to_proto(prompt), max_new_tokens=level.max_new_tokens,
-                                         num_draft_tokens=level.k, request_id=rid)
+                                         num_draft_tokens=level.k, request_id=rid, temperature=0.0)
     trace = Trace(start=time.monotonic(), prompt_tokens=len(prompt))
     try:
         async for msg in stub.Generate(request, timeout=600):

@@ -9,7 +9,10 @@
 
 Errors arrive as the typed :class:`~services.common.errors.TandemError` of their status code
 (``InvalidArgument``, ``ResourceExhausted``, ...), or :class:`ClientError` for codes without one.
-Unset sampling fields take the router's defaults (temperature 0 = greedy on gRPC).
+Unset sampling fields take the router's defaults, which are OpenAI's (temperature 1.0: sampling;
+pass ``temperature=0`` for greedy). ``tandem generate`` defaults to ``--temperature 0`` (greedy).
+``logprobs=N`` returns each token's raw target logprob and N alternatives; ``samples(prompt, n)``
+returns ``n`` answers that share the prompt's KV.
 """
 
 from __future__ import annotations
@@ -44,12 +47,14 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """One streamed message; the last one has ``usage`` and ``finish_reason`` set."""
+    """One streamed message; the last one (of its sample) has ``usage`` and ``finish_reason`` set."""
 
     text: str
     token_ids: tuple[int, ...]
     usage: Usage | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last message
+    logprobs: tuple = ()  # TokenLogprob per token id, when asked for
+    index: int = 0  # the sample (n > 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,36 +63,43 @@ class Answer:
     token_ids: tuple[int, ...]
     usage: Usage
     finish_reason: str
+    logprobs: tuple = ()  # services.common.logprobs.TokenLogprob per token, when asked for
 
 
 def _request(prompt: str | Sequence[int], *, max_tokens: int, temperature: float | None, top_p: float | None,
              top_k: int, seed: int | None, stop: Sequence[str], stop_token_ids: Sequence[int], ignore_eos: bool,
-             num_draft_tokens: int | None, request_id: str):
+             num_draft_tokens: int | None, request_id: str, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0, repetition_penalty: float | None = None, logprobs: int | None = None,
+             n: int = 1):
     from services.common.wire import tokens_to_proto
     from tandem.router.v1 import router_pb2
 
     req = router_pb2.GenerateRequest(max_new_tokens=max_tokens, top_k=top_k, stop=list(stop),
-                                     stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, request_id=request_id)
+                                     stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos, request_id=request_id,
+                                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, n=n)
     if isinstance(prompt, str):
         req.text = prompt
     else:
         req.token_ids.CopyFrom(tokens_to_proto(list(prompt)))
     for name, value in (("temperature", temperature), ("top_p", top_p), ("seed", seed),
-                        ("num_draft_tokens", num_draft_tokens)):
+                        ("num_draft_tokens", num_draft_tokens), ("repetition_penalty", repetition_penalty),
+                        ("logprobs", logprobs)):
         if value is not None:  # unset stays unset: the router's default applies
             setattr(req, name, value)
     return req
 
 
 def _delta(msg) -> Delta:
-    from services.common.wire import FINISH_REASONS
+    from services.common.wire import FINISH_REASONS, logprobs_from_proto
 
+    ids = tuple(msg.token_ids)
+    logprobs = logprobs_from_proto(ids, msg.logprobs)
     if not msg.HasField("usage"):
-        return Delta(msg.text, tuple(msg.token_ids))
+        return Delta(msg.text, ids, logprobs=logprobs, index=msg.index)
     u = msg.usage
     usage = Usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens, u.mean_acceptance_length, u.worker_id,
                   u.time_to_first_token_s)
-    return Delta(msg.text, tuple(msg.token_ids), usage, FINISH_REASONS.get(msg.finish_reason, "length"))
+    return Delta(msg.text, ids, usage, FINISH_REASONS.get(msg.finish_reason, "length"), logprobs, msg.index)
 
 
 def _typed(err) -> TandemError:
@@ -99,7 +111,11 @@ def _typed(err) -> TandemError:
 def _answer(deltas: list[Delta]) -> Answer:
     last = deltas[-1]
     return Answer("".join(d.text for d in deltas), tuple(t for d in deltas for t in d.token_ids), last.usage,
-                  last.finish_reason)
+                  last.finish_reason, tuple(lp for d in deltas for lp in d.logprobs))
+
+
+def _answers(deltas: list[Delta], n: int) -> list[Answer]:
+    return [_answer([d for d in deltas if d.index == i]) for i in range(n)]
 
 
 class _Base:
@@ -131,11 +147,15 @@ class Client(_Base):
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 64, temperature: float | None = None,
                top_p: float | None = None, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
                stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, num_draft_tokens: int | None = None,
-               request_id: str = "", timeout_s: float | None = None) -> Iterator[Delta]:
+               request_id: str = "", timeout_s: float | None = None, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, repetition_penalty: float | None = None, logprobs: int | None = None,
+               n: int = 1) -> Iterator[Delta]:
         """Deltas as the router streams them; the last carries usage and finish reason."""
         req = _request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                        stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                       num_draft_tokens=num_draft_tokens, request_id=request_id)
+                       num_draft_tokens=num_draft_tokens, request_id=request_id, presence_penalty=presence_penalty,
+                       frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, logprobs=logprobs,
+                       n=n)
         call = self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         try:
             for msg in call:
@@ -148,6 +168,10 @@ class Client(_Base):
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Answer:
         """The whole answer (same arguments as :meth:`stream`)."""
         return _answer(list(self.stream(prompt, **kwargs)))
+
+    def samples(self, prompt: str | Sequence[int], n: int, **kwargs) -> list[Answer]:
+        """``n`` whole answers of one prompt, sharing its KV (same arguments as :meth:`stream`)."""
+        return _answers(list(self.stream(prompt, n=n, **kwargs)), n)
 
     def close(self) -> None:
         self._chan.close()
@@ -176,10 +200,14 @@ class AsyncClient(_Base):
                      top_p: float | None = None, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
                      stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
                      num_draft_tokens: int | None = None, request_id: str = "",
-                     timeout_s: float | None = None) -> AsyncIterator[Delta]:
+                     timeout_s: float | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                     repetition_penalty: float | None = None, logprobs: int | None = None,
+                     n: int = 1) -> AsyncIterator[Delta]:
         req = _request(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                        stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
-                       num_draft_tokens=num_draft_tokens, request_id=request_id)
+                       num_draft_tokens=num_draft_tokens, request_id=request_id, presence_penalty=presence_penalty,
+                       frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, logprobs=logprobs,
+                       n=n)
         call = self._stub.Generate(req, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         try:
             async for msg in call:
@@ -191,6 +219,9 @@ class AsyncClient(_Base):
 
     async def generate(self, prompt: str | Sequence[int], **kwargs) -> Answer:
         return _answer([d async for d in self.stream(prompt, **kwargs)])
+
+    async def samples(self, prompt: str | Sequence[int], n: int, **kwargs) -> list[Answer]:
+        return _answers([d async for d in self.stream(prompt, n=n, **kwargs)], n)
 
     async def close(self) -> None:
         await self._chan.close()
@@ -233,7 +264,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", default=os.environ.get("TANDEM_ROUTER_ADDRESS", "127.0.0.1:50050"), help="router host:port")
     parser.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=_number(int, 1), default=64,
                         help="tokens to generate (>= 1; default 64)")
-    parser.add_argument("--temperature", type=_number(float, 0.0), default=0.0, help="0 = greedy (default)")
+    # explicit greedy default here (the API's unset temperature is OpenAI's 1.0)
+    parser.add_argument("--temperature", type=_number(float, 0.0), default=0.0,
+                        help="0 = greedy (default here; an API call that leaves it unset samples at 1.0)")
     parser.add_argument("--top-p", type=_number(float, 0.0, inclusive=False, high=1.0), default=None, help="nucleus mass in (0, 1] (default 1)")
     parser.add_argument("--top-k", type=_number(int, 0), default=0, help="keep the k most likely tokens (0 = all; default)")
     parser.add_argument("--seed", type=_number(int, 0), default=None, help="seed for reproducible sampling (default: unseeded)")

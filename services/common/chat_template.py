@@ -6,7 +6,8 @@
   environment with ``trim_blocks``/``lstrip_blocks``, ``loopcontrols``, transformers' ``tojson``,
   ``raise_exception`` and ``strftime_now``; the special tokens (``bos_token`` ...) as variables;
   the text is then encoded WITHOUT adding special tokens (the template writes them itself).
-* The built-in byte-level ``tiny`` model: :data:`TINY_CHAT_TEMPLATE`, encoded after BOS.
+* The built-in byte-level models (``tiny``, ``demo``) and byte-tokenizer folders:
+  :data:`TINY_CHAT_TEMPLATE`, encoded after BOS.
 
 Pure apart from reading the folder once (:func:`load_chat_template`).
 """
@@ -105,8 +106,8 @@ def _pick(template) -> str | None:
 
 
 def load_chat_template(model: str) -> ChatTemplate:
-    """The chat template of ``model`` ("tiny" or a folder). InvalidArgument when the folder has none."""
-    if model == "tiny":
+    """The chat template of ``model`` ("tiny", "demo" or a folder). InvalidArgument when the folder has none."""
+    if model in ("tiny", "demo"):  # the byte-level built-ins (the router names the demo model "demo")
         return ChatTemplate(TINY_CHAT_TEMPLATE, {}, add_special_tokens=True)
     folder = Path(model)
     config = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from services.common.errors import InvalidArgument
+from services.common.logprobs import TokenLogprob
 from services.common.spec import SpecMode
 from tandem.common.v1 import common_pb2
 
@@ -35,6 +36,23 @@ def tokens_to_proto(tokens) -> common_pb2.TokenIds:
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise InvalidArgument("token ids must fit in uint32")
     return common_pb2.TokenIds(packed=arr.astype(_LE_U32, copy=False).tobytes())
+
+
+def logprobs_to_proto(logprobs) -> list[common_pb2.TokenLogprob]:
+    """``TokenLogprob``s as wire messages (the token id travels in the message's token_ids)."""
+    return [common_pb2.TokenLogprob(logprob=lp.logprob, top=[common_pb2.TopLogprob(token_id=t, logprob=v)
+                                                            for t, v in lp.top]) for lp in logprobs]
+
+
+def logprobs_from_proto(token_ids, msgs) -> tuple[TokenLogprob, ...]:
+    """``TokenLogprob``s of ``token_ids`` from their wire messages (empty when none were sent);
+    InvalidArgument when the two lists disagree in length."""
+    if not msgs:
+        return ()
+    if len(msgs) != len(token_ids):
+        raise InvalidArgument(f"{len(msgs)} logprobs for {len(token_ids)} tokens")
+    return tuple(TokenLogprob(int(t), m.logprob, tuple((x.token_id, x.logprob) for x in m.top))
+                 for t, m in zip(token_ids, msgs))
 
 
 def spec_mode_from_proto(value: int) -> SpecMode:

@@ -31,11 +31,15 @@ import torch
 from services.common.errors import AlreadyExists, Cancelled, ResourceExhausted, TandemError, Unavailable
 from services.gpuworker.engine.engine import Engine
 from services.gpuworker.engine.report import StepReport
-from services.gpuworker.engine.request import FinishReason, RequestSpec
+from services.gpuworker.engine.request import DecodeCounts, FinishReason, RequestSpec
 from services.gpuworker.kvstore_courier import KVStoreCourier
 from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource, capacity_answers
 
 log = logging.getLogger(__name__)
+
+
+class AbortRequested(Cancelled):
+    """``cancel`` reason of Worker.Abort: the stream ends with finish reason ABORT, not an error."""
 
 
 @dataclass
@@ -254,8 +258,11 @@ class EngineRunner:
                 self._admit(command[1])
             elif kind == "abort":
                 _, rid, reason = command
-                if rid in self._jobs:
-                    self._fail(rid, reason)  # a request not admitted yet: its add ran first
+                if rid in self._jobs:  # a request not admitted yet: its add ran first
+                    if isinstance(reason, AbortRequested):
+                        self._end_aborted(rid)
+                    else:
+                        self._fail(rid, reason)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -288,7 +295,7 @@ class EngineRunner:
             if job.first_token_at is None:
                 job.first_token_at = time.monotonic()
             job.tokens.extend(result.new_token_ids)
-            self._outbox.post(job, "tokens", list(result.new_token_ids))
+            self._outbox.post(job, "tokens", list(result.new_token_ids), result.new_logprobs, result.counts)
         if result.finish_reason is FinishReason.CAPACITY:
             self._fail(rid, result.error or ResourceExhausted("no KV capacity left for this request"))
             return
@@ -380,7 +387,7 @@ class EngineRunner:
 
         self.courier.send(lambda: self.link.release(job.reservation_id, job.incarnation, new_tokens, final),
                           released, kind="release", after=self.engine.last_fence)
-        self._outbox.post(job, "done", result.finish_reason, self._usage(job, result))
+        self._outbox.post(job, "done", result.finish_reason, self._usage(job, result.counts))
 
     def _fail(self, rid: str, exc: Exception) -> None:
         job = self._jobs.pop(rid)
@@ -389,6 +396,17 @@ class EngineRunner:
         self.source.unbind(rid)
         self._send_abort(job)
         self._outbox.post(job, "error", exc)
+
+    def _end_aborted(self, rid: str) -> None:
+        """Worker.Abort: stop the request between steps and end its stream normally, finish reason
+        ABORT (the tokens sent so far stay valid); the reservation is aborted, not published."""
+        job = self._jobs.pop(rid)
+        counts = self.engine.state(rid).counts if self.engine_has(rid) else DecodeCounts()
+        if self.engine_has(rid):
+            self.engine.abort(rid)
+        self.source.unbind(rid)
+        self._send_abort(job)
+        self._outbox.post(job, "done", FinishReason.ABORT, self._usage(job, counts))
 
     def _send_abort(self, job: Job) -> None:
         rid = job.spec.request_id
@@ -405,9 +423,9 @@ class EngineRunner:
     def engine_has(self, rid: str) -> bool:
         return rid in self.engine.request_ids()
 
-    def _usage(self, job: Job, result) -> Usage:
+    def _usage(self, job: Job, counts: DecodeCounts) -> Usage:
         generated = len(job.tokens) - len(job.spec.prompt_ids)
-        counts = result.counts  # the engine's totals: one owner, one formula
+        # counts: the engine's totals, one owner, one formula
         return Usage(
             prompt_tokens=len(job.spec.prompt_ids),
             cached_tokens=job.spec.reused_positions,

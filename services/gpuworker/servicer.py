@@ -29,10 +29,11 @@ from services.common.errors import (
     TandemError,
 )
 from services.common.spec import lookahead_span
-from services.common.wire import spec_mode_to_proto, tokens_from_proto
+from services.common.wire import logprobs_to_proto, spec_mode_to_proto, tokens_from_proto
+from services.gpuworker.engine.engine import MAX_LOGPROBS
 from services.gpuworker.engine.request import FinishReason, RequestSpec
 from services.gpuworker.engine.sampling import SamplingParams
-from services.gpuworker.runner import EngineRunner, Job
+from services.gpuworker.runner import AbortRequested, EngineRunner, Job
 from tandem.common.v1 import common_pb2 as common_pb
 from tandem.worker.v1 import worker_pb2 as pb
 from tandem.worker.v1 import worker_pb2_grpc
@@ -50,6 +51,7 @@ _FINISH = {  # OpenAI's reasons: the worker's max_seq_len is a length limit too
     FinishReason.LENGTH: common_pb.FINISH_REASON_LENGTH,
     FinishReason.STOP: common_pb.FINISH_REASON_STOP,
     FinishReason.MAX_SEQ_LEN: common_pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb.FINISH_REASON_ABORT,
 }
 
 
@@ -128,12 +130,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument(f"num_draft_tokens {k} exceeds this worker's maximum {ident.max_draft_tokens}")
         if not ident.has_draft:
             k = 0  # no draft: plain decoding, whatever the caller hoped for
+        if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
+            raise InvalidArgument(f"sampling.logprobs must be in 0..{MAX_LOGPROBS}, got {s.logprobs}")
         sampling = SamplingParams(  # validates (InvalidArgument)
             temperature=float(s.temperature),
             top_p=float(s.top_p) if s.top_p else 1.0,
             top_k=int(s.top_k),
             seed=int(s.seed) if s.HasField("seed") else None,
             min_p=float(s.min_p),
+            presence_penalty=float(s.presence_penalty),
+            frequency_penalty=float(s.frequency_penalty),
+            repetition_penalty=float(s.repetition_penalty) if s.HasField("repetition_penalty") and s.repetition_penalty else 1.0,
         )
         return RequestSpec(
             request_id=request.request_id,
@@ -144,6 +151,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             stop_ids=tuple(int(t) for t in s.stop_token_ids),
             sampling=sampling,
             k=int(k),
+            logprobs=int(s.logprobs) if s.HasField("logprobs") else None,
         )
 
     async def Generate(self, request, context):
@@ -189,14 +197,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         decode_span = self._tracer.start_span("decode", start_time=now, attributes={"tandem.request_id": spec.request_id})
                     # tokens of several steps waiting here (the client or the network is slower
                     # than the engine) go out as one message: fewer writes, no added latency
-                    ids = list(event[1])
+                    ids, logprobs, counts = list(event[1]), list(event[2] or ()), event[3]
                     while not job.events.empty():
                         nxt = job.events.get_nowait()
                         if nxt[0] != "tokens":
                             pending = nxt
                             break
                         ids.extend(nxt[1])
-                    yield pb.GenerateResponse(token_ids=ids)
+                        logprobs.extend(nxt[2] or ())
+                        counts = nxt[3]
+                    yield pb.GenerateResponse(token_ids=ids, logprobs=logprobs_to_proto(logprobs),
+                                              decode_steps=counts.decode_steps, accepted_drafts=counts.accepted_drafts)
                 elif kind == "done":
                     _, reason, usage = event
                     finished = True
@@ -250,5 +261,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise InvalidArgument("request_id is required")
         if request.request_id not in self.runner.running_ids():
             raise NotFound(f"no running request {request.request_id[:64]!r}")
-        self.runner.cancel(request.request_id, Cancelled("aborted by Worker.Abort"))
+        # the stream, if its client still reads it, ends with finish reason ABORT (not an error)
+        self.runner.cancel(request.request_id, AbortRequested("aborted by Worker.Abort"))
         return pb.AbortResponse()

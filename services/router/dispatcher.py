@@ -43,7 +43,8 @@ from services.common.channels import ChannelPool, call_timeout
 from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.telemetry import get_tracer
 from services.common.tokenizer import StreamDecoder, Tokenizer
-from services.common.wire import FINISH_REASONS, tokens_to_proto
+from services.common.logprobs import TokenLogprob
+from services.common.wire import FINISH_REASONS, logprobs_from_proto, tokens_to_proto
 from services.router.directory import WorkerDirectory, WorkerEntry
 from services.router.jobs import GenerateJob
 from services.router.policy import PolicyWeights, RoutingPolicy, WorkerCandidate, rank_workers, rotate_workers
@@ -86,10 +87,11 @@ class DispatchConfig:
 
 @dataclass(frozen=True, slots=True)
 class TextDelta:
-    """New text and token ids of a request."""
+    """New text and token ids of a request (and their logprobs, when asked for)."""
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +115,7 @@ class Completion:
     text: str
     token_ids: tuple[int, ...]
     usage: Usage
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +144,9 @@ class _Progress:
         self.left_registry = False  # its worker incarnation left the kvstore registry mid-stream
         self.tokens: list[int] = []
         self.first_token_at: float | None = None
+        # the worker's totals as of its last message (decode steps, accepted drafts)
+        self.decode_steps = 0
+        self.accepted_drafts = 0
         self.decoder = StreamDecoder(tokenizer)
         self.stops = StopScanner(stop_strings, tokenizer) if stop_strings else None
 
@@ -487,6 +493,10 @@ class Dispatcher:
                 max_new_tokens=job.sampling.max_new_tokens,
                 stop_token_ids=job.sampling.stop_token_ids,
                 min_p=job.sampling.min_p,
+                presence_penalty=job.sampling.presence_penalty,
+                frequency_penalty=job.sampling.frequency_penalty,
+                repetition_penalty=job.sampling.repetition_penalty,
+                logprobs=job.sampling.logprobs,  # None = unset
             ),
             spec=worker_pb.SpecParams(num_draft_tokens=self.draft_tokens_for(entry, job.num_draft_tokens)),
             # only its name: the worker reads blocks and reused prefix from the kvstore
@@ -513,19 +523,25 @@ class Dispatcher:
                 if ids and max(ids) >= self._tokenizer.vocab_size:
                     raise _WorkerFailed("INTERNAL", f"token id {max(ids)} is outside the router's vocabulary "
                                                     f"({self._tokenizer.vocab_size}): model/tokenizer mismatch")
+                try:
+                    logprobs = logprobs_from_proto(ids, msg.logprobs)
+                except InvalidArgument as exc:
+                    raise _WorkerFailed("INTERNAL", f"the worker sent {exc}") from None
+                if msg.decode_steps:
+                    progress.decode_steps, progress.accepted_drafts = msg.decode_steps, msg.accepted_drafts
                 text, cut = progress.text(ids) if ids else ("", None)
                 if ids:
                     if progress.first_token_at is None:
                         progress.first_token_at = self._clock()
                     progress.tokens.extend(ids[:cut])
                 if cut is not None:  # a stop string: the tokens after it are never sent; closing the call aborts the rest
-                    yield self._stopped(job, entry, reservation, ids[:cut], text, arrival, progress)
+                    yield self._stopped(job, entry, reservation, ids[:cut], text, arrival, progress, logprobs[:cut])
                     return
                 if msg.finish_reason != common_pb.FINISH_REASON_UNSPECIFIED or msg.HasField("usage"):
-                    yield self._completion(job, entry, reservation, msg, ids, text, arrival, progress)
+                    yield self._completion(job, entry, reservation, msg, ids, text, arrival, progress, logprobs)
                     return
                 if ids:
-                    yield TextDelta(text, ids)
+                    yield TextDelta(text, ids, logprobs)
             raise _WorkerFailed("UNAVAILABLE", "the worker ended the stream without a final message")
         except grpc.aio.AioRpcError as err:
             span.set_attribute("rpc.grpc.status_code", err.code().value[0])
@@ -547,16 +563,21 @@ class Dispatcher:
                 call.cancel()
             span.end()
 
-    def _stopped(self, job, entry, reservation, ids, text, arrival, progress: _Progress) -> Completion:
-        """The Completion of a request ended here on a stop string (the worker's usage never comes:
-        acceptance length and decode steps are not known, reported as 0)."""
-        return Completion(text=text, token_ids=tuple(ids), usage=Usage(
+    def _stopped(self, job, entry, reservation, ids, text, arrival, progress: _Progress, logprobs) -> Completion:
+        """The Completion of a request ended here on a stop string (the worker's final usage never
+        comes: decode steps and acceptance are the worker's totals as of the message that carried
+        the stop — the steps that produced the tokens kept)."""
+        steps = progress.decode_steps
+        return Completion(text=text, token_ids=tuple(ids), logprobs=tuple(logprobs), usage=Usage(
             prompt_tokens=job.prompt_tokens, cached_tokens=reservation.reused_positions,
-            completion_tokens=len(progress.tokens), mean_acceptance_length=0.0, worker_id=entry.worker_id,
-            time_to_first_token_s=max(0.0, progress.first_token_at - arrival), finish_reason="stop",
+            completion_tokens=len(progress.tokens),
+            mean_acceptance_length=1.0 + progress.accepted_drafts / steps if steps else 1.0,
+            worker_id=entry.worker_id, time_to_first_token_s=max(0.0, progress.first_token_at - arrival),
+            finish_reason="stop", decode_steps=steps,
         ))
 
-    def _completion(self, job, entry, reservation, msg, ids, text, arrival, progress: _Progress) -> Completion:
+    def _completion(self, job, entry, reservation, msg, ids, text, arrival, progress: _Progress,
+                    logprobs=()) -> Completion:
         # The stream decoder holds back an incomplete character; the end flushes it.
         rest, stopped = progress.flush()
         tail = text + rest
@@ -566,6 +587,7 @@ class Dispatcher:
         return Completion(
             text=tail,
             token_ids=ids,
+            logprobs=tuple(logprobs),
             usage=Usage(
                 prompt_tokens=job.prompt_tokens,
                 cached_tokens=usage.cached_tokens if msg.HasField("usage") else reservation.reused_positions,

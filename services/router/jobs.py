@@ -18,6 +18,8 @@ from services.common.tokenizer import Tokenizer
 from services.router.stops import validate_stop_strings
 
 MAX_REQUEST_ID_CHARS = 96  # the router adds a tenant scope; ids downstream are at most 128 bytes
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit; the worker's too)
+MAX_SAMPLES = 16  # ``n``
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +46,10 @@ class Sampling:
     stop_token_ids: tuple[int, ...]
     stop_strings: tuple[str, ...] = ()  # ended by the router (``stops``), never sent to the worker
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top alternatives per token; None = no logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +101,10 @@ def build_job(
     stop_strings: Sequence[str] = (),
     ignore_eos: bool = False,
     min_p: float = 0.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    logprobs: int | None = None,
     request_id: str = "",
     limits: RequestLimits,
     tokenizer: Tokenizer,
@@ -139,6 +149,14 @@ def build_job(
         raise InvalidArgument(f"min_p must be in [0, 1], got {min_p}")
     if top_k < 0:
         raise InvalidArgument(f"top_k must be >= 0, got {top_k}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not -2 <= _finite(name, value) <= 2:
+            raise InvalidArgument(f"{name} must be in [-2, 2], got {value}")
+    repetition_penalty = _finite("repetition_penalty", repetition_penalty)
+    if not 0 < repetition_penalty <= 100:
+        raise InvalidArgument(f"repetition_penalty must be in (0, 100], got {repetition_penalty}")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument(f"logprobs must be in 0..{MAX_LOGPROBS}, got {logprobs}")
 
     draft = limits.default_draft_tokens if num_draft_tokens is None else num_draft_tokens
     if not 0 <= draft <= limits.max_draft_tokens:
@@ -163,6 +181,20 @@ def build_job(
             stop_token_ids=tuple(stops),
             stop_strings=validate_stop_strings(stop_strings),
             min_p=min_p,
+            presence_penalty=float(presence_penalty),
+            frequency_penalty=float(frequency_penalty),
+            repetition_penalty=repetition_penalty,
+            logprobs=None if logprobs is None else int(logprobs),
         ),
         num_draft_tokens=int(draft),
     )
+
+
+def sample_jobs(n: int, build: Callable[..., GenerateJob], *, seed: int | None, request_id: str = "") -> list[GenerateJob]:
+    """``n`` samples of one request (``build(seed=..., request_id=...)`` makes one job): sample i
+    of a seeded request uses seed + i; a caller's request id gets ``#i`` from the second sample
+    on. InvalidArgument for n outside 1..MAX_SAMPLES."""
+    if not 1 <= n <= MAX_SAMPLES:
+        raise InvalidArgument(f"n must be in 1..{MAX_SAMPLES}, got {n}")
+    return [build(seed=None if seed is None else (seed + i) % (1 << 64),
+                  request_id=f"{request_id}#{i}" if request_id and i else request_id) for i in range(n)]

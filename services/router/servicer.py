@@ -14,10 +14,10 @@ import time
 from services.common.auth import current_principal
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.tokenizer import Tokenizer
-from services.common.wire import tokens_from_proto
-from services.common.wire import FINISH_REASONS
+from services.common.wire import FINISH_REASONS, logprobs_to_proto, tokens_from_proto
 from services.router.dispatcher import Completion, Dispatcher
-from services.router.jobs import RequestLimits, build_job
+from services.router.jobs import RequestLimits, build_job, sample_jobs
+from services.router.samples import first_events, merged
 from services.router.tenants import Tenant, TenantRegistry
 from tandem.common.v1 import common_pb2 as common_pb
 from tandem.router.v1 import router_pb2 as pb
@@ -57,29 +57,43 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise InvalidArgument("prompt is empty: set text or token_ids")
         if self.tokenizer is None or self.limits is None:
             raise Unavailable("no worker is registered yet, so the router does not know its model (or start it with --model)")
-        job = build_job(
+        token_ids = tokens_from_proto(request.token_ids, field="token_ids") if which == "token_ids" else None
+        jobs = sample_jobs(request.n or 1, lambda *, seed, request_id: build_job(
             text=request.text if which == "text" else None,
-            token_ids=tokens_from_proto(request.token_ids, field="token_ids") if which == "token_ids" else None,
+            token_ids=token_ids,
             max_new_tokens=request.max_new_tokens,
-            temperature=request.temperature if request.HasField("temperature") else 0.0,  # gRPC: unset = greedy
+            temperature=request.temperature if request.HasField("temperature") else 1.0,  # OpenAI's default
             top_p=request.top_p if request.HasField("top_p") else 1.0,
             top_k=request.top_k,
-            seed=request.seed if request.HasField("seed") else None,
+            seed=seed,
             num_draft_tokens=request.num_draft_tokens if request.HasField("num_draft_tokens") else None,
             stop_token_ids=request.stop_token_ids,
             stop_strings=request.stop,
             ignore_eos=request.ignore_eos,
             min_p=request.min_p,
-            request_id=request.request_id,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else 1.0,
+            logprobs=request.logprobs if request.HasField("logprobs") else None,
+            request_id=request_id,
             limits=self.limits,
             tokenizer=self.tokenizer,
-        )
-        async for event in self.dispatcher.generate(job, tenant, deadline=_deadline(context, arrival), arrival=arrival):
+        ), seed=request.seed if request.HasField("seed") else None, request_id=request.request_id)
+        deadline = _deadline(context, arrival)
+        streams = [self.dispatcher.generate(job, tenant, deadline=deadline, arrival=arrival) for job in jobs]
+        if len(streams) == 1:
+            events = ((0, e) async for e in streams[0])  # errors before the first token stay gRPC errors anyway
+        else:
+            events = merged(await first_events(streams), streams)
+        async for index, event in events:
+            logprobs = logprobs_to_proto(event.logprobs)
             if isinstance(event, Completion):
                 u = event.usage
                 yield pb.GenerateResponse(
                     text=event.text,
                     token_ids=event.token_ids,
+                    logprobs=logprobs,
+                    index=index,
                     usage=common_pb.Usage(
                         prompt_tokens=u.prompt_tokens,
                         cached_tokens=u.cached_tokens,
@@ -92,7 +106,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     finish_reason=_FINISH_ENUM[u.finish_reason],
                 )
             else:
-                yield pb.GenerateResponse(text=event.text, token_ids=event.token_ids)
+                yield pb.GenerateResponse(text=event.text, token_ids=event.token_ids, logprobs=logprobs, index=index)
 
     async def ListWorkers(self, request, context):
         self._tenant()  # same authentication as Generate

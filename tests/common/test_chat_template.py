@@ -92,6 +92,8 @@ def test_folder_without_template_and_broken_template(tmp_path):
 def test_tiny_template_and_message_normalization():
     tiny = load_chat_template("tiny")
     assert tiny.source == TINY_CHAT_TEMPLATE
+    # the shipped demo model, as the router names it (`--model demo`), is byte-level too
+    assert load_chat_template("demo").source == TINY_CHAT_TEMPLATE and load_chat_template("demo").add_special_tokens
     msgs = normalize_messages([{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}]}])
     assert tiny.render(msgs) == "<|user|>\nHi you\n<|assistant|>\n"
     assert tiny.encode(msgs, ByteTokenizer())[0] == ByteTokenizer().bos_token_id

@@ -24,6 +24,7 @@ def channel(deployment):
 
 
 def generate(channel, **request):
+    request.setdefault("temperature", 0.0)  # greedy: the API's unset temperature is OpenAI's 1.0
     messages = list(router_pb2_grpc.RouterStub(channel).Generate(router_pb2.GenerateRequest(**request), timeout=TIMEOUT))
     return messages, messages[-1].usage
 

@@ -88,7 +88,9 @@ class Suite:
     # -- client side --------------------------------------------------------------------------
 
     def generate(self, text: str | None = None, *, token: str | None = None, timeout: float = TIMEOUT, **fields):
-        """Run one Generate to the end; return (token ids, text, usage)."""
+        """Run one Generate to the end; return (token ids, text, usage). Greedy unless ``fields``
+        name a temperature (the API's unset temperature is OpenAI's 1.0)."""
+        fields.setdefault("temperature", 0.0)
         request = router_pb2.GenerateRequest(text=text, **fields) if text is not None else router_pb2.GenerateRequest(**fields)
         metadata = [("authorization", f"Bearer {token}")] if token else None
         ids: list[int] = []

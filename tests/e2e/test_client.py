@@ -22,21 +22,23 @@ def served(suite):
 
 def test_sync_client_streams_generates_and_raises_typed_errors(served):
     with Client(served.router.address, token="tokA", timeout_s=30) as c:
-        deltas = list(c.stream(LONG_PREFIX, max_tokens=12))
-        answer = c.generate(LONG_PREFIX, max_tokens=12)
+        deltas = list(c.stream(LONG_PREFIX, max_tokens=12, temperature=0))
+        answer = c.generate(LONG_PREFIX, max_tokens=12, temperature=0)
         assert answer.text == "".join(d.text for d in deltas)
         assert len(answer.token_ids) == answer.usage.completion_tokens == 12
         assert answer.finish_reason == "length" and deltas[-1].usage is not None
         assert answer.usage.cached_tokens >= 64 and answer.usage.worker_id == "w0"
-        # seeded sampling is reproducible, seed 0 included; unseeded greedy is the default
+        # seeded sampling is reproducible, seed 0 included; an unset temperature is OpenAI's 1.0
         a = c.generate(LONG_PREFIX, max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=0)
-        b = c.generate(LONG_PREFIX, max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=0)
+        b = c.generate(LONG_PREFIX, max_tokens=16, top_p=0.9, top_k=50, seed=0)
         assert a.token_ids == b.token_ids
+        assert c.generate(LONG_PREFIX, max_tokens=16, seed=0).token_ids != answer.token_ids[:16] or \
+            c.generate(LONG_PREFIX, max_tokens=16, seed=1).token_ids != answer.token_ids[:16]
         # a stop string on the greedy answer's last ASCII character ends it at its first occurrence
         prompt = LONG_PREFIX + "Stop somewhere."
-        full = c.generate(prompt, max_tokens=24)
+        full = c.generate(prompt, max_tokens=24, temperature=0)
         char = [t for t in full.token_ids if t < 128][-1]
-        stopped = c.generate(prompt, max_tokens=24, stop=[chr(char)])
+        stopped = c.generate(prompt, max_tokens=24, stop=[chr(char)], temperature=0)
         assert stopped.finish_reason == "stop"
         assert stopped.token_ids == full.token_ids[: full.token_ids.index(char) + 1]
         with pytest.raises(InvalidArgument):
@@ -48,12 +50,12 @@ def test_sync_client_streams_generates_and_raises_typed_errors(served):
 
 def test_async_client_matches_the_sync_one(served):
     with Client(served.router.address, token="tokA") as c:
-        expected = c.generate(LONG_PREFIX + "async", max_tokens=10)
+        expected = c.generate(LONG_PREFIX + "async", max_tokens=10, temperature=0)
 
     async def run():
         async with AsyncClient(served.router.address, token="tokA") as ac:
-            chunks = [d async for d in ac.stream(LONG_PREFIX + "async", max_tokens=10)]
-            whole = await ac.generate(LONG_PREFIX + "async", max_tokens=10)
+            chunks = [d async for d in ac.stream(LONG_PREFIX + "async", max_tokens=10, temperature=0)]
+            whole = await ac.generate(LONG_PREFIX + "async", max_tokens=10, temperature=0)
             return chunks, whole
 
     chunks, whole = asyncio.run(run())

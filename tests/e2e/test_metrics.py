@@ -78,7 +78,7 @@ def wait_for(predicate, timeout_s: float = 15.0):
 
 def stream_a_few_tokens(suite, tokens: int = 4):
     """A long request, read until ``tokens`` arrived; the call stays open (cancel it)."""
-    call = suite.stub.Generate(router_pb2.GenerateRequest(text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
+    call = suite.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
     got = 0
     for msg in call:
         got += len(msg.token_ids)

@@ -79,6 +79,14 @@ def test_chat_whole_and_streamed_use_the_demo_template(front):
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_health_answers_like_vllms(front):
+    """GET /health (what vLLM serves and load generators such as guidellm probe): 200, no token."""
+    import urllib.request
+
+    with urllib.request.urlopen(front.router.payload.http_url + "/health", timeout=TIMEOUT) as r:
+        assert r.status == 200 and r.read() == b""
+
+
 def test_models_lists_the_served_model(front):
     models = client(front).models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -90,7 +98,9 @@ def test_models_lists_the_served_model(front):
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": 3.0}, "temperature"),
         ({"n": 17}, "n"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+        ({"logit_bias": {"1": 2.0}}, "logit_bias"),
         ({"extra_body": {"min_p": 1.5}}, "min_p"),
         ({"stop": [""]}, None),
         ({"prompt": ""}, None),
@@ -269,3 +279,49 @@ def test_n_samples_share_the_prompt_and_arrive_as_indexed_choices(front):
     assert finishes == [0, 1]
     assert chunks[-1].usage.completion_tokens == 10
     assert front.wait_no_live_reservations().live_reservations == 0 and front.invariants().ok
+
+
+def test_logprobs_in_openai_shapes_streamed_and_whole_equal_grpc(front):
+    """Completions ``logprobs: 2`` and chat ``logprobs + top_logprobs: 2``: the same numbers as the
+    gRPC API's (which are the target's, see test_sampling_api), whole and streamed, k = 0 and 3."""
+    from services.client import Client
+
+    api = client(front)
+    prompt = LONG_PREFIX + "Log probabilities."
+    with Client(front.router.address, token="tokA") as c:
+        ref = c.generate(prompt, max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
+    want = [lp.logprob for lp in ref.logprobs]
+    for k in (0, 3):
+        whole = api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2,
+                                       extra_body={"num_draft_tokens": k, "ignore_eos": True})
+        lp = whole.choices[0].logprobs
+        assert lp.tokens == [ByteTokenizer().decode([t], skip_special_tokens=False) for t in ref.token_ids]
+        assert lp.token_logprobs == pytest.approx(want, abs=1e-5)
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+        assert all(len(d) <= 3 and lp.tokens[i] in d for i, d in enumerate(lp.top_logprobs))
+        chunks = list(api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2,
+                                             stream=True, extra_body={"num_draft_tokens": k, "ignore_eos": True}))
+        streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+        assert streamed == pytest.approx(want, abs=1e-5)
+    messages = [{"role": "user", "content": "logprobs please"}]
+    chat = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 6
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
+    chunks = list(api.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                              logprobs=True, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx([e.logprob for e in content], abs=1e-5)
+    with pytest.raises(openai.BadRequestError):
+        api.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, top_logprobs=2)
+
+
+def test_penalties_are_accepted_and_exact_under_speculation(front):
+    api = client(front)
+    prompt = LONG_PREFIX + "Penalize repeats."
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, presence_penalty=1.2, frequency_penalty=0.8)
+    plain = api.completions.create(**kw, extra_body={"num_draft_tokens": 0, "repetition_penalty": 1.4, "ignore_eos": True})
+    spec = api.completions.create(**kw, extra_body={"num_draft_tokens": 4, "repetition_penalty": 1.4, "ignore_eos": True})
+    free = api.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    assert plain.choices[0].text == spec.choices[0].text != free.choices[0].text

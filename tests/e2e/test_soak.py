@@ -59,7 +59,7 @@ def test_soak_mixed_traffic_and_failures(tmp_path, start_service):
                 n = rng.randint(4, MAX_NEW)
                 deadline = rng.choice([TIMEOUT, TIMEOUT, 0.3])
                 cancel_after = rng.choice([None, None, None, 1])
-                call = rig.router.stub.Generate(router_pb2.GenerateRequest(text=prompt, max_new_tokens=n), timeout=deadline)
+                call = rig.router.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text=prompt, max_new_tokens=n), timeout=deadline)
                 ids: list[int] = []
                 try:
                     for msg in call:

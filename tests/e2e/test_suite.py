@@ -81,7 +81,7 @@ def test_load_outweighs_reuse_when_the_holder_is_busy(suite):
 
     # a long request on the holder (it goes there: same prefix, nothing in flight anywhere)
     long_call = suite.stub.Generate(
-        router_pb2.GenerateRequest(text=LONG_PREFIX + "Tell a long story.", max_new_tokens=1500),
+        router_pb2.GenerateRequest(temperature=0.0, text=LONG_PREFIX + "Tell a long story.", max_new_tokens=1500),
         timeout=TIMEOUT,
     )
     first_msg = next(long_call)
@@ -99,7 +99,7 @@ def test_load_outweighs_reuse_when_the_holder_is_busy(suite):
 def test_client_cancel_mid_stream_frees_the_reservation(suite):
     suite.add_worker("w0")
     suite.add_router()
-    call = suite.stub.Generate(router_pb2.GenerateRequest(text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
+    call = suite.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
     got = 0
     for msg in call:
         got += len(msg.token_ids)
@@ -118,7 +118,7 @@ def test_client_cancel_mid_stream_frees_the_reservation(suite):
 def test_deadline_expiry_is_deadline_exceeded_and_frees_everything(suite):
     suite.add_worker("w0")
     suite.add_router()
-    call = suite.stub.Generate(router_pb2.GenerateRequest(text=LONG_PREFIX, max_new_tokens=1500), timeout=0.6)
+    call = suite.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text=LONG_PREFIX, max_new_tokens=1500), timeout=0.6)
     with pytest.raises(grpc.RpcError) as err:
         for _ in call:
             pass
@@ -136,6 +136,11 @@ def test_deadline_expiry_is_deadline_exceeded_and_frees_everything(suite):
         (dict(text="hi", max_new_tokens=4), "not-a-tenant", grpc.StatusCode.UNAUTHENTICATED),
         (dict(text="hi", max_new_tokens=4), None, grpc.StatusCode.UNAUTHENTICATED),
         (dict(text="hi", max_new_tokens=4, num_draft_tokens=1000), "tokA", grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text="hi", max_new_tokens=4, presence_penalty=2.5), "tokA", grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text="hi", max_new_tokens=4, frequency_penalty=float("nan")), "tokA", grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text="hi", max_new_tokens=4, repetition_penalty=0.0), "tokA", grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text="hi", max_new_tokens=4, logprobs=21), "tokA", grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(text="hi", max_new_tokens=4, n=17), "tokA", grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
 def test_bad_requests_are_rejected_and_change_nothing(suite, request_fields, token, code):
@@ -165,7 +170,7 @@ def test_worker_killed_mid_request(suite):
             assert time.monotonic() < end, "worker did not register"
             time.sleep(0.1)
         suite.add_router()
-        call = suite.stub.Generate(router_pb2.GenerateRequest(text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
+        call = suite.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
         first = next(call)
         assert first.token_ids
         assert suite.stats().live_reservations == 1

@@ -130,7 +130,7 @@ def test_row3_only_the_owning_worker_publishes(rig):
 
 
 def test_row4_an_outside_abort_frees_nothing_until_the_worker_confirms(rig):
-    call = rig.router.stub.Generate(router_pb2.GenerateRequest(text=PROMPT, max_new_tokens=4000),
+    call = rig.router.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text=PROMPT, max_new_tokens=4000),
                                     timeout=TIMEOUT, metadata=[("authorization", "Bearer tokA")])
     assert next(call).token_ids  # it is running
     [live] = rig.kv.in_loop(lambda: rig.kv.payload.view().reservations())
@@ -250,7 +250,7 @@ def test_row9_a_frozen_worker_ends_its_streams_with_unavailable(pki, start_servi
         proc = spawn_worker(rig, "w1")
         wait_workers(rig, {"w1"})
         rig.start_router()
-        call = rig.router.stub.Generate(router_pb2.GenerateRequest(text=PROMPT, max_new_tokens=4000), timeout=120)
+        call = rig.router.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text=PROMPT, max_new_tokens=4000), timeout=120)
         assert next(call).token_ids
         proc.send_signal(signal.SIGSTOP)
         started = time.monotonic()

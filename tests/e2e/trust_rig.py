@@ -142,7 +142,8 @@ class TrustRig:
             time.sleep(0.05)
 
     def generate(self, text: str, *, token: str | None = None, timeout: float = TIMEOUT, **fields):
-        """One router Generate to the end: (token ids, usage)."""
+        """One router Generate to the end: (token ids, usage). Greedy unless ``fields`` say otherwise."""
+        fields.setdefault("temperature", 0.0)
         metadata = [("authorization", f"Bearer {token}")] if token else None
         ids, usage = [], None
         for msg in self.router.stub.Generate(router_pb2.GenerateRequest(text=text, **fields), timeout=timeout, metadata=metadata):

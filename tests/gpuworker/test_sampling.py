@@ -19,7 +19,8 @@ from services.gpuworker.engine.sampling import (
 
 def test_params_validation():
     for bad in (dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5),
-                dict(top_k=-1), dict(seed=-3), dict(min_p=-0.1), dict(min_p=1.5)):
+                dict(top_k=-1), dict(seed=-3), dict(min_p=-0.1), dict(min_p=1.5), dict(presence_penalty=2.5),
+                dict(frequency_penalty=-3.0), dict(repetition_penalty=0.0), dict(repetition_penalty=-1.0)):
         with pytest.raises(InvalidArgument):
             SamplingParams(**bad)
     assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy

@@ -268,7 +268,9 @@ def wait_serving(channel, timeout: float = TIMEOUT) -> None:
 
 
 def collect(router_svc, *, metadata=None, timeout: float = TIMEOUT, **request):
-    """Run Router.Generate to the end; return (messages, error or None)."""
+    """Run Router.Generate to the end; return (messages, error or None). Greedy unless the request
+    names a temperature (the API's unset temperature is OpenAI's 1.0)."""
+    request.setdefault("temperature", 0.0)
     messages = []
     try:
         for msg in router_svc.stub.Generate(router_pb2.GenerateRequest(**request), timeout=timeout, metadata=metadata):

@@ -98,7 +98,7 @@ def test_deadline_cancels_the_worker_which_aborts(rig):
 def test_client_cancel_cancels_the_worker(rig):
     slow = rig.worker("a", Script(delay_s=0.05))
     router = rig.router()
-    call = router.stub.Generate(router_pb2.GenerateRequest(text="cancel me", max_new_tokens=200), timeout=TIMEOUT)
+    call = router.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text="cancel me", max_new_tokens=200), timeout=TIMEOUT)
     first = next(call)
     assert first.token_ids
     call.cancel()

@@ -38,7 +38,7 @@ def test_list_workers_reports_health_and_in_flight(rig):
     router = rig.router()
 
     # a request that is surely running while we look: read its first token, look, then cancel it
-    call = router.stub.Generate(router_pb2.GenerateRequest(text="busy", max_new_tokens=1000), timeout=TIMEOUT)
+    call = router.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text="busy", max_new_tokens=1000), timeout=TIMEOUT)
     try:
         assert next(call).token_ids
         resp = router.stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=TIMEOUT)
@@ -153,10 +153,10 @@ def test_cli_serves_until_sigterm(rig, tmp_path):
             grpc.channel_ready_future(channel).result(timeout=30)
             wait_serving(channel)
             stub = router_pb2_grpc.RouterStub(channel)
-            msgs = list(stub.Generate(router_pb2.GenerateRequest(text="cli", max_new_tokens=3), timeout=TIMEOUT))
+            msgs = list(stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text="cli", max_new_tokens=3), timeout=TIMEOUT))
             assert msgs[-1].usage.completion_tokens == 3
             try:
-                list(stub.Generate(router_pb2.GenerateRequest(text="cli", max_new_tokens=9), timeout=TIMEOUT))
+                list(stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text="cli", max_new_tokens=9), timeout=TIMEOUT))
                 raise AssertionError("--max-new-tokens 8 should reject 9")
             except grpc.RpcError as err:
                 assert err.code() == grpc.StatusCode.INVALID_ARGUMENT

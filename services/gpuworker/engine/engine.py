@@ -39,7 +39,10 @@ from services.gpuworker.engine.fence import COMPLETE, StepFence
 from services.gpuworker.engine.graphs import ForwardGraphs, buckets_up_to
 from services.gpuworker.engine.report import RequestStepResult, StepReport
 from services.gpuworker.engine.request import PENDING, FinishReason, RequestSpec, RequestState
-from services.gpuworker.engine.sampling import SamplingParams, draw_uniforms, make_generator, probs_from_logits, sample_rows
+from services.gpuworker.engine.sampling import (
+    SamplingParams, TokenLogprob, apply_penalties, draw_uniforms, make_generator, probs_from_logits, sample_rows,
+    token_logprobs,
+)
 from services.gpuworker.engine.scheduler import ScheduledWork, draft_budget, schedule
 from services.gpuworker.kv.pool import KVPool
 from services.gpuworker.model.draft import DraftModel
@@ -48,6 +51,7 @@ from services.gpuworker.model.llama import TargetModel
 log = logging.getLogger(__name__)
 
 TRIM_POLICIES = ("unneeded", "rejected")
+MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's top_logprobs limit)
 GRAPH_MODES = ("off", "pad", "capture")
 
 
@@ -229,6 +233,13 @@ class Engine:
         ``AlreadyExists``); its positions below ``reused_positions`` are never recomputed."""
         self._validate(spec)
         r = spec.reused_positions
+        gen_counts = prompt_mask = None
+        if spec.sampling.penalized:
+            vocab = self.target.config.vocab_size
+            gen_counts = torch.zeros(vocab, dtype=torch.float32, device=self.device)
+            if spec.sampling.repetition_penalty != 1.0:
+                prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+                prompt_mask[torch.tensor(list(spec.prompt_ids), dtype=torch.long, device=self.device)] = True
         self._states[spec.request_id] = RequestState(
             spec=spec,
             tokens=[int(t) for t in spec.prompt_ids],
@@ -238,6 +249,8 @@ class Engine:
             target_len=r,
             draft_len=r,
             arrival=self._arrivals,
+            gen_counts=gen_counts,
+            prompt_mask=prompt_mask,
         )
         self._arrivals += 1
 
@@ -341,6 +354,8 @@ class Engine:
             raise InvalidArgument("sampling must be a SamplingParams")
         if not isinstance(spec.k, int) or not 0 <= spec.k <= self.config.max_draft_tokens:
             raise InvalidArgument(f"k must be in [0, {self.config.max_draft_tokens}], got {spec.k!r}")
+        if spec.logprobs is not None and (not isinstance(spec.logprobs, int) or not 0 <= spec.logprobs <= MAX_LOGPROBS):
+            raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {spec.logprobs!r}")
         if spec.k > 0 and self.drafter is None:
             raise InvalidArgument("this engine has no draft model; k must be 0")
         table = list(spec.block_table)
@@ -583,7 +598,11 @@ class Engine:
 
     def _accept(self, work: list[ScheduledWork], logits, cond, picks) -> list[FillJob]:
         """C: first tokens after prompts and verification of drafts (one host sync for every
-        greedy decision), stop rules, new lengths; builds the fill jobs. Mutates the states."""
+        greedy decision), stop rules, new lengths; builds the fill jobs. Mutates the states.
+        Penalties change the rows of the requests that ask for them (greedy and sampled alike);
+        logprobs are read from the raw rows."""
+        raw = logits
+        logits = self._penalize(work, logits, picks)
         argmax = torch.argmax(logits, dim=-1) if logits.shape[0] else None
         sampled = [w for w in work if w.state.request_id in picks and not w.state.spec.sampling.greedy]
         lagging = None
@@ -618,7 +637,7 @@ class Engine:
                 s.target_len = w.prefill_end
                 if rid in picks:
                     tok = sampled_tokens[rid][1] if rid in sampled_tokens else (greedy_host[picks[rid][0]],)
-                    entry.emit(self._append(s, list(tok)))
+                    self._emit(entry, raw, picks[rid][0], self._append(s, list(tok)))
             else:
                 first, count = picks[rid]
                 if rid in sampled_tokens:
@@ -631,7 +650,7 @@ class Engine:
                 s.decode_steps += 1
                 s.proposed_drafts_total += w.num_drafts
                 s.accepted_drafts_total += n_acc
-                entry.emit(self._append(s, list(toks)))
+                self._emit(entry, raw, first, self._append(s, list(toks)))
                 s.target_len = s.logical_len - 1  # the newest token is fed next step
             s.drafts = s.draft_probs = s.chain_hidden = None
             new_rows = cond[row : row + (s.target_len - t_old)] if cond is not None else None
@@ -665,7 +684,32 @@ class Engine:
         """A row whose token the host need not see before the next step: a plain greedy decode."""
         s = w.state
         return (not w.is_prefill and w.num_drafts == 0 and s.spec.k == 0 and s.spec.sampling.greedy
-                and not s.finished)
+                and not s.finished and s.gen_counts is None and s.spec.logprobs is None)
+
+    @staticmethod
+    def _penalize(work: list[ScheduledWork], logits: torch.Tensor, picks) -> torch.Tensor:
+        """``logits`` with the rows of penalized requests replaced by their penalized values (a
+        float32 copy when any; see ``apply_penalties``). Row ``j`` of a verify counts the drafts
+        before it. Pure."""
+        out = None
+        for w in work:
+            s = w.state
+            if s.gen_counts is None or s.request_id not in picks:
+                continue
+            first, count = picks[s.request_id]
+            if out is None:
+                out = logits.float()
+                out = out.clone() if out is logits else out
+            drafts = s.drafts[: count - 1] if count > 1 else None
+            out[first : first + count] = apply_penalties(logits[first : first + count], s.spec.sampling,
+                                                         s.gen_counts, s.prompt_mask, drafts)
+        return logits if out is None else out
+
+    @staticmethod
+    def _emit(entry: "_Ledger", raw: torch.Tensor, first: int, emitted: list[int]) -> None:
+        """Stream ``emitted`` (the tokens of rows ``first ..``), with their raw logprobs if asked."""
+        n = entry.state.spec.logprobs
+        entry.emit(emitted, token_logprobs(raw[first : first + len(emitted)], emitted, n) if n is not None else None)
 
     def _resolve_lagging(self) -> None:
         """Read back the last step's lagging tokens (waits for that step's forward, normally done
@@ -732,7 +776,8 @@ class Engine:
         return out
 
     def _append(self, s: RequestState, tokens: list[int]) -> list[int]:
-        """Append accepted tokens until a stop condition; sets ``finish_reason``. Mutates ``s``."""
+        """Append accepted tokens until a stop condition; sets ``finish_reason``; counts them for
+        penalties. Mutates ``s``."""
         emitted = []
         for t in tokens:
             s.tokens.append(int(t))
@@ -740,6 +785,9 @@ class Engine:
             self._check_finished(s, int(t))
             if s.finished:
                 break
+        if s.gen_counts is not None and emitted:
+            ids = torch.tensor(emitted, dtype=torch.long, device=s.gen_counts.device)
+            s.gen_counts.index_add_(0, ids, torch.ones(len(emitted), device=s.gen_counts.device))
         return emitted
 
     def _check_finished(self, s: RequestState, token: int) -> None:
@@ -799,14 +847,17 @@ class _Ledger:
     capacity_before: int
     written: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # position ranges, either pool
     emitted: list[int] | None = None  # tokens streamed this step (None: nothing to stream)
+    logprobs: list[TokenLogprob] | None = None  # one per emitted token, when the request asked
     verified: tuple[int, int] | None = None  # (drafts verified, accepted) of a decode step
     prefill_tokens: int = 0
     error: Exception | None = None
 
-    def emit(self, tokens) -> None:
+    def emit(self, tokens, logprobs: list[TokenLogprob] | None = None) -> None:
         if self.emitted is None:
             self.emitted = []
         self.emitted.extend(tokens)
+        if logprobs is not None:
+            self.logprobs = (self.logprobs or []) + logprobs
 
     def result(self, block_size: int, blocks_written: list[int]) -> RequestStepResult:
         """The step's result for this request, as its state stands now. Pure."""
@@ -830,6 +881,7 @@ class _Ledger:
             finish_reason=s.finish_reason,
             error=self.error,
             counts=s.counts,
+            new_logprobs=self.logprobs,
         )
 
 

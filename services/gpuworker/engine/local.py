@@ -24,7 +24,7 @@ from services.gpuworker.engine.capacity import LocalBlockSource
 from services.gpuworker.engine.engine import Engine, EngineConfig
 from services.gpuworker.engine.report import StepReport
 from services.gpuworker.engine.request import DecodeCounts, FinishReason, RequestSpec
-from services.gpuworker.engine.sampling import GREEDY, SamplingParams
+from services.gpuworker.engine.sampling import GREEDY, SamplingParams, TokenLogprob
 from services.gpuworker.model.draft import DraftModel
 from services.gpuworker.model.llama import TargetModel
 
@@ -48,6 +48,7 @@ class Completion:
     counts: DecodeCounts = DecodeCounts()  # the engine's totals, as of the last result
     publishable_positions: int = 0
     block_table: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when asked for
 
     @property
     def decode_steps(self) -> int:
@@ -107,6 +108,7 @@ def submit(
     prefix_blocks: Sequence[int] = (),
     reused_positions: int = 0,
     headroom: int = 0,
+    logprobs: int | None = None,
 ) -> None:
     """Reserve blocks for the prompt (+ ``headroom`` positions), sharing ``prefix_blocks`` whose
     first ``reused_positions`` positions hold valid KV, and admit the request. Mutates."""
@@ -115,7 +117,7 @@ def submit(
         setup.engine.add_request(RequestSpec(
             request_id=request_id, prompt_ids=list(prompt_ids), block_table=table,
             reused_positions=reused_positions, max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids),
-            sampling=sampling, k=k,
+            sampling=sampling, k=k, logprobs=logprobs,
         ))
     except Exception:
         setup.source.release(request_id)
@@ -141,6 +143,8 @@ def run_until_done(
         for rid, r in report.results.items():
             c = done.setdefault(rid, Completion())
             c.tokens.extend(r.new_token_ids)
+            if r.new_logprobs:
+                c.logprobs.extend(r.new_logprobs)
             c.counts = r.counts
             c.publishable_positions = r.publishable_positions
             c.block_table = list(r.block_table)

@@ -17,6 +17,7 @@ import dataclasses
 from services.gpuworker.engine.fence import COMPLETE, StepFence
 
 from services.gpuworker.engine.request import DecodeCounts, FinishReason
+from services.gpuworker.engine.sampling import TokenLogprob
 
 
 @dataclasses.dataclass
@@ -44,6 +45,8 @@ class RequestStepResult:
     error: Exception | None = None
     # the request's totals after this step (the engine keeps them; callers read, never recount)
     counts: DecodeCounts = DecodeCounts()
+    # one per new token (same order) when the request asked for logprobs, else None
+    new_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

@@ -43,6 +43,7 @@ class FinishReason(enum.Enum):
     MAX_SEQ_LEN = "max_seq_len"  # prompt + output reached the engine's max_seq_len
     CAPACITY = "capacity"  # the block source could not grow the reservation; no progress possible
     ERROR = "error"  # the request's first step failed; it alone was dropped (``Engine.step``)
+    ABORT = "abort"  # ended early on request (Worker.Abort); the tokens so far are valid (not the engine's)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,6 +85,8 @@ class RequestSpec:
     stop_ids: Sequence[int] = ()
     sampling: SamplingParams = GREEDY
     k: int = 0
+    # Report each emitted token's raw target logprob and this many top alternatives (None = none).
+    logprobs: int | None = None
 
 
 @dataclasses.dataclass
@@ -118,6 +121,10 @@ class RequestState:
     last_step: bool = False
     proven: bool = False  # it took part in a step that completed (step-failure isolation)
     finish_reason: FinishReason | None = None
+    # Penalties (``SamplingParams.penalized``): generated-token counts [V] (float32, on the
+    # model's device) and the prompt's tokens [V] (bool; repetition penalty only). None otherwise.
+    gen_counts: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
     decode_steps: int = 0
     accepted_drafts_total: int = 0
     proposed_drafts_total: int = 0

@@ -10,6 +10,20 @@ Transform order (the same for target and draft, which rejection sampling relies 
     logits ──/ temperature──▶ top-k mask ──▶ softmax ──▶ min-p mask ──▶ top-p (nucleus) mask ──▶ renormalise
 
 Greedy (temperature 0) bypasses all of it: the token is the argmax, ties to the lowest id.
+
+Penalties come first, on the target's raw logits, for greedy and sampled requests alike
+(``apply_penalties``; vLLM's order and semantics)::
+
+    logits ──repetition (prompt + generated: divide a positive logit, multiply a negative one)
+           ──frequency (− f · count in the generated tokens) ──presence (− p · [count > 0])──▶
+
+Under speculation the row that verifies draft ``d_j`` counts the drafts ``d_1 .. d_(j-1)`` before it
+as generated (they are, if ``d_j`` is reached), so verification stays exact. Drafts are proposed
+from the draft's own unpenalized distribution: rejection sampling only needs the proposals to come
+from the q it is given, and greedy verification only compares with the target's penalized argmax.
+
+Logprobs (``token_logprobs``) are of the raw target distribution — ``log_softmax`` of the model's
+logits before penalties and temperature — as vLLM's default (``raw_logprobs``) and OpenAI report.
 """
 
 from __future__ import annotations
@@ -20,6 +34,7 @@ import hashlib
 import torch
 
 from services.common.errors import InvalidArgument
+from services.common.logprobs import TokenLogprob
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +51,18 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     min_p: float = 0.0
+    presence_penalty: float = 0.0  # OpenAI: over generated tokens, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI: over generated tokens, in [-2, 2]
+    repetition_penalty: float = 1.0  # vLLM/HF: over prompt + generated tokens, > 0 (1 = off)
 
     def __post_init__(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise InvalidArgument(f"{name} must be in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not isinstance(rp, (int, float)) or not 0.0 < rp <= 100.0:
+            raise InvalidArgument(f"repetition_penalty must be in (0, 100], got {rp!r}")
         if not (0.0 <= self.min_p <= 1.0):
             raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not (self.temperature >= 0.0) or self.temperature != self.temperature or self.temperature == float("inf"):
@@ -52,6 +77,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 GREEDY = SamplingParams()
@@ -126,3 +155,48 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, gen: torch.Gener
         return torch.argmax(logits, dim=-1)
     probs = probs_from_logits(logits, params)
     return sample_rows(probs, draw_uniforms(gen, probs.shape[0]))
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor,
+                    prompt_mask: torch.Tensor | None, drafts: torch.Tensor | None = None) -> torch.Tensor:
+    """Penalized rows ``[n, V]`` (float32) of one request. Pure.
+
+    ``counts [V]``: how often each token was generated before row 0; ``prompt_mask [V]`` (bool):
+    the prompt's tokens (needed only for a repetition penalty); ``drafts``: the tokens that row
+    ``j`` follows after row 0 (``drafts[:j]`` count as generated for row ``j``), at least n-1.
+    """
+    n, vocab = logits.shape
+    c = counts.to(logits.device, torch.float32).expand(n, vocab)
+    if n > 1:
+        if drafts is None or drafts.numel() < n - 1:
+            raise InvalidArgument(f"{n} penalized rows need {n - 1} draft tokens")
+        seen_before = torch.nn.functional.one_hot(drafts[: n - 1].to(logits.device), vocab).cumsum(0)
+        c = c + torch.cat([torch.zeros(1, vocab, device=logits.device, dtype=c.dtype), seen_before.float()])
+    x = logits.float()
+    if params.repetition_penalty != 1.0:
+        seen = c > 0
+        if prompt_mask is not None:
+            seen = seen | prompt_mask.to(logits.device)
+        rp = params.repetition_penalty
+        x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+    if params.frequency_penalty:
+        x = x - params.frequency_penalty * c
+    if params.presence_penalty:
+        x = x - params.presence_penalty * (c > 0).float()
+    return x
+
+
+def token_logprobs(logits: torch.Tensor, tokens, top_n: int) -> list[TokenLogprob]:
+    """``TokenLogprob`` of ``tokens[i]`` under row ``i`` of ``logits`` (raw, fp32 log_softmax).
+    Pure; one host read for all rows."""
+    n = len(tokens)
+    if n == 0:
+        return []
+    lp = torch.log_softmax(logits[:n].float(), dim=-1)
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=lp.device)
+    chosen = lp.gather(-1, ids.unsqueeze(-1)).squeeze(-1).tolist()
+    if top_n > 0:
+        vals, idx = torch.topk(lp, min(top_n, lp.shape[-1]), dim=-1)
+        vals, idx = vals.tolist(), idx.tolist()
+        return [TokenLogprob(int(t), chosen[i], tuple(zip(idx[i], vals[i]))) for i, t in enumerate(tokens)]
+    return [TokenLogprob(int(t), chosen[i]) for i, t in enumerate(tokens)]

@@ -32,7 +32,8 @@ from services.common.errors import TandemError, Unavailable
 from services.router.dispatcher import Completion, Dispatcher, TextDelta
 from services.router.http.errors import ModelNotFound, RequestError, http_error
 from services.router.http.schema import ChatCompletionRequest, CompletionRequest, parse
-from services.router.jobs import GenerateJob, RequestLimits, build_job
+from services.router.jobs import GenerateJob, RequestLimits, build_job, sample_jobs
+from services.router.samples import first_events, merged
 from services.router.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class OpenAIFront:
 
     def app(self) -> Starlette:
         return Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -132,22 +134,27 @@ class OpenAIFront:
     @staticmethod
     def _jobs(req, limits: RequestLimits, tokenizer, *, text=None, token_ids=None, max_tokens: int) -> list[GenerateJob]:
         """One job per sample (``n``); sample i of a seeded request uses seed + i."""
-        return [build_job(
+        return sample_jobs(req.n, lambda *, seed, request_id: build_job(
             text=text,
             token_ids=token_ids,
             max_new_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k in (None, -1) else req.top_k,
-            seed=None if req.seed is None else (req.seed + i) % (1 << 64),
+            seed=seed,
             num_draft_tokens=req.num_draft_tokens,
             stop_token_ids=req.stop_token_ids or (),
             stop_strings=req.stop_strings(),
             ignore_eos=req.ignore_eos,
             min_p=req.min_p,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=req.repetition_penalty or 1.0,
+            logprobs=req.logprob_count(),
+            request_id=request_id,
             limits=limits,
             tokenizer=tokenizer,
-        ) for i in range(req.n)]
+        ), seed=req.seed)
 
     async def _handle(self, request: Request, run, *, tracked: bool = True) -> Response:
         """Run a handler; every typed error becomes OpenAI's JSON error with its HTTP status.
@@ -172,6 +179,13 @@ class OpenAIFront:
         return response
 
     # -------------------------------------------------------------------------------- routes
+    async def health(self, request: Request) -> Response:
+        """vLLM's liveness probe, which load generators (guidellm) call before a run: 200 with an
+        empty body once the router knows its model, 503 before. No token needed (it says nothing
+        about any tenant)."""
+        _tok, _lim, model = self._source()
+        return Response(status_code=200 if model else 503)
+
     async def models(self, request: Request) -> Response:
         async def run(_track):
             self._tenant(request)
@@ -189,7 +203,7 @@ class OpenAIFront:
             self._check_model(req.model, model)
             text, ids = req.single_prompt()
             jobs = self._jobs(req, limits, tokenizer, text=text, token_ids=ids, max_tokens=req.max_tokens or 16)
-            return await self._respond(request, req, jobs, tenant, model, track, chat=False)
+            return await self._respond(request, req, jobs, tenant, model, track, chat=False, tokenizer=tokenizer)
 
         return await self._handle(request, run)
 
@@ -203,70 +217,28 @@ class OpenAIFront:
             ids = self._template(model).encode(messages, tokenizer, add_generation_prompt=req.add_generation_prompt)
             max_tokens = req.token_limit() or limits.max_new_tokens
             jobs = self._jobs(req, limits, tokenizer, token_ids=ids, max_tokens=max_tokens)
-            return await self._respond(request, req, jobs, tenant, model, track, chat=True)
+            return await self._respond(request, req, jobs, tenant, model, track, chat=True, tokenizer=tokenizer)
 
         return await self._handle(request, run)
 
     # ------------------------------------------------------------------------------ responses
     async def _respond(self, request: Request, req, jobs: list[GenerateJob], tenant: Tenant, model: str,
-                       track: _Track, *, chat: bool) -> Response:
+                       track: _Track, *, chat: bool, tokenizer) -> Response:
         """Run ``jobs`` (``n`` samples of one prompt) and answer with all of them as choices."""
         arrival = time.monotonic()
         streams = [self.dispatcher.generate(j, tenant, deadline=None, arrival=arrival) for j in jobs]
-        shape = _Shape(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(self._clock()), model, chat, track)
-        # Take every sample's first event before answering, so that a request failing before its
-        # first token (capacity, no worker, bad prompt) gets its HTTP status, not an SSE error. The
-        # first sample goes alone: its prefill publishes the prompt's blocks, which the others reuse.
-        try:
-            firsts = [await until_disconnect(request, anext(streams[0]))]
-            if len(streams) > 1:
-                rest = await until_disconnect(
-                    request, asyncio.gather(*(anext(s) for s in streams[1:]), return_exceptions=True))
-                for r in rest:
-                    if isinstance(r, BaseException):
-                        raise r
-                firsts += rest
-        except BaseException:
-            for s in streams:
-                await s.aclose()
-            raise
-        events = _merged(firsts, streams)
+        logprobs = _Logprobs(tokenizer, chat) if req.logprob_count() is not None else None
+        shape = _Shape(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(self._clock()), model, chat, track,
+                       logprobs)
+        # every sample's first event before answering: a request failing before its first token
+        # gets its HTTP status, not an SSE error (see ``samples``)
+        firsts = await first_events(streams, lambda aw: until_disconnect(request, aw))
+        events = merged(firsts, streams)
         if not req.stream:
             return _json(200, await until_disconnect(request, shape.collect(events, len(jobs))))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(shape.stream(events, len(jobs), include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-
-
-async def _merged(firsts: list, streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, TextDelta | Completion]]:
-    """(sample index, event) of all samples as they arrive, each sample's first event first.
-    Closing it (client gone) cancels every sample still running."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int) -> None:
-        try:
-            async for event in streams[i]:
-                await queue.put((i, event))
-        except Exception as exc:  # typed errors reach the client as an error event
-            await queue.put((i, exc))
-
-    for i, first in enumerate(firsts):
-        queue.put_nowait((i, first))
-    tasks = [asyncio.ensure_future(pump(i)) for i, first in enumerate(firsts) if not isinstance(first, Completion)]
-    try:
-        remaining = len(firsts)
-        while remaining:
-            i, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            yield i, item
-            remaining -= isinstance(item, Completion)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for s in streams:
-            await s.aclose()
 
 
 def summed_usage(usages: list) -> dict:
@@ -295,33 +267,78 @@ class _Track:
             self._metrics = None  # once
 
 
+class _Logprobs:
+    """OpenAI's logprobs objects of one request's samples: chat ``{"content": [...]}`` entries, or the
+    completions API's parallel lists with text offsets (continued across a stream's chunks)."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self._offsets: dict[int, int] = {}  # sample -> text offset of its next token
+        self._names: dict[int, str] = {}
+
+    def _name(self, token_id: int) -> str:
+        name = self._names.get(token_id)
+        if name is None:
+            if len(self._names) > 65536:  # bounded: one request, but a vocabulary can be large
+                self._names.clear()
+            name = self._names[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return name
+
+    def body(self, i: int, logprobs) -> dict:
+        if self.chat:
+            def entry(t: int, v: float) -> dict:
+                name = self._name(t)
+                return {"token": name, "logprob": v, "bytes": list(name.encode("utf-8"))}
+
+            return {"content": [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+                                for lp in logprobs]}
+        tokens, offsets = [], []
+        offset = self._offsets.get(i, 0)
+        for lp in logprobs:
+            tokens.append(self._name(lp.token_id))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        self._offsets[i] = offset
+        # as OpenAI: the sampled token is always among the top entries (so up to N + 1 of them)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self._name(t): v for t, v in lp.top} | {tokens[j]: lp.logprob}
+                                 for j, lp in enumerate(logprobs)],
+                "text_offset": offsets}
+
+
 class _Shape:
     """The response objects of one request (completion or chat; whole or chunks)."""
 
-    def __init__(self, rid: str, created: int, model: str, chat: bool, track: _Track):
+    def __init__(self, rid: str, created: int, model: str, chat: bool, track: _Track, logprobs: _Logprobs | None = None):
         self.rid, self.created, self.model, self.chat, self.track = rid, created, model, chat, track
+        self.logprobs = logprobs
 
     def _envelope(self, choices: list, *, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def _choice(self, i: int, text: str, finish: str | None, *, chunk: bool, first: bool = False) -> dict:
+    def _choice(self, i: int, text: str, finish: str | None, *, chunk: bool, first: bool = False,
+                logprobs=()) -> dict:
+        lp = self.logprobs.body(i, logprobs) if self.logprobs is not None and (logprobs or not chunk) else None
         if not self.chat:
-            return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
         if chunk:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish}
 
     async def collect(self, events: AsyncIterator, n: int) -> dict:
         pieces: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list] = [[] for _ in range(n)]
         usages: list = [None] * n
         async for i, event in events:
             pieces[i].append(event.text)
+            logprobs[i].extend(event.logprobs)
             if isinstance(event, Completion):
                 usages[i] = event.usage
                 self.track.usage(event.usage)
-        choices = [self._choice(i, "".join(p), u.finish_reason, chunk=False) for i, (p, u) in enumerate(zip(pieces, usages))]
+        choices = [self._choice(i, "".join(p), u.finish_reason, chunk=False, logprobs=logprobs[i])
+                   for i, (p, u) in enumerate(zip(pieces, usages))]
         body = self._envelope(choices, chunk=False)
         body["usage"] = summed_usage(usages)
         return body
@@ -332,8 +349,9 @@ class _Shape:
         opened, usages = [False] * n, [None] * n
         try:
             async for i, event in events:
-                if event.text or not opened[i]:
-                    yield _sse(self._envelope([self._choice(i, event.text, None, chunk=True, first=not opened[i])], chunk=True))
+                if event.text or event.logprobs or not opened[i]:
+                    yield _sse(self._envelope([self._choice(i, event.text, None, chunk=True, first=not opened[i],
+                                                            logprobs=event.logprobs)], chunk=True))
                     opened[i] = True
                 if isinstance(event, Completion):
                     usages[i] = event.usage

@@ -4,7 +4,9 @@ Field defaults are OpenAI's: an unset ``temperature`` or ``top_p`` is 1.0 (sampl
 ``max_tokens`` 16 for completions and "up to the router's limit" for chat. Unknown fields are
 ignored (as vLLM does). Fields Tandem does not implement yet are accepted only at their neutral
 value; anything else is a 400 naming the field, never silently ignored. Extensions (as vLLM's):
-``top_k`` (-1 or 0 = all), ``stop_token_ids``, ``ignore_eos``, ``min_p``, and Tandem's ``num_draft_tokens``.
+``top_k`` (-1 or 0 = all), ``stop_token_ids``, ``ignore_eos``, ``min_p``, ``repetition_penalty``, and
+Tandem's ``num_draft_tokens``. Logprobs (completions ``logprobs: N``; chat ``logprobs: true`` with
+``top_logprobs: N``; N ≤ 20) are of the raw target distribution, before penalties and temperature.
 """
 
 from __future__ import annotations
@@ -14,8 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.router.http.errors import RequestError
-
-MAX_N = 16
+from services.router.jobs import MAX_LOGPROBS, MAX_SAMPLES
 
 
 class StreamOptions(BaseModel):
@@ -37,7 +38,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_N)  # samples of one prompt: the first's prefill is reused by the rest
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)  # samples of one prompt: the first's prefill is reused by the rest
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
@@ -45,6 +46,7 @@ class _Sampling(BaseModel):
     num_draft_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
     min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
@@ -52,26 +54,25 @@ class _Sampling(BaseModel):
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for every field set to something Tandem does not implement yet."""
         out = []
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                out.append((name, f"{name} is not supported yet"))
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported"))
         return out
 
 
 class CompletionRequest(_Sampling):
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs is not None:
-            out.append(("logprobs", "logprobs are not supported yet"))
         if self.echo:
             out.append(("echo", "echo is not supported"))
         if self.best_of not in (None, 1):
@@ -104,20 +105,24 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            out.append(("logprobs", "logprobs are not supported yet"))
+        if self.top_logprobs and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         if self.tools:
             out.append(("tools", "tool calls are not supported"))
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             out.append(("response_format", "only response_format {type: text} is supported"))
         return out
+
+    def logprob_count(self) -> int | None:
+        """Top alternatives per token to ask the worker for; None = no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -24,21 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/common/v1/common.proto\x12\x10tandem.common.v1\"Q\n\x08TokenIds\x12,\n\x04list\x18\x01 \x01(\x0b\x32\x1c.tandem.common.v1.Uint32ListH\x00\x12\x10\n\x06packed\x18\x02 \x01(\x0cH\x00\x42\x05\n\x03ids\"\x1c\n\nUint32List\x12\x0e\n\x06values\x18\x01 \x03(\r\"\xb8\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x02\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x05 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x02\x12\x11\n\tworker_id\x18\x07 \x01(\t*v\n\x08SpecMode\x12\x19\n\x15SPEC_MODE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSPEC_MODE_NONE\x10\x01\x12\x14\n\x10SPEC_MODE_EAGLE3\x10\x02\x12\x11\n\rSPEC_MODE_MTP\x10\x03\x12\x12\n\x0eSPEC_MODE_PARD\x10\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/common/v1/common.proto\x12\x10tandem.common.v1\"Q\n\x08TokenIds\x12,\n\x04list\x18\x01 \x01(\x0b\x32\x1c.tandem.common.v1.Uint32ListH\x00\x12\x10\n\x06packed\x18\x02 \x01(\x0cH\x00\x42\x05\n\x03ids\"\x1c\n\nUint32List\x12\x0e\n\x06values\x18\x01 \x03(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"J\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12)\n\x03top\x18\x02 \x03(\x0b\x32\x1c.tandem.common.v1.TopLogprob\"\xb8\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x02\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x05 \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\x06 \x01(\x02\x12\x11\n\tworker_id\x18\x07 \x01(\t*v\n\x08SpecMode\x12\x19\n\x15SPEC_MODE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSPEC_MODE_NONE\x10\x01\x12\x14\n\x10SPEC_MODE_EAGLE3\x10\x02\x12\x11\n\rSPEC_MODE_MTP\x10\x03\x12\x12\n\x0eSPEC_MODE_PARD\x10\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECMODE']._serialized_start=351
-  _globals['_SPECMODE']._serialized_end=469
-  _globals['_FINISHREASON']._serialized_start=471
-  _globals['_FINISHREASON']._serialized_end=591
+  _globals['_SPECMODE']._serialized_start=476
+  _globals['_SPECMODE']._serialized_end=594
+  _globals['_FINISHREASON']._serialized_start=596
+  _globals['_FINISHREASON']._serialized_end=716
   _globals['_TOKENIDS']._serialized_start=51
   _globals['_TOKENIDS']._serialized_end=132
   _globals['_UINT32LIST']._serialized_start=134
   _globals['_UINT32LIST']._serialized_end=162
-  _globals['_USAGE']._serialized_start=165
-  _globals['_USAGE']._serialized_end=349
+  _globals['_TOPLOGPROB']._serialized_start=164
+  _globals['_TOPLOGPROB']._serialized_end=211
+  _globals['_TOKENLOGPROB']._serialized_start=213
+  _globals['_TOKENLOGPROB']._serialized_end=287
+  _globals['_USAGE']._serialized_start=290
+  _globals['_USAGE']._serialized_end=474
 # @@protoc_insertion_point(module_scope)

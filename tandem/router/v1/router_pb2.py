@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.common.v1 import common_pb2 as tandem_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/router/v1/router.proto\x12\x10tandem.router.v1\x1a\x1dtandem/common/v1/common.proto\"\xf8\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12/\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1a.tandem.common.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x1d\n\x10num_draft_tokens\x18\x08 \x01(\rH\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\r\n\x05min_p\x18\r \x01(\x02\x42\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_num_draft_tokens\"\x92\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12&\n\x05usage\x18\x03 \x01(\x0b\x32\x17.tandem.common.v1.Usage\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.tandem.common.v1.FinishReason\"\x14\n\x12ListWorkersRequest\"\xe1\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12-\n\tspec_mode\x18\x04 \x01(\x0e\x32\x1a.tandem.common.v1.SpecMode\x12\x0c\n\x04span\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x13\n\x0bused_blocks\x18\x08 \x01(\r\x12\x0e\n\x06health\x18\t \x01(\t\x12\x11\n\tin_flight\x18\n \x01(\r\"F\n\x13ListWorkersResponse\x12/\n\x07workers\x18\x01 \x03(\x0b\x32\x1e.tandem.router.v1.WorkerStatus2\xb9\x01\n\x06Router\x12S\n\x08Generate\x12!.tandem.router.v1.GenerateRequest\x1a\".tandem.router.v1.GenerateResponse0\x01\x12Z\n\x0bListWorkers\x12$.tandem.router.v1.ListWorkersRequest\x1a%.tandem.router.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/router/v1/router.proto\x12\x10tandem.router.v1\x1a\x1dtandem/common/v1/common.proto\"\x94\x04\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12/\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1a.tandem.common.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x1d\n\x10num_draft_tokens\x18\x08 \x01(\rH\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\x06\x88\x01\x01\x12\t\n\x01n\x18\x12 \x01(\rB\x08\n\x06promptB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_num_draft_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\xd3\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12&\n\x05usage\x18\x03 \x01(\x0b\x32\x17.tandem.common.v1.Usage\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.tandem.common.v1.FinishReason\x12\x30\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1e.tandem.common.v1.TokenLogprob\x12\r\n\x05index\x18\x06 \x01(\r\"\x14\n\x12ListWorkersRequest\"\xe1\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08model_id\x18\x03 \x01(\t\x12-\n\tspec_mode\x18\x04 \x01(\x0e\x32\x1a.tandem.common.v1.SpecMode\x12\x0c\n\x04span\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x13\n\x0bused_blocks\x18\x08 \x01(\r\x12\x0e\n\x06health\x18\t \x01(\t\x12\x11\n\tin_flight\x18\n \x01(\r\"F\n\x13ListWorkersResponse\x12/\n\x07workers\x18\x01 \x03(\x0b\x32\x1e.tandem.router.v1.WorkerStatus2\xb9\x01\n\x06Router\x12S\n\x08Generate\x12!.tandem.router.v1.GenerateRequest\x1a\".tandem.router.v1.GenerateResponse0\x01\x12Z\n\x0bListWorkers\x12$.tandem.router.v1.ListWorkersRequest\x1a%.tandem.router.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.router.v1.router_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=83
-  _globals['_GENERATEREQUEST']._serialized_end=459
-  _globals['_GENERATERESPONSE']._serialized_start=462
-  _globals['_GENERATERESPONSE']._serialized_end=608
-  _globals['_LISTWORKERSREQUEST']._serialized_start=610
-  _globals['_LISTWORKERSREQUEST']._serialized_end=630
-  _globals['_WORKERSTATUS']._serialized_start=633
-  _globals['_WORKERSTATUS']._serialized_end=858
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=860
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=930
-  _globals['_ROUTER']._serialized_start=933
-  _globals['_ROUTER']._serialized_end=1118
+  _globals['_GENERATEREQUEST']._serialized_end=615
+  _globals['_GENERATERESPONSE']._serialized_start=618
+  _globals['_GENERATERESPONSE']._serialized_end=829
+  _globals['_LISTWORKERSREQUEST']._serialized_start=831
+  _globals['_LISTWORKERSREQUEST']._serialized_end=851
+  _globals['_WORKERSTATUS']._serialized_start=854
+  _globals['_WORKERSTATUS']._serialized_end=1079
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1081
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1151
+  _globals['_ROUTER']._serialized_start=1154
+  _globals['_ROUTER']._serialized_end=1339
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tandem.common.v1 import common_pb2 as tandem_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/worker/v1/worker.proto\x12\x10tandem.worker.v1\x1a\x1dtandem/common/v1/common.proto\"\x9e\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\r\n\x05min_p\x18\x07 \x01(\x02\x42\x07\n\x05_seed\"&\n\nSpecParams\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\r\"I\n\x0eReservationRef\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"\xe8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x06prompt\x18\x02 \x01(\x0b\x32\x1a.tandem.common.v1.TokenIds\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .tandem.worker.v1.SamplingParams\x12*\n\x04spec\x18\x04 \x01(\x0b\x32\x1c.tandem.worker.v1.SpecParams\x12\x35\n\x0breservation\x18\x05 \x01(\x0b\x32 .tandem.worker.v1.ReservationRef\"\x84\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x35\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1e.tandem.common.v1.FinishReason\x12&\n\x05usage\x18\x03 \x01(\x0b\x32\x17.tandem.common.v1.Usage\"\r\n\x0bInfoRequest\"\xa2\x02\n\x0cInfoResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12-\n\tspec_mode\x18\x03 \x01(\x0e\x32\x1a.tandem.common.v1.SpecMode\x12\x0c\n\x04span\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x13\n\x0bincarnation\x18\t \x01(\x04\x12\x13\n\x0bmax_seq_len\x18\n \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x0b \x01(\r\x12\x0f\n\x07running\x18\x0c \x01(\r\x12\x12\n\nmodel_name\x18\r \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse2\xee\x01\n\x06Worker\x12S\n\x08Generate\x12!.tandem.worker.v1.GenerateRequest\x1a\".tandem.worker.v1.GenerateResponse0\x01\x12\x45\n\x04Info\x12\x1d.tandem.worker.v1.InfoRequest\x1a\x1e.tandem.worker.v1.InfoResponse\x12H\n\x05\x41\x62ort\x12\x1e.tandem.worker.v1.AbortRequest\x1a\x1f.tandem.worker.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/worker/v1/worker.proto\x12\x10tandem.worker.v1\x1a\x1dtandem/common/v1/common.proto\"\xaf\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\r\n\x05min_p\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x01\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x02\x88\x01\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"&\n\nSpecParams\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\r\"I\n\x0eReservationRef\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04J\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"\xe8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x06prompt\x18\x02 \x01(\x0b\x32\x1a.tandem.common.v1.TokenIds\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .tandem.worker.v1.SamplingParams\x12*\n\x04spec\x18\x04 \x01(\x0b\x32\x1c.tandem.worker.v1.SpecParams\x12\x35\n\x0breservation\x18\x05 \x01(\x0b\x32 .tandem.worker.v1.ReservationRef\"\xe5\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x30\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1e.tandem.common.v1.TokenLogprob\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_drafts\x18\x06 \x01(\r\x12\x35\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1e.tandem.common.v1.FinishReason\x12&\n\x05usage\x18\x03 \x01(\x0b\x32\x17.tandem.common.v1.Usage\"\r\n\x0bInfoRequest\"\xa2\x02\n\x0cInfoResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12-\n\tspec_mode\x18\x03 \x01(\x0e\x32\x1a.tandem.common.v1.SpecMode\x12\x0c\n\x04span\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x13\n\x0bincarnation\x18\t \x01(\x04\x12\x13\n\x0bmax_seq_len\x18\n \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x0b \x01(\r\x12\x0f\n\x07running\x18\x0c \x01(\r\x12\x12\n\nmodel_name\x18\r \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse2\xee\x01\n\x06Worker\x12S\n\x08Generate\x12!.tandem.worker.v1.GenerateRequest\x1a\".tandem.worker.v1.GenerateResponse0\x01\x12\x45\n\x04Info\x12\x1d.tandem.worker.v1.InfoRequest\x1a\x1e.tandem.worker.v1.InfoResponse\x12H\n\x05\x41\x62ort\x12\x1e.tandem.worker.v1.AbortRequest\x1a\x1f.tandem.worker.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.worker.v1.worker_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=83
-  _globals['_SAMPLINGPARAMS']._serialized_end=241
-  _globals['_SPECPARAMS']._serialized_start=243
-  _globals['_SPECPARAMS']._serialized_end=281
-  _globals['_RESERVATIONREF']._serialized_start=283
-  _globals['_RESERVATIONREF']._serialized_end=356
-  _globals['_GENERATEREQUEST']._serialized_start=359
-  _globals['_GENERATEREQUEST']._serialized_end=591
-  _globals['_GENERATERESPONSE']._serialized_start=594
-  _globals['_GENERATERESPONSE']._serialized_end=726
-  _globals['_INFOREQUEST']._serialized_start=728
-  _globals['_INFOREQUEST']._serialized_end=741
-  _globals['_INFORESPONSE']._serialized_start=744
-  _globals['_INFORESPONSE']._serialized_end=1034
-  _globals['_ABORTREQUEST']._serialized_start=1036
-  _globals['_ABORTREQUEST']._serialized_end=1070
-  _globals['_ABORTRESPONSE']._serialized_start=1072
-  _globals['_ABORTRESPONSE']._serialized_end=1087
-  _globals['_WORKER']._serialized_start=1090
-  _globals['_WORKER']._serialized_end=1328
+  _globals['_SAMPLINGPARAMS']._serialized_end=386
+  _globals['_SPECPARAMS']._serialized_start=388
+  _globals['_SPECPARAMS']._serialized_end=426
+  _globals['_RESERVATIONREF']._serialized_start=428
+  _globals['_RESERVATIONREF']._serialized_end=501
+  _globals['_GENERATEREQUEST']._serialized_start=504
+  _globals['_GENERATEREQUEST']._serialized_end=736
+  _globals['_GENERATERESPONSE']._serialized_start=739
+  _globals['_GENERATERESPONSE']._serialized_end=968
+  _globals['_INFOREQUEST']._serialized_start=970
+  _globals['_INFOREQUEST']._serialized_end=983
+  _globals['_INFORESPONSE']._serialized_start=986
+  _globals['_INFORESPONSE']._serialized_end=1276
+  _globals['_ABORTREQUEST']._serialized_start=1278
+  _globals['_ABORTREQUEST']._serialized_end=1312
+  _globals['_ABORTRESPONSE']._serialized_start=1314
+  _globals['_ABORTRESPONSE']._serialized_end=1329
+  _globals['_WORKER']._serialized_start=1332
+  _globals['_WORKER']._serialized_end=1570
 # @@protoc_insertion_point(module_scope)

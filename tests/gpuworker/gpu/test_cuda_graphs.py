@@ -56,6 +56,32 @@ def test_graph_replay_equals_eager(models, k):
     assert outputs["capture"] == outputs["pad"]
 
 
+@torch.inference_mode()
+def test_graph_replay_with_penalties_and_logprobs(models):
+    """Penalties (counts on the device, verify rows counting the drafts before them) and logprobs
+    (raw rows) on CUDA: a captured replay equals the eager padded run, greedy and seeded sampling,
+    and every token's logprob is the row's own log_softmax (finite, <= 0, top-1 >= it)."""
+    from services.gpuworker.engine.sampling import SamplingParams
+
+    kinds = {"g": SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3),
+             "s": SamplingParams(temperature=0.8, seed=1, presence_penalty=0.7, repetition_penalty=1.2)}
+    outputs = {}
+    for graphs in ("pad", "capture"):
+        setup = graph_setup(models, graphs, chunk_size=32, max_batch_tokens=128)
+        setup.engine.warmup()
+        for i, p in enumerate(prompts()):
+            for name, sampling in kinds.items():
+                submit(setup, f"{name}{i}", p, max_new_tokens=MAX_NEW, k=3, sampling=sampling, logprobs=2)
+        done = run_until_done(setup)
+        outputs[graphs] = {rid: (c.tokens, [lp.logprob for lp in c.logprobs]) for rid, c in done.items()}
+        for c in done.values():
+            assert [lp.token_id for lp in c.logprobs] == c.tokens
+            assert all(lp.logprob <= 1e-6 and lp.top[0][1] >= lp.logprob - 1e-3 for lp in c.logprobs)
+    for rid, (tokens, lps) in outputs["capture"].items():
+        assert tokens == outputs["pad"][rid][0], rid
+        assert torch.allclose(torch.tensor(lps), torch.tensor(outputs["pad"][rid][1]), atol=1e-3), rid
+
+
 def write_checkpoint(folder) -> str:
     """A random Llama with FlashInfer's head size (128), written by transformers; the loader
     gives it a seeded random EAGLE-3 draft (``draft_model="random"``). A byte-sized
@@ -109,7 +135,7 @@ async def _served_tokens(model: str, prompts_: list[list[int]], max_new: int, k:
             for p in prompts_:
                 toks: list[int] = []
                 req = router_pb2.GenerateRequest(token_ids=tokens_to_proto(p), max_new_tokens=max_new,
-                                                 num_draft_tokens=k)
+                                                 num_draft_tokens=k, temperature=0.0)
                 async for msg in stub.Generate(req, timeout=120):
                     toks.extend(msg.token_ids)
                 out.append(toks)
