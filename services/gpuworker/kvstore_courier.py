@@ -51,6 +51,10 @@ _NOT_DELIVERED = ("failed to connect", "connection refused", "connections to all
                   "lost its redis lease", "redis lease was taken over", "unreachable past the lease")
 
 
+class LateAnswer(Unavailable):
+    """``call`` stopped waiting; the answer goes to its ``on_late`` when it comes."""
+
+
 def retryable(kind: str, exc: BaseException) -> bool:
     """Whether a failed call of ``kind`` may be sent again (pure; see the module docstring)."""
     if not isinstance(exc, Unavailable):
@@ -73,6 +77,7 @@ class KVStoreCourier:
         self._done: collections.deque = collections.deque()  # (result, on_done, kind), FIFO
         self._in_flight: collections.Counter = collections.Counter()  # kind -> sent, not drained
         self._closed = False
+        self._resending = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -90,19 +95,46 @@ class KVStoreCourier:
             self._in_flight[kind] += 1
             self._cond.notify_all()
 
-    def call(self, fn: Callable[[], Any]) -> Any:
+    def call(self, fn: Callable[[], Any], *, wait_s: float | None = None, on_late: Done | None = None) -> Any:
         """Run ``fn`` after everything sent before it, wait for it, apply every earlier answer
-        (``drain``), and return its result or raise its exception."""
+        (``drain``), and return its result or raise its exception.
+
+        With ``wait_s``, wait at most that long (0 while the courier is resending a call through
+        an outage makes sense: it would wait behind it): if no answer came, raise ``Unavailable``
+        (``LateAnswer``) at once and hand the answer, when it comes, to ``on_late`` at a later ``drain`` — the
+        call still happens, in order; only the caller stops waiting for it."""
         box: list = []
-        on_done = box.append  # one bound method object, so the wait below can find it
+        late = [False]
+
+        def on_done(result) -> None:
+            if not late[0]:
+                box.append(result)
+            elif on_late is not None:
+                on_late(result)
+
         self.send(fn, on_done, kind="call")
         with self._cond:
-            self._cond.wait_for(lambda: any(d[1] is on_done for d in self._done))
+            answered = self._cond.wait_for(lambda: any(d[1] is on_done for d in self._done), wait_s)
+            late[0] = not answered  # on_done runs only in drain (this thread): no race
         self.drain()
+        if not box:
+            raise LateAnswer(f"kvstore did not answer within {wait_s:.2f} s; the call goes on without us")
         result = box[0]
         if isinstance(result, BaseException):
             raise result
         return result
+
+    @property
+    def resending(self) -> bool:
+        """A call is being resent through a kvstore outage right now (read-only, racy by design:
+        a hint for callers deciding whether to wait)."""
+        return self._resending
+
+    def wait_answer(self, timeout_s: float) -> None:
+        """Wait until some answer is ready to drain, or ``timeout_s`` passed (an engine with
+        nothing it can run waits here instead of spinning)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done or self._closed, timeout_s)
 
     def drain(self) -> int:
         """Apply the answers that arrived, in the order their calls were sent. Returns how many."""
@@ -150,6 +182,7 @@ class KVStoreCourier:
                 result = self._attempt(fn, kind)
             except Exception as exc:  # noqa: BLE001 - handed to on_done, which decides
                 result = exc
+            self._resending = False
             with self._cond:
                 self._done.append((result, on_done, kind))
                 self._cond.notify_all()
@@ -168,5 +201,7 @@ class KVStoreCourier:
                 if self.retries % 50 == 0:
                     log.warning("kvstore %s failed (%s); retrying for up to %.0f s", kind, exc, self.retry_s)
                 self.retries += 1
+                self._resending = True
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+

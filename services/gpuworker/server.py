@@ -55,8 +55,9 @@ class WorkerIdentity:
     link: KVStoreLink
     model_name: str = ""  # the --model it was started with (Info reports it to routers)
 
-    def register(self) -> None:
-        self.link.register(
+    def registration(self) -> dict:
+        """``KVStoreLink.register``'s keyword arguments (plain values)."""
+        return dict(
             worker_id=self.worker_id,
             address=self.address,
             model_id=self.model_id,
@@ -67,6 +68,9 @@ class WorkerIdentity:
             vocab_size=self.vocab_size,
             max_seq_len=self.max_seq_len,
         )
+
+    def register(self) -> None:
+        self.link.register(**self.registration())
 
 
 async def start_worker(
@@ -193,13 +197,13 @@ async def _heartbeat(identity: WorkerIdentity, runner: EngineRunner, servicer: W
             for rid in servicer.on_ending(list(beat.ending_reservation_ids)):
                 await asyncio.to_thread(identity.link.abort, rid, incarnation)
         except (FailedPrecondition, NotFound):
-            # The kvstore dropped us (lease lapsed or it restarted): our reservations are gone, so
-            # fail what runs and come back as a new incarnation.
-            log.warning("kvstore forgot worker %s; re-registering", identity.worker_id)
-            for rid in runner.running_ids():
-                runner.cancel(rid, FailedPrecondition("worker lease lapsed; request dropped"))
+            # The kvstore dropped us (a memory kvstore restarted, or the lease lapsed): come back
+            # as a new incarnation with what we hold — the running requests keep running, and the
+            # blocks our pages still hold go back into the shared cache.
+            log.warning("kvstore forgot worker %s; re-registering with what it holds", identity.worker_id)
             try:
-                await asyncio.to_thread(identity.register)
+                incarnation = await asyncio.to_thread(runner.reregister, identity.registration())
+                identity.link.incarnation = incarnation  # (the same link in-process; a proxy's copy otherwise)
             except TandemError as exc:
                 log.warning("re-register failed: %s", exc.message)
         except TandemError as exc:

@@ -81,8 +81,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 del self._claims[rid]  # finished: its reservation was ended by the runner
         return confirm
 
-    async def _reserved(self, request, context) -> tuple[list[int], int]:
-        """(block table, reused positions) of the named reservation, read from the kvstore (resent
+    async def _reserved(self, request, context):
+        """(block table, reused positions, GetReservation answer) of the named reservation, read from the kvstore (resent
         through a kvstore outage while the caller's deadline allows, at most 10 s); InvalidArgument
         if the prompt is not the one it was reserved for."""
         ref = request.reservation
@@ -97,7 +97,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if got.prompt_packed != np.asarray(prompt, dtype="<u4").tobytes():
             raise InvalidArgument("the prompt is not the one the reservation was made for")
         r = got.reservation
-        return list(r.block_table), int(r.reused_positions)
+        return list(r.block_table), int(r.reused_positions), got
 
     def _spec_from(self, request) -> RequestSpec:
         ident = self.identity
@@ -150,10 +150,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._claims[rid] = spec.request_id
         self._pending.add(rid)
         try:
-            table, reused = await self._reserved(request, context)
+            table, reused, got = await self._reserved(request, context)
             spec = dataclasses.replace(spec, block_table=table, reused_positions=reused)
             loop = asyncio.get_running_loop()
-            job = Job(spec, rid, request.reservation.incarnation, loop, asyncio.Queue())
+            job = Job(spec, rid, request.reservation.incarnation, loop, asyncio.Queue(),
+                      cache_salt=got.cache_salt, kv_request_id=got.reservation.request_id)
             try:
                 self.runner.submit(job)
             except AlreadyExists:

@@ -133,6 +133,10 @@ class _WorkerFailed(Exception):
         self.message = message
 
 
+# A stream of a worker incarnation that left the registry is cut once its worker has been quiet
+# this long (a frozen worker); one that still streams re-registered after a kvstore restart.
+_DEPARTED_QUIET_S = 1.0
+
 class _Progress:
     """What one attempt has seen from its worker (mutated while streaming)."""
 
@@ -141,6 +145,7 @@ class _Progress:
         self.left_registry = False  # its worker incarnation left the kvstore registry mid-stream
         self.tokens: list[int] = []
         self.first_token_at: float | None = None
+        self.last_heard_at: float | None = None  # the last message from the worker
         self.decoder = StreamDecoder(tokenizer)
         self.stops = StopScanner(stop_strings, tokenizer) if stop_strings else None
 
@@ -318,12 +323,22 @@ class Dispatcher:
 
     def _end_streams_of_departed(self, registered: set[tuple[str, int]]) -> None:
         """Cancel the streams of worker incarnations that left the registry (lease lapsed,
-        re-registered): their blocks are gone, and a frozen worker would hold them forever.
-        The client sees UNAVAILABLE (mutates the calls)."""
+        re-registered) and went quiet: a frozen worker would hold them forever. A stream whose
+        worker still talks is left alone: after a kvstore restart the worker re-registers with
+        the reservations it runs and carries on under a new incarnation. The client of a
+        cancelled stream sees UNAVAILABLE (mutates the calls)."""
+        now = self._clock()
         for key in [k for k in self._streams if k not in registered]:
-            for call, progress in self._streams.pop(key).values():
+            streams = self._streams[key]
+            for cid, (call, progress) in list(streams.items()):
+                heard = progress.last_heard_at
+                if heard is not None and now - heard < _DEPARTED_QUIET_S:
+                    continue
+                del streams[cid]
                 progress.left_registry = True
                 call.cancel()
+            if not streams:
+                del self._streams[key]
 
     # ---------------------------------------------------------------------------------- planning
     async def _plan(self, job: GenerateJob, tenant: Tenant, prompt_pb, state: AttemptState,
@@ -506,6 +521,7 @@ class Dispatcher:
                 if ids and max(ids) >= self._tokenizer.vocab_size:
                     raise _WorkerFailed("INTERNAL", f"token id {max(ids)} is outside the router's vocabulary "
                                                     f"({self._tokenizer.vocab_size}): model/tokenizer mismatch")
+                progress.last_heard_at = self._clock()
                 text, cut = progress.text(ids) if ids else ("", None)
                 if ids:
                     if progress.first_token_at is None:
