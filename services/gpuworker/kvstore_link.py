@@ -146,7 +146,7 @@ class KVStoreLink:
                 if time.monotonic() + delay > deadline:
                     raise
                 time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+                delay = min(delay * 2, 0.1)
 
     # -- reservation verbs ------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.common.errors import AlreadyExists, Cancelled, ResourceExhausted, TandemError, Unavailable
+from services.common.errors import AlreadyExists, Cancelled, FailedPrecondition, ResourceExhausted, TandemError, Unavailable
 from services.gpuworker.engine.engine import Engine
 from services.gpuworker.engine.report import StepReport
 from services.gpuworker.engine.request import FinishReason, RequestSpec
@@ -280,7 +280,8 @@ class EngineRunner:
                 raise ResourceExhausted(f"worker runs {self.max_running} requests already")
             if job.incarnation < self._stale_below:
                 job.incarnation = 0  # its reservation died with the kvstore's memory: nothing to end
-                raise Unavailable("the kvstore restarted after this request was reserved; retry it")
+                # FAILED_PRECONDITION: the router reserves again (this worker is not broken)
+                raise FailedPrecondition("the kvstore restarted after this request was reserved; reserve again")
             self.source.bind(rid, job.reservation_id, job.incarnation)
             self.engine.add_request(job.spec)
         except Exception as exc:
@@ -450,6 +451,8 @@ class EngineRunner:
         self._stale_below = incarnation
         for job in self._ending_jobs.values():
             job.incarnation = 0  # not re-announced: its Release or Abort has nothing left to end
+        for dropped in response.dropped:
+            log.warning("the kvstore did not take back reservation %s: %s", dropped.reservation_id, dropped.reason)
         back = {r.reservation_id: r for r in response.restored}
         for rid, job in list(self._jobs.items()):
             r = back.get(job.reservation_id)

@@ -25,10 +25,12 @@ while the lease lasts. Reads (Match, Stats) never touch Redis.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import pickle
 import socket
+import sys
 import time
 import uuid
 
@@ -62,6 +64,8 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('FENCED l
 local base = tonumber(redis.call('GET', KEYS[3]) or '0')
 local len = redis.call('LLEN', KEYS[2])
 local seq = tonumber(ARGV[2])
+-- a snapshot older than the one there (a slow snapshot process) changes nothing
+if seq < base then return base + len end
 if seq >= base + len then
   redis.call('DEL', KEYS[2])
 else
@@ -203,20 +207,31 @@ class RedisLog:
             previous.sink = sink
             previous.clock.resume(previous.last_time)
             return previous
-        snapshot = self.client.get(k["snapshot"])
-        base = int(self.client.get(k["base"]) or 0)
+        snapshot, base = self.client.pipeline(transaction=True).get(k["snapshot"]).get(k["base"]).execute()
+        return JournaledStore.recover(store_args, snapshot, self._entries(int(base or 0)), sink, clock=clock, ids=ids)
 
-        def entries():
-            start = 0
-            while True:
-                chunk = self.client.lrange(k["journal"], start, start + _LOAD_CHUNK - 1)
-                for i, raw in enumerate(chunk):
-                    yield base + start + i + 1, raw
-                if len(chunk) < _LOAD_CHUNK:
-                    return
-                start += _LOAD_CHUNK
+    def replica(self) -> JournaledStore:
+        """The store the journal in Redis describes, read without holding the lease (the
+        snapshot process's copy, see ``snapshotter``). Snapshot and base are read together;
+        the entries after them only grow."""
+        k = self.keys
+        meta, snapshot, base = (self.client.pipeline(transaction=True).get(k["meta"]).get(k["snapshot"])
+                                .get(k["base"]).execute())
+        stored = pickle.loads(meta) if meta is not None else None
+        if not isinstance(stored, dict) or stored.get("format") != FORMAT:
+            raise JournalFormatError(f"no kvstore journal of format {FORMAT} under {self.prefix!r}")
+        return JournaledStore.recover(stored["store_args"], snapshot, self._entries(int(base or 0)))
 
-        return JournaledStore.recover(store_args, snapshot, entries(), sink, clock=clock, ids=ids)
+    def _entries(self, base: int):
+        """(seq, entry) of the journal after ``base``, read in chunks."""
+        start = 0
+        while True:
+            chunk = self.client.lrange(self.keys["journal"], start, start + _LOAD_CHUNK - 1)
+            for i, raw in enumerate(chunk):
+                yield base + start + i + 1, raw
+            if len(chunk) < _LOAD_CHUNK:
+                return
+            start += _LOAD_CHUNK
 
     def wipe(self) -> None:
         """Delete every key of this journal (tests and ``--redis-reset``)."""
@@ -273,6 +288,7 @@ class Committer:
         self.batches = 0
         self.repairs = 0
         self.snapshots = 0
+        self._snapshotting: asyncio.Task | None = None
 
     def start(self, durable_seq: int) -> list[asyncio.Task]:
         self.durable_seq = durable_seq
@@ -355,18 +371,27 @@ class Committer:
         await self._call(self._snapshot, *self.log.snapshot_args(seq, blob))
 
     async def _snapshot_now(self) -> None:
-        """Snapshot the store as it is now (its seq may be past the marker: the entries between
-        are still queued, and the append script skips what the snapshot covers). Inline: the
-        pickle holds the loop for its duration (measured in docs/benchmarks.md); a forked child
-        (like Redis's BGSAVE) would not, but this grpcio's fork handlers crash the child unless
-        GRPC_ENABLE_FORK_SUPPORT=0 is set before gRPC starts."""
-        store = self._store_ref()
+        """Start a snapshot in another process (``snapshotter``) if none runs: it rebuilds the
+        state from Redis and writes it back, so the pickle never holds this event loop (inline
+        it held it ~180 ms at 31k blocks). Not awaited: journal appends go on meanwhile."""
+        if self._snapshotting is not None and not self._snapshotting.done():
+            return  # the one running covers most of it; the next marker starts another
+        self._snapshotting = asyncio.get_running_loop().create_task(self._snapshot_process())
+
+    async def _snapshot_process(self) -> None:
         started = time.perf_counter()
-        seq, blob = store.seq, store.snapshot()
-        await self._write_snapshot(seq, blob)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.kvstore.snapshotter",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        args = json.dumps({"url": self.log.url, "prefix": self.log.prefix, "token": self.log.token}).encode()
+        out, err = await proc.communicate(args)
+        if proc.returncode != 0:
+            log.warning("kvstore snapshot process failed (%s): %s", proc.returncode, err.decode(errors="replace")[-500:])
+            return
         self.snapshots += 1
-        log.info("kvstore snapshot at entry %d (%d bytes, %.1f ms to pickle) written to Redis", seq, len(blob),
-                 (time.perf_counter() - started) * 1000)
+        done = json.loads(out)
+        log.info("kvstore snapshot at entry %d (%d bytes) written by a snapshot process in %.2f s (wall %.2f s)",
+                 done["seq"], done["bytes"], done["seconds"], time.perf_counter() - started)
 
     async def _call(self, script, keys, args):
         try:
@@ -407,4 +432,7 @@ class Committer:
             await asyncio.sleep(period)
 
     async def close(self) -> None:
+        if self._snapshotting is not None:
+            self._snapshotting.cancel()  # its process finishes or is fenced on its own
+            await asyncio.gather(self._snapshotting, return_exceptions=True)
         await self.client.aclose()

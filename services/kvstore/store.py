@@ -236,10 +236,10 @@ class KVStore:
             raise InvalidArgument(f"reservation {validation.shown(rid)} or its request is live already")
         stream, salt, table, path, ends, m = self._held(worker, held.tokens, held.cache_salt, held.block_table, free)
         bs = worker.spec.block_size
-        published = validation.count("published_blocks", held.published_blocks)
-        if published > min(len(table), stream.num_keyed_blocks):
-            raise InvalidArgument(f"published_blocks {published} exceeds the table or the keyed blocks")
-        if len(table) * bs < min(stream.n, worker.spec.max_seq_len) or len(table) > -(-worker.spec.max_seq_len // bs):
+        # a worker counts blocks with final KV; only keyed ones were published (as Publish clamps)
+        published = min(validation.count("published_blocks", held.published_blocks), len(table), stream.num_keyed_blocks)
+        # the last token of a sequence is sampled, never fed: it has no KV position yet
+        if len(table) * bs < min(stream.n - 1, worker.spec.max_seq_len) or len(table) > -(-worker.spec.max_seq_len // bs):
             raise InvalidArgument(f"a table of {len(table)} blocks does not fit {stream.n} tokens and max_seq_len")
         m = min(m, published)
         own = table[m:]

@@ -134,8 +134,9 @@ class _WorkerFailed(Exception):
 
 
 # A stream of a worker incarnation that left the registry is cut once its worker has been quiet
-# this long (a frozen worker); one that still streams re-registered after a kvstore restart.
-_DEPARTED_QUIET_S = 1.0
+# this long (a frozen worker); one that still streams re-registers after a kvstore restart (its
+# requests may pause a few seconds meanwhile, waiting for capacity on a loaded machine).
+_DEPARTED_QUIET_S = 5.0
 
 class _Progress:
     """What one attempt has seen from its worker (mutated while streaming)."""
@@ -220,7 +221,7 @@ class _Outage:
         self._d = dispatcher
         self._deadline = deadline
         self._until: float | None = None
-        self._delays = backoff_delays(0.05, 0.5)
+        self._delays = backoff_delays(0.02, 0.1)  # a kvstore back is used within 0.1 s
 
     async def wait(self, exc: Exception) -> None:
         clock, config = self._d._clock, self._d.config
@@ -353,7 +354,9 @@ class Dispatcher:
         except grpc.aio.AioRpcError as err:
             raise _kv_error("Match", err) from None
         matches = list(resp.workers)
-        if not self.directory.is_fresh_for((m.worker_id, m.incarnation) for m in matches):
+        # none at all: the registry may be empty for a moment (a kvstore restarted, its workers
+        # re-registering), which the directory can only tell once it is read again
+        if not matches or not self.directory.is_fresh_for((m.worker_id, m.incarnation) for m in matches):
             await self.refresh_directory(deadline)
         if not matches:
             raise self._why_no_match(job)

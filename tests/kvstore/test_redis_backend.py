@@ -242,3 +242,27 @@ def test_snapshots_are_taken_while_serving_and_recovery_uses_them(start_kvstore_
     recovered = RedisLog(log.url, prefix=log.prefix).load({})
     assert recovered.seq == lead.store.seq
     assert svc.in_loop(lambda: recovered.store.view().reservations() == lead.store.store.view().reservations())
+
+
+def test_a_snapshot_process_rebuilds_the_state_from_redis_and_is_fenced(redis_server):
+    """Snapshots are made by another process from what Redis holds (the leader's loop is not
+    held): its copy equals the leader's; an older snapshot never replaces a newer one; without
+    the lease it writes nothing."""
+    from services.kvstore.snapshotter import snapshot_from_redis
+
+    log = RedisLog(redis_server.url, prefix=unique_prefix(), lease_ms=60_000)
+    assert log.try_acquire()
+    store = log.load(ARGS, lambda s, e: log.append(s, [e]))
+    _fill(store)
+    seq, size, _ = snapshot_from_redis(log.url, log.prefix, log.token)
+    assert seq == store.seq and size > 0 and int(log.client.get(log.keys["base"])) == seq
+    again = RedisLog(log.url, prefix=log.prefix).replica()
+    assert again.store.view().reservations() == store.store.view().reservations()
+    assert again.stats() == store.stats()
+    log.write_snapshot(seq - 1, b"older")  # a slow snapshot process: refused, nothing trimmed
+    assert int(log.client.get(log.keys["base"])) == seq and log.client.get(log.keys["snapshot"]) != b"older"
+    token = log.token
+    log.resign()
+    with pytest.raises(Fenced):
+        snapshot_from_redis(log.url, log.prefix, token)
+    log.wipe(), log.close()
