@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from services.common.errors import Unavailable
+from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.gpuworker.engine.fence import COMPLETE, StepFence
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,12 @@ class KVStoreCourier:
         self._in_flight: collections.Counter = collections.Counter()  # kind -> sent, not drained
         self._closed = False
         self._resending = False
+        # Set by the owner of the kvstore link: (generation) -> whether a reservation verb that
+        # failed NOT_FOUND / FAILED_PRECONDITION failed only because the kvstore forgot this
+        # worker (a memory kvstore restarted): it is then resent, once the worker re-registered
+        # with what it holds (``EngineRunner.reregister``), under the new incarnation.
+        self.forgot_us: Callable[[int], bool] | None = None
+        self.generation: Callable[[], int] = lambda: 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -187,6 +193,10 @@ class KVStoreCourier:
                 self._done.append((result, on_done, kind))
                 self._cond.notify_all()
 
+    def _forgotten(self, kind: str, exc: BaseException, generation: int) -> bool:
+        return (kind in IDEMPOTENT_KINDS and isinstance(exc, (NotFound, FailedPrecondition))
+                and self.forgot_us is not None and self.forgot_us(generation))
+
     def _attempt(self, fn: Callable[[], Any], kind: str) -> Any:
         """``fn()``, sent again with backoff (20 ms doubling to 0.1 s: a kvstore that is back is
         used within 0.1 s, and a refused connection costs nothing) while it fails in a way
@@ -194,10 +204,13 @@ class KVStoreCourier:
         deadline = time.monotonic() + self.retry_s
         delay = 0.02
         while True:
+            generation = self.generation()
             try:
                 return fn()
             except Exception as exc:
-                if not retryable(kind, exc) or time.monotonic() + delay > deadline or self._closed:
+                if not (retryable(kind, exc) or self._forgotten(kind, exc, generation)):
+                    raise
+                if time.monotonic() + delay > deadline or self._closed:
                     raise
                 if self.retries % 50 == 0:
                     log.warning("kvstore %s failed (%s); retrying for up to %.0f s", kind, exc, self.retry_s)

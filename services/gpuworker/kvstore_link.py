@@ -66,6 +66,7 @@ class KVStoreLink:
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self.incarnation = 0
         self.worker_id = ""  # set by register: Abort names it (the owner confirms, see kvstore Abort)
+        self.generation = 0  # re-registrations with held state so far (see forgot_us)
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -127,7 +128,22 @@ class KVStoreLink:
         with self._lock:
             self.incarnation = response.worker.incarnation
             self.worker_id = registration["worker_id"]
+            self.generation += 1
         return response
+
+    def forgot_us(self, generation: int) -> bool:
+        """Whether a verb sent at ``generation`` that the kvstore answered NOT_FOUND or
+        FAILED_PRECONDITION may have failed only because the kvstore forgot this worker: we
+        re-registered since, or the kvstore does not know our incarnation now (a memory kvstore
+        restarted; the heartbeat re-registers us). The kvstore cannot tell this apart itself — a
+        fresh memory kvstore never saw the reservation — so the worker asks (one Heartbeat)."""
+        if generation != self.generation:
+            return True
+        try:
+            self.heartbeat(self.worker_id)
+        except (NotFound, FailedPrecondition, Unavailable):
+            return True
+        return generation != self.generation
 
     def heartbeat(self, worker_id: str) -> kv.HeartbeatResponse:
         """Extend the lease; the answer lists reservations the router ended (to stop and confirm)."""

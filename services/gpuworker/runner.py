@@ -142,6 +142,8 @@ class EngineRunner:
         self._stale_below = 0  # jobs of incarnations below this were not re-announced
         source.on_table = self._on_table
         source.on_late = self._extended
+        courier.forgot_us = link.forgot_us  # resend verbs through a memory kvstore restart
+        courier.generation = lambda: link.generation
 
     # -- any thread ---------------------------------------------------------------------------------
 

@@ -39,7 +39,6 @@ from typing import Callable
 
 from services.common.errors import (
     FailedPrecondition,
-    Unavailable,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -156,7 +155,9 @@ class KVStore:
         Publish does, which the worker adopts from ``restored``; a cached copy is left free).
         Registration is the transaction; each reservation is restored whole or dropped (with
         why), each sequence up to its first block that cannot be taken. Calls of the previous
-        incarnation stay stale (DESIGN §2): only the new incarnation names these reservations."""
+        incarnation stay stale (DESIGN §2): only the new incarnation names these reservations;
+        until the worker re-registered they are unknown (NOT_FOUND), and the worker resends them
+        (``kvstore_courier``)."""
         reservations, cached = list(reservations), list(cached)
         if len(reservations) > self.max_items or len(cached) > self.max_items:
             raise InvalidArgument(f"restore_worker takes at most {self.max_items} reservations and sequences")
@@ -661,7 +662,6 @@ class KVStore:
                 return True
             ended = self._tombstones.get(reservation_id) if isinstance(reservation_id, str) else None
             if ended is None:
-                self._raise_if_previous_life(incarnation)
                 raise NotFound(f"unknown reservation {validation.shown(reservation_id)}")
             if worker_id is not None and ended[0] != worker_id:
                 raise PermissionDenied(f"reservation {validation.shown(reservation_id)} is not worker {validation.shown(worker_id)}'s")
@@ -773,7 +773,7 @@ class KVStore:
                     f"reservation {validation.shown(reservation_id)} was ended by the router; "
                     "confirm with Abort once no step writes its blocks"
                 )
-            self._raise_not_live(reservation_id, incarnation)
+            self._raise_not_live(reservation_id)
         self._check_owner(record, worker_id)
         if record.worker.incarnation != incarnation:
             raise FailedPrecondition(
@@ -804,19 +804,10 @@ class KVStore:
         del self._by_request[record.request_id]
         self._ending[rid] = record.worker.ending[rid] = record
 
-    def _raise_not_live(self, reservation_id, incarnation: int | None = None) -> None:
+    def _raise_not_live(self, reservation_id) -> None:
         if isinstance(reservation_id, str) and reservation_id in self._tombstones:
             raise FailedPrecondition(f"reservation {validation.shown(reservation_id)} has ended")
-        self._raise_if_previous_life(incarnation)
         raise NotFound(f"unknown reservation {validation.shown(reservation_id)}")
-
-    def _raise_if_previous_life(self, incarnation: int | None) -> None:
-        """An incarnation at or below this store's epoch was issued by an earlier life of the
-        kvstore (memory backend restarted): its worker is about to re-register and re-announce
-        what it holds (``restore_worker``), so the call is answered UNAVAILABLE (changed nothing,
-        send again) instead of NOT_FOUND, which would end the worker's request."""
-        if incarnation and incarnation <= self.epoch:
-            raise Unavailable(f"kvstore restarted since incarnation {incarnation}; resend once the worker re-registered")
 
     def _allocate(self, worker: WorkerRecord, count: int) -> list[int]:
         """Take ``count`` blocks from the free queue, evicting LRU cached leaves when it runs dry

@@ -342,10 +342,7 @@ class Dispatcher:
                 del self._streams[key]
 
     # ---------------------------------------------------------------------------------- planning
-    async def _plan(self, job: GenerateJob, tenant: Tenant, prompt_pb, state: AttemptState,
-                    deadline: float | None) -> list[WorkerEntry]:
-        """Match + rank: the workers in preference order (read-only for the kvstore). Raises
-        when no worker could ever take the request."""
+    async def _match(self, tenant: Tenant, prompt_pb, deadline: float | None) -> list:
         try:
             resp = await self._kv.Match(
                 kv_pb.MatchRequest(tokens=prompt_pb, cache_salt=tenant.cache_salt, model_id=self.config.model_id),
@@ -353,10 +350,20 @@ class Dispatcher:
             )
         except grpc.aio.AioRpcError as err:
             raise _kv_error("Match", err) from None
-        matches = list(resp.workers)
-        # none at all: the registry may be empty for a moment (a kvstore restarted, its workers
-        # re-registering), which the directory can only tell once it is read again
-        if not matches or not self.directory.is_fresh_for((m.worker_id, m.incarnation) for m in matches):
+        return list(resp.workers)
+
+    async def _plan(self, job: GenerateJob, tenant: Tenant, prompt_pb, state: AttemptState,
+                    deadline: float | None) -> list[WorkerEntry]:
+        """Match + rank: the workers in preference order (read-only for the kvstore). Raises
+        when no worker could ever take the request."""
+        matches = await self._match(tenant, prompt_pb, deadline)
+        if not matches:
+            # none at all: the registry may have been empty for a moment (a kvstore restarted,
+            # its workers re-registering). Read it again, then ask again: only a Match after the
+            # refresh tells "no worker yet" from "no compatible worker".
+            await self.refresh_directory(deadline)
+            matches = await self._match(tenant, prompt_pb, deadline)
+        if not self.directory.is_fresh_for((m.worker_id, m.incarnation) for m in matches):
             await self.refresh_directory(deadline)
         if not matches:
             raise self._why_no_match(job)
@@ -664,6 +671,7 @@ class Dispatcher:
                     span.set_attribute("tandem.reused_positions", reservation.reused_positions)
                 worker_request_id = state.reservation_request_id()
                 progress = _Progress(self._tokenizer, job.sampling.stop_strings)
+                progress.last_heard_at = self._clock()  # a stream that just began counts as heard
                 finished = False
                 stream = self._stream(job, entry, reservation, worker_request_id, deadline, arrival, progress)
                 self.directory.begin(entry.worker_id)

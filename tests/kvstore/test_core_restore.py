@@ -1,13 +1,13 @@
 """A worker that outlived the kvstore's memory re-registers with what it still holds
 (``restore_worker``): its running reservations come back under the new incarnation, its cached
 blocks come back into the trie, and the store's rules hold (invariants audited after each call).
-Calls of the previous life are answered UNAVAILABLE (resend) until then, stale afterwards."""
+Calls of the previous life are unknown until then, stale afterwards."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.kvstore import HeldReservation, HeldSequence, KVStore
 from services.kvstore.journal import JournaledStore
 
@@ -39,7 +39,7 @@ def test_restore_brings_back_running_reservations_and_the_cache(store, make_spec
     before = store.match(list(range(13)))[0].reusable_blocks
     # the kvstore restarts: a new life with a later epoch
     fresh = KVStore(clock=clock, lease_ttl_s=10.0, epoch=w.incarnation + 1000)
-    with pytest.raises(Unavailable):  # a verb of the previous life: resend, do not fail
+    with pytest.raises(NotFound):  # a verb of the previous life (the worker resends it, see the courier)
         fresh.publish(reservation_id=run.reservation_id, incarnation=w.incarnation, final_positions=12)
     result = fresh.restore_worker(make_spec(num_blocks=16), reservations=[held], cached=[seq])
     assert result.dropped == ()

@@ -21,9 +21,7 @@ class _Ghost:
     """Stands in for a reservation the store never handed out."""
 
     reservation_id = "r-does-not-exist"
-    # of this kvstore's life (above its epoch): an incarnation from an earlier life is answered
-    # UNAVAILABLE instead, since its worker is about to re-announce its reservations
-    incarnation = 1 << 62
+    incarnation = 1
 
 
 def stale(r):
