@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import concurrent.futures
 import logging
 import queue
@@ -428,8 +429,17 @@ class EngineRunner:
 
     def _reregister(self, registration: dict) -> int:
         """See ``reregister`` (engine thread, between steps)."""
+        self._drain_commands(block=False)  # requests that arrived are announced with the rest
         self.courier.drain()  # adopt every answer that came (a dedup remap, an Extend)
         self.engine.last_fence.wait()  # what the kvstore is told is what the pages hold
+        bs = self.engine.block_size
+        waiting = [  # admitted once no Publish is in flight: nothing ran yet
+            kv.HeldReservation(
+                reservation_id=job.reservation_id, request_id=job.kv_request_id or job.spec.request_id,
+                tokens_packed=np.asarray(job.spec.prompt_ids, dtype="<u4").tobytes(), cache_salt=job.cache_salt,
+                block_table=job.spec.block_table, published_blocks=job.spec.reused_positions // bs)
+            for job in self._waiting
+        ]
         held = [
             kv.HeldReservation(
                 reservation_id=job.reservation_id,
@@ -448,7 +458,7 @@ class EngineRunner:
                             block_ids=seq.block_ids)
             for seq in self.ledger.sequences(self.restore_max_tokens)
         ]
-        response = self.link.restore(registration, held, sequences)
+        response = self.link.restore(registration, held + waiting, sequences)
         incarnation = response.worker.incarnation
         self._stale_below = incarnation
         for job in self._ending_jobs.values():
@@ -469,8 +479,18 @@ class EngineRunner:
                 self.engine.remap_blocks(rid, list(r.block_table))
             except TandemError as exc:
                 self._fail(rid, exc)
-        log.warning("re-registered as incarnation %d: %d of %d running requests taken back, %d cached blocks",
-                    incarnation, len(back), len(held), response.restored_cached_blocks)
+        for job in list(self._waiting):
+            r = back.get(job.reservation_id)
+            if r is None:
+                self._waiting.remove(job)
+                self._disown(job.spec.request_id)
+                self._outbox.post(job, "error", FailedPrecondition("the kvstore restarted and could not take this "
+                                                                   "request back; reserve again"))
+                continue
+            job.incarnation = incarnation
+            job.spec = dataclasses.replace(job.spec, block_table=list(r.block_table))  # only reused blocks may move
+        log.warning("re-registered as incarnation %d: %d of %d requests taken back, %d cached blocks",
+                    incarnation, len(back), len(held) + len(waiting), response.restored_cached_blocks)
         return incarnation
 
     def engine_has(self, rid: str) -> bool:

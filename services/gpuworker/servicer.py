@@ -91,6 +91,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             got = await asyncio.to_thread(self.identity.link.get_reservation, ref.reservation_id, ref.incarnation,
                                           retry_s=retry_s)
+        except NotFound as exc:
+            link = self.identity.link
+            if ref.incarnation != link.incarnation or link.forgot_us(link.generation):
+                # reserved in a memory kvstore that restarted since: the router reserves again
+                raise FailedPrecondition(f"reservation not usable, the kvstore restarted: {exc.message}") from None
+            raise NotFound(f"reservation not usable: {exc.message}") from None
         except TandemError as exc:
             raise type(exc)(f"reservation not usable: {exc.message}") from None
         prompt = tokens_from_proto(request.prompt, field="prompt")

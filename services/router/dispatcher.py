@@ -392,14 +392,15 @@ class Dispatcher:
             )
         if not candidates and too_small:
             raise ResourceExhausted(f"the prompt can never fit: {'; '.join(too_small)}")
+        exclude = state.excluded_now({m.worker_id: m.incarnation for m in matches})
         if self.config.policy == "round_robin":
             ranked = rotate_workers(candidates, prompt_tokens=n, turn=self._turn,
-                                    model_id=self.config.model_id, exclude=state.excluded)
+                                    model_id=self.config.model_id, exclude=exclude)
             self._turn += 1
         else:
             ranked = rank_workers(
                 candidates, prompt_tokens=n, weights=self.config.weights, rng=self._rng,
-                model_id=self.config.model_id, exclude=state.excluded,
+                model_id=self.config.model_id, exclude=exclude,
             )
         if not ranked:
             if candidates and not state.failures and not any(c.healthy for c in candidates):
@@ -691,7 +692,7 @@ class Dispatcher:
                         self.directory.mark_failed(entry.worker_id)
                     log.info("request %s: worker %s failed (%s)", job.request_id, entry.worker_id, failure)
                     state.worker_failed(entry.worker_id, failure.code_name, failure.message,
-                                        streamed_tokens=len(progress.tokens))
+                                        streamed_tokens=len(progress.tokens), incarnation=entry.incarnation)
                 except BaseException:
                     # cancelled, expired, or the consumer stopped early
                     if not finished and not progress.acknowledged:
