@@ -143,6 +143,55 @@ async def bench_cost(url: str, cycles: int) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------ snapshots
+async def bench_snapshot(url: str, blocks_per_worker: int = 16_384) -> dict:
+    """How long a snapshot holds the leader's event loop on a store whose trie holds ~2 x
+    ``blocks_per_worker`` blocks: the in-process pickle (what the leader did before) against the
+    largest loop stall while the snapshot process (``services/kvstore/snapshotter``) runs."""
+    import numpy as np
+
+    store, durable, close, committer = await redis_store(url)
+    rng = np.random.default_rng(1)
+    for wid in ("a", "b"):
+        spec = WorkerSpec(wid, "", "m", SpecMode.EAGLE3, 0, 16, blocks_per_worker, 32000, 4096)
+        inc = store.register_worker(spec).incarnation
+        for n in range(blocks_per_worker // 32 - 1):  # 512-token prompts: 31 published blocks each
+            toks = rng.integers(0, 32000, PROMPT_LEN, dtype=np.uint32)
+            r = store.reserve(worker_id=wid, incarnation=inc, request_id=f"{wid}{n}", tokens=toks)
+            store.release(reservation_id=r.reservation_id, incarnation=inc, final_positions=PROMPT_LEN - 1)
+    await durable()
+    t = time.perf_counter()
+    blob = store.snapshot()
+    inline_s = time.perf_counter() - t
+    lags: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker():
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - t0 - 0.001)
+
+    tick = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.3)
+    idle_max = max(lags)
+    lags.clear()
+    t = time.perf_counter()
+    await committer._snapshot_now()
+    await committer._snapshotting
+    process_s = time.perf_counter() - t
+    stop.set()
+    await tick
+    out = dict(trie_blocks=store.stats().trie_nodes, bytes=len(blob), inline_pickle_ms=inline_s * 1e3,
+               process_wall_s=process_s, loop_max_stall_ms_during=max(lags) * 1e3,
+               loop_max_stall_ms_idle=idle_max * 1e3, snapshots_written=committer.snapshots)
+    print(f"snapshot of {out['trie_blocks']} trie blocks: inline pickle {out['inline_pickle_ms']:.0f} ms; "
+          f"snapshot process {process_s:.2f} s, loop stall max {out['loop_max_stall_ms_during']:.1f} ms "
+          f"(idle {out['loop_max_stall_ms_idle']:.1f} ms)", flush=True)
+    await close()
+    return out
+
+
 # ------------------------------------------------------------------------------------------ Match
 async def bench_match(url: str, seconds: float) -> dict:
     from services.kvstore.server import start_kvstore
@@ -348,6 +397,7 @@ async def main_async(args) -> dict:
             out["cost_everysec"] = await bench_cost(relaxed.url, args.cycles)
         finally:
             relaxed.stop()
+        out["snapshot"] = await bench_snapshot(server.url)
         out["match"] = await bench_match(server.url, args.seconds)
         if args.kills:
             out["failover"] = await bench_failover(server.url, args.kills)

@@ -403,9 +403,9 @@ class Dispatcher:
                 model_id=self.config.model_id, exclude=exclude,
             )
         if not ranked:
-            if candidates and not state.failures and not any(c.healthy for c in candidates):
-                # Nothing failed for this request: every worker is cooling down after other
-                # requests' failures (e.g. a kvstore restart ended their streams). Waitable.
+            if any(not c.healthy and c.worker_id not in exclude for c in candidates):
+                # Every worker this request may still use is cooling down after failures (e.g. a
+                # kvstore restart ended streams, or sent this request back to reserve again). Waitable.
                 raise AllCoolingDown(state.no_worker_left().message)
             if candidates:
                 raise state.no_worker_left()
