@@ -79,13 +79,13 @@ class CacheLedger:
                     for k in kept:
                         self._holders.setdefault(k, set()).add(kept[-1])
 
-    def sequences(self, max_tokens: int) -> list[Sequence]:
-        """The sequences, most recently published first, up to ``max_tokens`` tokens in all (what
-        one re-registration may carry)."""
+    def sequences(self, max_tokens: int, max_count: int) -> list[Sequence]:
+        """The sequences, most recently published first, up to ``max_tokens`` tokens and
+        ``max_count`` sequences in all (what one re-registration may carry)."""
         out, total = [], 0
         for seq in sorted(self._sequences.values(), key=lambda s: -s.tick):
             total += len(seq.tokens)
-            if total > max_tokens:
+            if total > max_tokens or len(out) >= max_count:
                 break
             out.append(seq)
         return out

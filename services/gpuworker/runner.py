@@ -456,7 +456,8 @@ class EngineRunner:
         sequences = [
             kv.HeldSequence(tokens_packed=np.asarray(seq.tokens, dtype="<u4").tobytes(), cache_salt=seq.cache_salt,
                             block_ids=seq.block_ids)
-            for seq in self.ledger.sequences(self.restore_max_tokens)
+            # the kvstore takes at most 4,096 of each kind per call (its max_items default)
+            for seq in self.ledger.sequences(self.restore_max_tokens, max_count=4096)
         ]
         response = self.link.restore(registration, held + waiting, sequences)
         incarnation = response.worker.incarnation
