@@ -254,6 +254,19 @@ class JournaledStore:
         journaled.sink = sink
         return journaled
 
+    def catch_up(self, entries: Iterable[tuple[int, bytes]]) -> int:
+        """Replay ``entries`` ((seq, entry), consecutive after ours) onto this store (a warm
+        standby's copy). Returns how many. JournalDiverged on a gap or another outcome."""
+        n = 0
+        for entry_seq, raw in entries:
+            if entry_seq <= self.seq:
+                continue
+            if entry_seq != self.seq + 1:
+                raise JournalDiverged(f"journal gap: entry {entry_seq} follows {self.seq}")
+            self._replay(pickle.loads(raw))
+            n += 1
+        return n
+
     def _replay(self, entry: tuple) -> None:
         verb, now, call, digest, rid = entry
         self.clock.freeze(now)

@@ -40,7 +40,7 @@ import redis.asyncio as aredis
 
 from services.common.errors import Unavailable
 
-from .journal import FORMAT, JournaledStore
+from .journal import FORMAT, JournalDiverged, JournaledStore
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +198,7 @@ class RedisLog:
         self.client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
         self.keys = {k: prefix + k for k in ("lease", "epoch", "meta", "snapshot", "base", "journal")}
         self.token: str | None = None
+        self._base_seen = 0  # the snapshot seq catch_up last saw
         c = self.client
         self._append = c.register_script(_APPEND)
         self._snapshot = c.register_script(_SNAPSHOT)
@@ -255,7 +256,7 @@ class RedisLog:
         return int(base or 0) + n
 
     def load(self, store_args: dict, sink=None, *, previous: JournaledStore | None = None, previous_epoch: int = 0,
-             acknowledged: int = 0, clock=None, ids=None) -> JournaledStore:
+             acknowledged: int = 0, clock=None, ids=None, warm: JournaledStore | None = None) -> JournaledStore:
         """The store the journal describes (we must hold the lease). The genesis arguments in
         Redis win over ``store_args`` (replay needs the originals).
 
@@ -292,8 +293,42 @@ class RedisLog:
             previous.sink = sink
             previous.clock.resume(previous.last_time)
             return previous
+        if warm is not None:
+            # a standby's warm copy: with the lease held nobody appends any more, so replaying
+            # what it has not seen yet makes it exactly what a full load would give
+            try:
+                self.catch_up(warm)
+            except JournalDiverged as exc:
+                log.info("warm standby copy unusable (%s): loading from Redis", exc)
+            else:
+                warm.sink = sink
+                warm.clock.resume(warm.last_time)
+                return warm
         snapshot, base = self.client.pipeline(transaction=True).get(k["snapshot"]).get(k["base"]).execute()
         return JournaledStore.recover(store_args, snapshot, self._entries(int(base or 0)), sink, clock=clock, ids=ids)
+
+    def catch_up(self, store: JournaledStore) -> int:
+        """Replay onto ``store`` (a copy made by ``replica``) the entries Redis got since
+        (a warm standby: its takeover then replays only the last few). JournalDiverged if a
+        snapshot trimmed entries it had not replayed yet (it then needs a new replica)."""
+        k, total = self.keys, 0
+        base = self._base_seen
+        while True:
+            # the base and the entries in one transaction: a snapshot trims the list, which
+            # would otherwise shift what an index names; a base other than the one assumed
+            # means: ask again with it
+            start = store.seq - base
+            if start < 0:
+                raise JournalDiverged(f"a snapshot at {base} covers entries past the replica's {store.seq}")
+            got, chunk = (self.client.pipeline(transaction=True).get(k["base"])
+                          .lrange(k["journal"], start, start + _LOAD_CHUNK - 1).execute())
+            got = int(got or 0)
+            if got != base:
+                base = self._base_seen = got
+                continue
+            total += store.catch_up((base + start + i + 1, raw) for i, raw in enumerate(chunk))
+            if len(chunk) < _LOAD_CHUNK:
+                return total
 
     def replica(self) -> JournaledStore:
         """The store the journal in Redis describes, read without holding the lease (the
@@ -307,9 +342,8 @@ class RedisLog:
             raise JournalFormatError(f"no kvstore journal of format {FORMAT} under {self.prefix!r}")
         return JournaledStore.recover(stored["store_args"], snapshot, self._entries(int(base or 0)))
 
-    def _entries(self, base: int):
-        """(seq, entry) of the journal after ``base``, read in chunks."""
-        start = 0
+    def _entries(self, base: int, start: int = 0):
+        """(seq, entry) of the journal after ``base`` (from list index ``start``), in chunks."""
         while True:
             chunk = self.client.lrange(self.keys["journal"], start, start + _LOAD_CHUNK - 1)
             for i, raw in enumerate(chunk):

@@ -266,3 +266,25 @@ def test_a_snapshot_process_rebuilds_the_state_from_redis_and_is_fenced(redis_se
     with pytest.raises(Fenced):
         snapshot_from_redis(log.url, log.prefix, token)
     log.wipe(), log.close()
+
+
+def test_a_warm_standby_copy_catches_up_to_exactly_what_a_load_gives(redis_server):
+    """A standby keeps a copy current (catch_up after each poll), across a snapshot; at takeover
+    the copy equals a full load from Redis."""
+    from services.kvstore.snapshotter import snapshot_from_redis
+
+    log = RedisLog(redis_server.url, prefix=unique_prefix(), lease_ms=60_000)
+    assert log.try_acquire()
+    store = log.load(ARGS, lambda s, e: log.append(s, [e]))
+    standby = RedisLog(log.url, prefix=log.prefix)
+    warm = standby.replica()
+    _fill(store)
+    assert standby.catch_up(warm) > 0 and warm.seq == store.seq
+    snapshot_from_redis(log.url, log.prefix, log.token)  # the leader's snapshot trims the journal
+    _fill(store)
+    standby.catch_up(warm)
+    full = RedisLog(log.url, prefix=log.prefix).replica()
+    assert warm.seq == full.seq == store.seq
+    assert warm.store.view().reservations() == full.store.view().reservations() == store.store.view().reservations()
+    assert warm.stats() == full.stats()
+    log.wipe(), log.close(), standby.close()
