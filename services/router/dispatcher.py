@@ -133,9 +133,8 @@ class _WorkerFailed(Exception):
         self.message = message
 
 
-# A stream of a worker incarnation that left the registry is cut once its worker has been quiet
-# this long (a frozen worker); one that still streams re-registers after a kvstore restart (its
-# requests may pause a few seconds meanwhile, waiting for capacity on a loaded machine).
+# A stream of a worker that left the registry is cut once the worker has been absent from it, and
+# quiet, this long (a frozen worker). A worker back under a new incarnation keeps its streams.
 _DEPARTED_QUIET_S = 5.0
 
 class _Progress:
@@ -269,6 +268,7 @@ class Dispatcher:
         self._cleanup: set[asyncio.Task] = set()
         # (worker id, incarnation) -> the streams running there: ended when it leaves the registry
         self._streams: dict[tuple[str, int], dict[int, tuple[object, _Progress]]] = {}
+        self._absent_since: dict[str, float] = {}  # worker id -> first registry read without it
         # worker id -> (incarnation, most draft tokens it accepts), from its Info answer
         self._draft_limits: dict[str, tuple[int, int]] = {}
 
@@ -319,21 +319,27 @@ class Dispatcher:
             raise _kv_error("ListWorkers", err) from None
         entries = [_entry(w) for w in resp.workers]
         self.directory.replace(entries)
-        self._end_streams_of_departed({(e.worker_id, e.incarnation) for e in entries})
+        self._end_streams_of_departed({(e.worker_id, e.incarnation) for e in entries}, {e.worker_id for e in entries})
         return entries
 
-    def _end_streams_of_departed(self, registered: set[tuple[str, int]]) -> None:
-        """Cancel the streams of worker incarnations that left the registry (lease lapsed,
-        re-registered) and went quiet: a frozen worker would hold them forever. A stream whose
-        worker still talks is left alone: after a kvstore restart the worker re-registers with
-        the reservations it runs and carries on under a new incarnation. The client of a
-        cancelled stream sees UNAVAILABLE (mutates the calls)."""
+    def _end_streams_of_departed(self, registered: set[tuple[str, int]], present: set[str]) -> None:
+        """Cancel the streams of worker incarnations that left the registry (lease lapsed) when
+        the worker has been absent from it, and quiet, for ``_DEPARTED_QUIET_S``: a frozen
+        worker would hold them forever. A worker registered again under a new incarnation is
+        alive (it heartbeats): after a kvstore restart it re-registers with the reservations it
+        runs and carries on, so its streams are left alone (one it could not take back, it ends
+        itself). The client of a cancelled stream sees UNAVAILABLE (mutates the calls)."""
         now = self._clock()
+        for wid in present:
+            self._absent_since.pop(wid, None)
         for key in [k for k in self._streams if k not in registered]:
+            if key[0] in present:
+                continue
+            absent_since = self._absent_since.setdefault(key[0], now)
             streams = self._streams[key]
             for cid, (call, progress) in list(streams.items()):
                 heard = progress.last_heard_at
-                if heard is not None and now - heard < _DEPARTED_QUIET_S:
+                if now - absent_since < _DEPARTED_QUIET_S or (heard is not None and now - heard < _DEPARTED_QUIET_S):
                     continue
                 del streams[cid]
                 progress.left_registry = True
