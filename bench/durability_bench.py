@@ -125,8 +125,8 @@ async def bench_cost(url: str, cycles: int) -> dict:
     for clients in (1, 16):
         mem = KVStore(lease_ttl_s=60.0, epoch=1)
         mcpu: list[float] = []
-        m = min([await cycle_cost(KVStore(lease_ttl_s=60.0, epoch=1), None, clients, cycles, toks, mcpu) for _ in range(2)]
-                + [await cycle_cost(mem, None, clients, cycles, toks, mcpu)])
+        m = min([await cycle_cost(KVStore(lease_ttl_s=60.0, epoch=1), None, clients, cycles, toks, mcpu)
+                 for _ in range(2)] + [await cycle_cost(mem, None, clients, cycles, toks, mcpu)])
         best = None
         rcpu: list[float] = []
         for _ in range(3):

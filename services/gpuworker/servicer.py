@@ -82,7 +82,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return confirm
 
     async def _reserved(self, request, context):
-        """(block table, reused positions, GetReservation answer) of the named reservation, read from the kvstore (resent
+        """(block table, reused positions, GetReservation answer) of the named reservation, read
+        from the kvstore (resent
         through a kvstore outage while the caller's deadline allows, at most 10 s); InvalidArgument
         if the prompt is not the one it was reserved for."""
         ref = request.reservation
