@@ -83,9 +83,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _reserved(self, request, context):
         """(block table, reused positions, GetReservation answer) of the named reservation, read
-        from the kvstore (resent
-        through a kvstore outage while the caller's deadline allows, at most 10 s); InvalidArgument
-        if the prompt is not the one it was reserved for."""
+        from the kvstore (resent through a kvstore outage while the caller's deadline allows, at
+        most 10 s); InvalidArgument if the prompt is not the one it was reserved for;
+        FAILED_PRECONDITION if the kvstore restarted since it was reserved (reserve again)."""
         ref = request.reservation
         remaining = context.time_remaining()
         retry_s = 10.0 if remaining is None else max(0.0, min(10.0, remaining - 0.5))
