@@ -59,8 +59,10 @@ def prompts(n: int, shared: int = 384):
 
 
 # ------------------------------------------------------------------------------------------ cost
-async def cycle_cost(store, durable, clients: int, cycles: int, toks) -> float:
-    """Mean seconds per request cycle (wall time / cycles) with ``clients`` concurrent clients."""
+async def cycle_cost(store, durable, clients: int, cycles: int, toks, cpu: list | None = None) -> float:
+    """Mean seconds per request cycle (wall time / cycles) with ``clients`` concurrent clients;
+    with ``cpu``, also appends this process's CPU seconds per cycle (robust to a shared machine,
+    where wall time includes waiting for a CPU; Redis's own CPU is not in it)."""
     inc = store.register_worker(SPEC).incarnation
     if durable:
         await durable()
@@ -81,9 +83,12 @@ async def cycle_cost(store, durable, clients: int, cycles: int, toks) -> float:
                 await durable()
             await asyncio.sleep(0)
 
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), time.process_time()
     await asyncio.gather(*(client(k) for k in range(clients)))
-    return (time.perf_counter() - start) / (cycles // clients * clients)
+    n = cycles // clients * clients
+    if cpu is not None:
+        cpu.append((time.process_time() - cpu0) / n)
+    return (time.perf_counter() - start) / n
 
 
 async def redis_store(url: str):
@@ -119,19 +124,24 @@ async def bench_cost(url: str, cycles: int) -> dict:
     out = {}
     for clients in (1, 16):
         mem = KVStore(lease_ttl_s=60.0, epoch=1)
-        m = min([await cycle_cost(KVStore(lease_ttl_s=60.0, epoch=1), None, clients, cycles, toks) for _ in range(2)]
-                + [await cycle_cost(mem, None, clients, cycles, toks)])
+        mcpu: list[float] = []
+        m = min([await cycle_cost(KVStore(lease_ttl_s=60.0, epoch=1), None, clients, cycles, toks, mcpu)
+                 for _ in range(2)] + [await cycle_cost(mem, None, clients, cycles, toks, mcpu)])
         best = None
+        rcpu: list[float] = []
         for _ in range(3):
             store, durable, close, committer = await redis_store(url)
-            r = await cycle_cost(store, durable, clients, cycles, toks)
+            r = await cycle_cost(store, durable, clients, cycles, toks, rcpu)
             entries, batches = store.seq, committer.batches
             await close()
             best = r if best is None else min(best, r)
+        mc, rc = min(mcpu), min(rcpu)
         out[f"{clients}_clients"] = dict(memory_us=m * 1e6, redis_us=best * 1e6, ratio=best / m,
+                                         memory_cpu_us=mc * 1e6, redis_cpu_us=rc * 1e6, ratio_cpu=rc / mc,
                                          entries_per_batch=entries / max(batches, 1))
         print(f"cost, {clients} clients: memory {m*1e6:.0f} us/cycle, redis {best*1e6:.0f} us/cycle, "
-              f"ratio {best/m:.2f} ({entries / max(batches, 1):.1f} entries per Redis call)", flush=True)
+              f"ratio {best/m:.2f} ({entries / max(batches, 1):.1f} entries per Redis call); CPU of this "
+              f"process: memory {mc*1e6:.0f} us, redis {rc*1e6:.0f} us, ratio {rc/mc:.2f}", flush=True)
     # snapshot cost on a filled store
     store, durable, close, _ = await redis_store(url)
     await cycle_cost(store, durable, 16, 2000, toks)
@@ -139,6 +149,57 @@ async def bench_cost(url: str, cycles: int) -> dict:
     blob = store.snapshot()
     out["snapshot"] = dict(seconds=time.perf_counter() - t, bytes=len(blob), entries=store.seq,
                            trie_blocks=store.stats().trie_nodes)
+    await close()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ snapshots
+async def bench_snapshot(url: str, blocks_per_worker: int = 16_384) -> dict:
+    """How long a snapshot holds the leader's event loop on a store whose trie holds ~2 x
+    ``blocks_per_worker`` blocks: the in-process pickle (what the leader did before) against the
+    largest loop stall while the snapshot process (``services/kvstore/snapshotter``) runs."""
+    import numpy as np
+
+    store, durable, close, committer = await redis_store(url)
+    rng = np.random.default_rng(1)
+    for wid in ("a", "b"):
+        spec = WorkerSpec(wid, "", "m", SpecMode.EAGLE3, 0, 16, blocks_per_worker, 32000, 4096)
+        inc = store.register_worker(spec).incarnation
+        for n in range(blocks_per_worker // 32 - 1):  # 512-token prompts: 31 published blocks each
+            toks = rng.integers(0, 32000, PROMPT_LEN, dtype=np.uint32)
+            r = store.reserve(worker_id=wid, incarnation=inc, request_id=f"{wid}{n}", tokens=toks)
+            store.release(reservation_id=r.reservation_id, incarnation=inc, final_positions=PROMPT_LEN - 1)
+            if n % 16 == 0:
+                await durable()  # lets the lease keeper run too
+    await durable()
+    t = time.perf_counter()
+    blob = store.snapshot()
+    inline_s = time.perf_counter() - t
+    lags: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker():
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - t0 - 0.001)
+
+    tick = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.3)
+    idle_max = max(lags)
+    lags.clear()
+    t = time.perf_counter()
+    await committer._snapshot_now()
+    await committer._snapshotting
+    process_s = time.perf_counter() - t
+    stop.set()
+    await tick
+    out = dict(trie_blocks=store.stats().trie_nodes, bytes=len(blob), inline_pickle_ms=inline_s * 1e3,
+               process_wall_s=process_s, loop_max_stall_ms_during=max(lags) * 1e3,
+               loop_max_stall_ms_idle=idle_max * 1e3, snapshots_written=committer.snapshots)
+    print(f"snapshot of {out['trie_blocks']} trie blocks: inline pickle {out['inline_pickle_ms']:.0f} ms; "
+          f"snapshot process {process_s:.2f} s, loop stall max {out['loop_max_stall_ms_during']:.1f} ms "
+          f"(idle {out['loop_max_stall_ms_idle']:.1f} ms)", flush=True)
     await close()
     return out
 
@@ -348,6 +409,7 @@ async def main_async(args) -> dict:
             out["cost_everysec"] = await bench_cost(relaxed.url, args.cycles)
         finally:
             relaxed.stop()
+        out["snapshot"] = await bench_snapshot(server.url)
         out["match"] = await bench_match(server.url, args.seconds)
         if args.kills:
             out["failover"] = await bench_failover(server.url, args.kills)

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from services.common.errors import Unavailable
+from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.gpuworker.engine.fence import COMPLETE, StepFence
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,10 @@ IDEMPOTENT_KINDS = frozenset({"extend", "trim", "abort", "call", "publish", "rel
 # gRPC / kvstore texts of UNAVAILABLE answers where the call certainly changed nothing.
 _NOT_DELIVERED = ("failed to connect", "connection refused", "connections to all backends failing",
                   "lost its redis lease", "redis lease was taken over", "unreachable past the lease")
+
+
+class LateAnswer(Unavailable):
+    """``call`` stopped waiting; the answer goes to its ``on_late`` when it comes."""
 
 
 def retryable(kind: str, exc: BaseException) -> bool:
@@ -74,6 +78,13 @@ class KVStoreCourier:
         self._in_flight: collections.Counter = collections.Counter()  # kind -> sent, not drained
         self._closed = False
         self.on_answer: Callable[[], None] | None = None  # called (courier thread) when an answer is ready to drain
+        self._resending = False
+        # Set by the owner of the kvstore link: (generation) -> whether a reservation verb that
+        # failed NOT_FOUND / FAILED_PRECONDITION failed only because the kvstore forgot this
+        # worker (a memory kvstore restarted): it is then resent, once the worker re-registered
+        # with what it holds (``EngineRunner.reregister``), under the new incarnation.
+        self.forgot_us: Callable[[int], bool] | None = None
+        self.generation: Callable[[], int] = lambda: 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -91,19 +102,46 @@ class KVStoreCourier:
             self._in_flight[kind] += 1
             self._cond.notify_all()
 
-    def call(self, fn: Callable[[], Any]) -> Any:
+    def call(self, fn: Callable[[], Any], *, wait_s: float | None = None, on_late: Done | None = None) -> Any:
         """Run ``fn`` after everything sent before it, wait for it, apply every earlier answer
-        (``drain``), and return its result or raise its exception."""
+        (``drain``), and return its result or raise its exception.
+
+        With ``wait_s``, wait at most that long (0 while the courier is resending a call through
+        an outage makes sense: it would wait behind it): if no answer came, raise ``Unavailable``
+        (``LateAnswer``) at once and hand the answer, when it comes, to ``on_late`` at a later ``drain`` — the
+        call still happens, in order; only the caller stops waiting for it."""
         box: list = []
-        on_done = box.append  # one bound method object, so the wait below can find it
+        late = [False]
+
+        def on_done(result) -> None:
+            if not late[0]:
+                box.append(result)
+            elif on_late is not None:
+                on_late(result)
+
         self.send(fn, on_done, kind="call")
         with self._cond:
-            self._cond.wait_for(lambda: any(d[1] is on_done for d in self._done))
+            answered = self._cond.wait_for(lambda: any(d[1] is on_done for d in self._done), wait_s)
+            late[0] = not answered  # on_done runs only in drain (this thread): no race
         self.drain()
+        if not box:
+            raise LateAnswer(f"kvstore did not answer within {wait_s:.2f} s; the call goes on without us")
         result = box[0]
         if isinstance(result, BaseException):
             raise result
         return result
+
+    @property
+    def resending(self) -> bool:
+        """A call is being resent through a kvstore outage right now (read-only, racy by design:
+        a hint for callers deciding whether to wait)."""
+        return self._resending
+
+    def wait_answer(self, timeout_s: float) -> None:
+        """Wait until some answer is ready to drain, or ``timeout_s`` passed (an engine with
+        nothing it can run waits here instead of spinning)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done or self._closed, timeout_s)
 
     def drain(self) -> int:
         """Apply the answers that arrived, in the order their calls were sent. Returns how many."""
@@ -151,25 +189,36 @@ class KVStoreCourier:
                 result = self._attempt(fn, kind)
             except Exception as exc:  # noqa: BLE001 - handed to on_done, which decides
                 result = exc
+            self._resending = False
             with self._cond:
                 self._done.append((result, on_done, kind))
                 self._cond.notify_all()
             if self.on_answer is not None:
                 self.on_answer()
 
+    def _forgotten(self, kind: str, exc: BaseException, generation: int) -> bool:
+        return (kind in IDEMPOTENT_KINDS and isinstance(exc, (NotFound, FailedPrecondition))
+                and self.forgot_us is not None and self.forgot_us(generation))
+
     def _attempt(self, fn: Callable[[], Any], kind: str) -> Any:
-        """``fn()``, sent again with backoff (20 ms doubling to 0.5 s) while it fails in a way
+        """``fn()``, sent again with backoff (20 ms doubling to 0.1 s: a kvstore that is back is
+        used within 0.1 s, and a refused connection costs nothing) while it fails in a way
         ``retryable`` allows, for up to ``retry_s``; then its last error is raised."""
         deadline = time.monotonic() + self.retry_s
         delay = 0.02
         while True:
+            generation = self.generation()
             try:
                 return fn()
             except Exception as exc:
-                if not retryable(kind, exc) or time.monotonic() + delay > deadline or self._closed:
+                if not (retryable(kind, exc) or self._forgotten(kind, exc, generation)):
+                    raise
+                if time.monotonic() + delay > deadline or self._closed:
                     raise
                 if self.retries % 50 == 0:
                     log.warning("kvstore %s failed (%s); retrying for up to %.0f s", kind, exc, self.retry_s)
                 self.retries += 1
+                self._resending = True
                 time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+                delay = min(delay * 2, 0.1)
+

@@ -33,7 +33,7 @@ from services.common.channels import open_sync_channel
 from services.common.spec import SpecMode
 from services.common.wire import spec_mode_to_proto, tokens_to_proto
 from services.gpuworker.engine.fence import COMPLETE, StepFence
-from services.gpuworker.kvstore_courier import KVStoreCourier
+from services.gpuworker.kvstore_courier import KVStoreCourier, LateAnswer
 from tandem.kvstore.v1 import kvstore_pb2 as kv
 from tandem.kvstore.v1 import kvstore_pb2_grpc
 
@@ -66,6 +66,7 @@ class KVStoreLink:
         self._stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
         self.incarnation = 0
         self.worker_id = ""  # set by register: Abort names it (the owner confirms, see kvstore Abort)
+        self.generation = 0  # re-registrations with held state so far (see forgot_us)
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -112,6 +113,38 @@ class KVStoreLink:
             self.worker_id = worker_id
         return response.worker
 
+    def restore(self, registration: dict, held_reservations: list[kv.HeldReservation],
+                held_sequences: list[kv.HeldSequence]) -> kv.RegisterWorkerResponse:
+        """Re-register after the kvstore forgot this worker, re-announcing what it still holds
+        (``registration``: the keyword arguments of :meth:`register`); remembers the new
+        incarnation. The answer lists the reservations re-created and those dropped."""
+        request = kv.RegisterWorkerRequest(
+            **{k: v for k, v in registration.items() if k != "spec_mode"},
+            spec_mode=spec_mode_to_proto(registration["spec_mode"]),
+            held_reservations=held_reservations,
+            held_sequences=held_sequences,
+        )
+        response = self._call(self._stub.RegisterWorker, request)
+        with self._lock:
+            self.incarnation = response.worker.incarnation
+            self.worker_id = registration["worker_id"]
+            self.generation += 1
+        return response
+
+    def forgot_us(self, generation: int) -> bool:
+        """Whether a verb sent at ``generation`` that the kvstore answered NOT_FOUND or
+        FAILED_PRECONDITION may have failed only because the kvstore forgot this worker: we
+        re-registered since, or the kvstore does not know our incarnation now (a memory kvstore
+        restarted; the heartbeat re-registers us). The kvstore cannot tell this apart itself — a
+        fresh memory kvstore never saw the reservation — so the worker asks (one Heartbeat)."""
+        if generation != self.generation:
+            return True
+        try:
+            self.heartbeat(self.worker_id)
+        except (NotFound, FailedPrecondition, Unavailable):
+            return True
+        return generation != self.generation
+
     def heartbeat(self, worker_id: str) -> kv.HeartbeatResponse:
         """Extend the lease; the answer lists reservations the router ended (to stop and confirm)."""
         return self._call(self._stub.Heartbeat, kv.HeartbeatRequest(worker_id=worker_id, incarnation=self.incarnation))
@@ -129,7 +162,7 @@ class KVStoreLink:
                 if time.monotonic() + delay > deadline:
                     raise
                 time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+                delay = min(delay * 2, 0.1)
 
     # -- reservation verbs ------------------------------------------------------------------------
 
@@ -180,40 +213,84 @@ class ReservationBlockSource:
     calls ``extend``/``trim`` at most once each per step.
     """
 
-    def __init__(self, link: KVStoreLink, courier: KVStoreCourier):
+    def __init__(self, link: KVStoreLink, courier: KVStoreCourier, *, step_wait_s: float = 1.0):
         self._link = link
         self._courier = courier
-        self._bound: dict[str, tuple[str, int]] = {}
+        self._bound: dict[str, list] = {}  # request id -> [reservation id, incarnation] (mutable)
+        self.step_wait_s = step_wait_s  # longest a step waits for its own Extend
+        self.pending: set[str] = set()  # requests whose step Extend answers late (see extend)
+        # Set by the runner: every table the kvstore hands out passes through on_table (its own
+        # blocks are about to be written); late step-Extend answers go to on_late.
+        self.on_table = None
+        self.on_late = None
 
     def bind(self, request_id: str, reservation_id: str, incarnation: int) -> None:
-        self._bound[request_id] = (reservation_id, incarnation)
+        self._bound[request_id] = [reservation_id, incarnation]
+
+    def rebind(self, request_id: str, incarnation: int) -> None:
+        """The reservation was re-created under a new incarnation (kvstore restart): calls still
+        queued for it are sent with the new one."""
+        binding = self._bound.get(request_id)
+        if binding is not None:
+            binding[1] = incarnation
 
     def unbind(self, request_id: str) -> None:
         self._bound.pop(request_id, None)
 
     def reservation(self, request_id: str) -> tuple[str, int]:
-        return self._bound[request_id]
+        reservation_id, incarnation = self._bound[request_id]
+        return reservation_id, incarnation
 
-    def _items(self, wants: dict[str, int]) -> tuple[list[str], list[kv.CapacityItem]]:
+    def _items(self, wants: dict[str, int]):
+        """(request ids, a function building the items when the call is sent): the incarnation
+        is read then, so a call queued across a kvstore restart names the new one."""
         rids = list(wants)
-        items = []
-        for rid in rids:
-            reservation_id, incarnation = self._bound[rid]
-            items.append(kv.CapacityItem(reservation_id=reservation_id, incarnation=incarnation, capacity_positions=wants[rid]))
+        bindings = [self._bound[rid] for rid in rids]
+        caps = [wants[rid] for rid in rids]
+
+        def items() -> list[kv.CapacityItem]:
+            return [kv.CapacityItem(reservation_id=b[0], incarnation=b[1], capacity_positions=c)
+                    for b, c in zip(bindings, caps)]
+
         return rids, items
 
-    def extend_request(self, wants: dict[str, int]) -> tuple[list[str], list[kv.CapacityItem]]:
-        """The request ids and Extend items for ``wants`` (request id → capacity positions)."""
+    def extend_request(self, wants: dict[str, int]):
+        """The request ids and an Extend-items builder for ``wants`` (request id → positions)."""
         return self._items(wants)
 
     def extend(self, wants: dict[str, int]) -> dict[str, list[int] | Exception]:
-        """Blocking: after every kvstore call sent before it (see the courier)."""
-        rids, items = self._items(wants)
+        """After every kvstore call sent before it (see the courier), waiting at most
+        ``step_wait_s`` (not at all while the courier resends through an outage): a request
+        whose answer is late gets ``Unavailable`` — the engine runs it in the capacity it holds,
+        or not this step — and the answer is adopted when it comes (``on_late``)."""
+        rids = [rid for rid in wants if rid not in self.pending]
+        if not rids:
+            return {rid: Unavailable("kvstore: an Extend for this request is pending") for rid in wants}
+        rids, items = self._items({rid: wants[rid] for rid in rids})
+        wait_s = 0.0 if self._courier.resending else self.step_wait_s
+
+        def late(results) -> None:
+            self.pending.difference_update(rids)
+            if self.on_late is not None:
+                self.on_late(rids, results)
+
+        self.pending.update(rids)
         try:
-            results = self._courier.call(lambda: self._link.extend(items))
+            results = self._courier.call(lambda: self._link.extend(items()), wait_s=wait_s, on_late=late)
+        except LateAnswer as exc:  # still pending: ``late`` takes it off when the answer comes
+            return {rid: exc for rid in wants}
         except TandemError as exc:  # the whole call failed: every item failed, nothing changed
-            return {rid: exc for rid in rids}
-        return capacity_answers(rids, results)
+            self.pending.difference_update(rids)
+            return {rid: exc for rid in wants}
+        self.pending.difference_update(rids)
+        answers = capacity_answers(rids, results)
+        if self.on_table is not None:
+            for rid, answer in answers.items():
+                if not isinstance(answer, Exception):
+                    self.on_table(rid, answer)
+        for rid in wants:  # those with an Extend still pending run in what they hold
+            answers.setdefault(rid, Unavailable("kvstore: an Extend for this request is pending"))
+        return answers
 
     def trim(self, keeps: dict[str, int], *, after: StepFence = COMPLETE) -> dict[str, list[int]]:
         """Sent once ``after`` completed, not waited for: the engine cuts its tables as asked
@@ -229,7 +306,7 @@ class ReservationBlockSource:
                 if result.code != 0:
                     log.warning("trim of %s failed: %s", rid, result.message)
 
-        self._courier.send(lambda: self._link.trim(items), done, kind="trim", after=after)
+        self._courier.send(lambda: self._link.trim(items()), done, kind="trim", after=after)
         return {}
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -26,14 +28,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from services.common.errors import AlreadyExists, Cancelled, ResourceExhausted, TandemError, Unavailable
+from services.common.errors import AlreadyExists, Cancelled, FailedPrecondition, ResourceExhausted, TandemError, Unavailable
 from services.gpuworker.engine.engine import Engine
 from services.gpuworker.engine.report import StepReport
 from services.gpuworker.engine.request import DecodeCounts, FinishReason, RequestSpec
+from services.gpuworker.cache_ledger import CacheLedger
 from services.gpuworker.kvstore_courier import KVStoreCourier
 from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource, capacity_answers
+from tandem.kvstore.v1 import kvstore_pb2 as kv
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,8 @@ class Job:
     published_blocks: int = 0  # what the kvstore confirmed
     publish_sent_blocks: int = 0  # what Publishes already sent will publish
     first_token_at: float | None = None
+    cache_salt: bytes = b""  # the reservation's (re-announced after a kvstore restart)
+    kv_request_id: str = ""  # the kvstore's request id of the reservation ("" = spec.request_id)
 
 class Outbox:
     """Events for the asyncio handlers, delivered once per engine-loop turn (``flush``): one
@@ -168,6 +175,17 @@ class EngineRunner:
         courier.on_answer = lambda: self._commands.put(("wake",))
         self.steps = 0
         self._on_step = on_step
+        # Re-announced to a kvstore that forgot us (see reregister): what our pages hold, the
+        # requests whose end the kvstore has not confirmed, and admissions waiting for Publishes.
+        self.ledger = CacheLedger()
+        self.restore_max_tokens = 1 << 20  # bounds one re-registration message (~4 MiB of tokens)
+        self._ending_jobs: dict[str, Job] = {}
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._stale_below = 0  # jobs of incarnations below this were not re-announced
+        source.on_table = self._on_table
+        source.on_late = self._extended
+        courier.forgot_us = link.forgot_us  # resend verbs through a memory kvstore restart
+        courier.generation = lambda: link.generation
 
     # -- any thread ---------------------------------------------------------------------------------
 
@@ -191,6 +209,25 @@ class EngineRunner:
 
     def cancel(self, request_id: str, reason: TandemError) -> None:
         self._commands.put(("abort", request_id, reason))
+
+    def adopt_registration(self, incarnation: int, worker_id: str) -> None:
+        """Another link registered this worker (the gRPC process's, when this runner is in an
+        engine process): this runner's link adopts the incarnation it got."""
+        self.link.worker_id = worker_id
+        self.link.incarnation = incarnation
+
+    def reregister(self, registration: dict, timeout_s: float = 30.0) -> int:
+        """Register again with a kvstore that forgot this worker (a memory kvstore restarted, or
+        the lease lapsed), re-announcing what this worker still holds: the reservations of the
+        requests it runs, which keep running under the new incarnation, and the published blocks
+        its pages still hold, which go back into the shared cache. A request the kvstore cannot
+        take back ends with UNAVAILABLE. ``registration``: the keyword arguments of
+        ``KVStoreLink.register`` (plain values). Returns the new incarnation; raises the
+        kvstore's error (nothing changed here) if it refused. Any thread: the engine thread does
+        it between two steps."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("reregister", registration, done))
+        return done.result(timeout_s)
 
     @property
     def running(self) -> int:
@@ -218,10 +255,12 @@ class EngineRunner:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._outbox.flush()
-            self._drain_commands(block=not self.engine.has_work())
+            self._drain_commands(block=not self.engine.has_work() and not self._waiting)
             if self._stop.is_set():
                 break
             self.courier.drain()
+            for _ in range(len(self._waiting)):
+                self._admit(self._waiting.popleft())
             if not self.engine.has_work():
                 continue
             try:
@@ -235,6 +274,10 @@ class EngineRunner:
                     self._fail(rid, exc)
                 continue
             self.steps += 1
+            if not report.target_tokens and self.engine.has_work():
+                # every request waits for capacity the kvstore has not answered yet: wait for
+                # an answer instead of spinning
+                self.courier.wait_answer(0.05)
             if self._on_step is not None:
                 self._on_step(report, elapsed_s)
             for rid, result in report.results.items():
@@ -263,6 +306,16 @@ class EngineRunner:
                         self._end_aborted(rid)
                     else:
                         self._fail(rid, reason)
+                for job in [j for j in self._waiting if j.spec.request_id == rid]:
+                    self._waiting.remove(job)
+                    self._send_abort(job)
+                    self._outbox.post(job, "error", reason)
+            elif kind == "reregister":
+                _, registration, done = command
+                try:
+                    done.set_result(self._reregister(registration))
+                except Exception as exc:  # noqa: BLE001 - the caller sees it
+                    done.set_exception(exc)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -273,11 +326,18 @@ class EngineRunner:
         if self._publishing.touches(job.spec.block_table):
             # a Publish in flight may have freed (deduplicated) one of its blocks that a running
             # request still reads, and the kvstore then handed it to this one: adopt every
-            # Publish answer before it can write anything
-            self.courier.wait_idle()
+            # Publish answer before it can write anything. Through a kvstore outage the request
+            # waits its turn instead of the whole engine.
+            if not self.courier.wait_idle(timeout_s=0.0 if self.courier.resending else 0.2):
+                self._waiting.append(job)
+                return
         try:
             if len(self._jobs) >= self.max_running:
                 raise ResourceExhausted(f"worker runs {self.max_running} requests already")
+            if job.incarnation < self._stale_below:
+                job.incarnation = 0  # its reservation died with the kvstore's memory: nothing to end
+                # FAILED_PRECONDITION: the router reserves again (this worker is not broken)
+                raise FailedPrecondition("the kvstore restarted after this request was reserved; reserve again")
             self.source.bind(rid, job.reservation_id, job.incarnation)
             self.engine.add_request(job.spec)
         except Exception as exc:
@@ -287,6 +347,8 @@ class EngineRunner:
             return
         job.tokens = list(job.spec.prompt_ids)
         job.known_tokens = len(job.tokens)
+        job.publish_sent_blocks = job.spec.reused_positions // self.engine.block_size
+        self.ledger.overwritten(job.spec.block_table[job.publish_sent_blocks:])  # a step writes these
         self._jobs[rid] = job
 
     def _on_result(self, job: Job, result) -> None:
@@ -320,13 +382,16 @@ class EngineRunner:
         new_tokens = job.tokens[known:]
         job.known_tokens = len(job.tokens)
         job.publish_sent_blocks = blocks
-        rid, res_id, inc, final = job.spec.request_id, job.reservation_id, job.incarnation, result.publishable_positions
+        rid, res_id, final = job.spec.request_id, job.reservation_id, result.publishable_positions
+        table = self.engine.state(rid).block_table
+        self.ledger.published(job.cache_salt, job.tokens, table[:blocks])
         # the blocks this Publish may free (deduplicate): those it publishes that the kvstore
         # has not confirmed yet
-        at_risk = self.engine.state(rid).block_table[job.published_blocks : blocks]
+        at_risk = table[job.published_blocks : blocks]
         self._publishing.add(at_risk)
-        # a Publish may free our copy of a deduplicated block: after the step that wrote it
-        self.courier.send(lambda: self.link.publish(res_id, inc, new_tokens, final, known),
+        # a Publish may free our copy of a deduplicated block: after the step that wrote it.
+        # The incarnation is read when it is sent: a kvstore restart may have renewed it.
+        self.courier.send(lambda: job.incarnation and self.link.publish(res_id, job.incarnation, new_tokens, final, known),
                           lambda response: self._published(rid, response, at_risk), kind="publish",
                           after=self.engine.last_fence)
 
@@ -352,12 +417,12 @@ class EngineRunner:
     def _extend_ahead(self) -> None:
         """One Extend for every running request short of headroom (not waited for)."""
         wants = self.engine.capacity_wants(self.extend_watermark_blocks, self.extend_chunk_blocks, skip=self._extending)
-        wants = {rid: n for rid, n in wants.items() if rid in self._jobs}
+        wants = {rid: n for rid, n in wants.items() if rid in self._jobs and rid not in self.source.pending}
         if not wants:
             return
         rids, items = self.source.extend_request(wants)
         self._extending.update(rids)
-        self.courier.send(lambda: self.link.extend(items), lambda results: self._extended(rids, results), kind="extend")
+        self.courier.send(lambda: self.link.extend(items()), lambda results: self._extended(rids, results), kind="extend")
 
     def _extended(self, rids: list[str], results) -> None:
         self._extending.difference_update(rids)
@@ -367,6 +432,7 @@ class EngineRunner:
         for rid, answer in capacity_answers(rids, results).items():
             if isinstance(answer, Exception):
                 continue  # no headroom now; the step extends (or ends the request) when it must
+            self._on_table(rid, answer)
             try:
                 self.engine.adopt_table(rid, answer)
             except TandemError as exc:
@@ -383,9 +449,11 @@ class EngineRunner:
                 # Every token was already streamed; the reservation dies with the lease if the
                 # kvstore never hears of it (it cannot be reused by another request meanwhile).
                 log.warning("release of %s failed: %s", job.reservation_id, response)
+            self._ending_jobs.pop(rid, None)
             self._disown(rid)
 
-        self.courier.send(lambda: self.link.release(job.reservation_id, job.incarnation, new_tokens, final),
+        self._ending_jobs[rid] = job
+        self.courier.send(lambda: job.incarnation and self.link.release(job.reservation_id, job.incarnation, new_tokens, final),
                           released, kind="release", after=self.engine.last_fence)
         self._outbox.post(job, "done", result.finish_reason, self._usage(job, result.counts))
 
@@ -414,11 +482,87 @@ class EngineRunner:
         def aborted(response) -> None:
             if isinstance(response, Exception):
                 log.warning("abort of %s failed: %s", job.reservation_id, response)
+            self._ending_jobs.pop(rid, None)
             self._disown(rid)
 
         # freed only once the last step that may have written these blocks completed
-        self.courier.send(lambda: self.link.abort(job.reservation_id, job.incarnation), aborted, kind="abort",
-                          after=self.engine.last_fence)
+        self._ending_jobs[rid] = job
+        self.courier.send(lambda: job.incarnation and self.link.abort(job.reservation_id, job.incarnation), aborted,
+                          kind="abort", after=self.engine.last_fence)
+
+    def _on_table(self, rid: str, table) -> None:
+        """The kvstore handed this table out: its blocks past the published ones are the
+        request's own, which steps will write, so no cached sequence holds them any more."""
+        job = self._jobs.get(rid)
+        if job is not None:
+            self.ledger.overwritten(table[job.publish_sent_blocks:])
+
+    def _reregister(self, registration: dict) -> int:
+        """See ``reregister`` (engine thread, between steps)."""
+        self._drain_commands(block=False)  # requests that arrived are announced with the rest
+        self.courier.drain()  # adopt every answer that came (a dedup remap, an Extend)
+        self.engine.last_fence.wait()  # what the kvstore is told is what the pages hold
+        bs = self.engine.block_size
+        waiting = [  # admitted once no Publish is in flight: nothing ran yet
+            kv.HeldReservation(
+                reservation_id=job.reservation_id, request_id=job.kv_request_id or job.spec.request_id,
+                tokens_packed=np.asarray(job.spec.prompt_ids, dtype="<u4").tobytes(), cache_salt=job.cache_salt,
+                block_table=job.spec.block_table, published_blocks=job.spec.reused_positions // bs)
+            for job in self._waiting
+        ]
+        held = [
+            kv.HeldReservation(
+                reservation_id=job.reservation_id,
+                request_id=job.kv_request_id or rid,
+                # the sequence as the kvstore held it if every call sent had landed; a resent
+                # Publish then finds its tokens there and appends nothing (known_tokens)
+                tokens_packed=np.asarray(job.tokens[: job.known_tokens], dtype="<u4").tobytes(),
+                cache_salt=job.cache_salt,
+                block_table=self.engine.state(rid).block_table,
+                published_blocks=job.publish_sent_blocks,
+            )
+            for rid, job in self._jobs.items()
+        ]
+        sequences = [
+            kv.HeldSequence(tokens_packed=np.asarray(seq.tokens, dtype="<u4").tobytes(), cache_salt=seq.cache_salt,
+                            block_ids=seq.block_ids)
+            # the kvstore takes at most 4,096 of each kind per call (its max_items default)
+            for seq in self.ledger.sequences(self.restore_max_tokens, max_count=4096)
+        ]
+        response = self.link.restore(registration, held + waiting, sequences)
+        incarnation = response.worker.incarnation
+        self._stale_below = incarnation
+        for job in self._ending_jobs.values():
+            job.incarnation = 0  # not re-announced: its Release or Abort has nothing left to end
+        for dropped in response.dropped:
+            log.warning("the kvstore did not take back reservation %s: %s", dropped.reservation_id, dropped.reason)
+        back = {r.reservation_id: r for r in response.restored}
+        for rid, job in list(self._jobs.items()):
+            r = back.get(job.reservation_id)
+            if r is None:
+                job.incarnation = 0
+                self._fail(rid, Unavailable("the kvstore restarted and could not take this request back"))
+                continue
+            job.incarnation = incarnation
+            self.source.rebind(rid, incarnation)
+            job.published_blocks = r.published_blocks
+            try:  # the kvstore may have deduplicated final blocks, as a Publish does
+                self.engine.remap_blocks(rid, list(r.block_table))
+            except TandemError as exc:
+                self._fail(rid, exc)
+        for job in list(self._waiting):
+            r = back.get(job.reservation_id)
+            if r is None:
+                self._waiting.remove(job)
+                self._disown(job.spec.request_id)
+                self._outbox.post(job, "error", FailedPrecondition("the kvstore restarted and could not take this "
+                                                                   "request back; reserve again"))
+                continue
+            job.incarnation = incarnation
+            job.spec = dataclasses.replace(job.spec, block_table=list(r.block_table))  # only reused blocks may move
+        log.warning("re-registered as incarnation %d: %d of %d requests taken back, %d cached blocks",
+                    incarnation, len(back), len(held) + len(waiting), response.restored_cached_blocks)
+        return incarnation
 
     def engine_has(self, rid: str) -> bool:
         return rid in self.engine.request_ids()

@@ -57,7 +57,11 @@ class WorkerIdentity:
         return self.max_draft_tokens > 0
 
     def register(self) -> None:
-        self.link.register(
+        self.link.register(**self.registration())
+
+    def registration(self) -> dict:
+        """``KVStoreLink.register``'s keyword arguments (plain values)."""
+        return dict(
             worker_id=self.worker_id,
             address=self.address,
             model_id=self.model_id,
@@ -150,6 +154,8 @@ async def start_worker(
     server.on_stop(lambda: runner.stop())
     # The kvstore may come up after us (compose, Kubernetes): wait with bounded backoff, NOT_SERVING.
     await wait_for(lambda: asyncio.to_thread(identity.register), what=f"the kvstore at {settings.kvstore}", logger=log)
+    if isinstance(runner, EngineProcess):  # its own link must name the same incarnation
+        await asyncio.to_thread(runner.registered, link.incarnation, settings.worker_id)
     server.run_in_background(_heartbeat(identity, runner, servicer, settings.heartbeat_s))
     await server.set_serving()
     log.info("worker %s serving on %s (incarnation %d, %d blocks, engine %s)", identity.worker_id, identity.address,
@@ -189,13 +195,15 @@ async def _heartbeat(identity: WorkerIdentity, runner: EngineRunner | EngineProc
             for rid in servicer.on_ending(list(beat.ending_reservation_ids)):
                 await asyncio.to_thread(identity.link.abort, rid, incarnation)
         except (FailedPrecondition, NotFound):
-            # The kvstore dropped us (lease lapsed or it restarted): our reservations are gone, so
-            # fail what runs and come back as a new incarnation.
-            log.warning("kvstore forgot worker %s; re-registering", identity.worker_id)
-            for rid in runner.running_ids():
-                runner.cancel(rid, FailedPrecondition("worker lease lapsed; request dropped"))
+            # The kvstore dropped us (a memory kvstore restarted, or the lease lapsed): come back
+            # as a new incarnation with what we hold — the running requests keep running, and the
+            # blocks our pages still hold go back into the shared cache.
+            log.warning("kvstore forgot worker %s; re-registering with what it holds", identity.worker_id)
             try:
-                await asyncio.to_thread(identity.register)
+                incarnation = await asyncio.to_thread(runner.reregister, identity.registration())
+                if isinstance(runner, EngineProcess):  # the engine process re-registered on its own link
+                    identity.link.incarnation = incarnation
+                    identity.link.generation += 1  # see KVStoreLink.forgot_us
             except TandemError as exc:
                 log.warning("re-register failed: %s", exc.message)
         except TandemError as exc:

@@ -87,23 +87,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 del self._claims[rid]  # finished: its reservation was ended by the runner
         return confirm
 
-    async def _reserved(self, request, context) -> tuple[list[int], int]:
-        """(block table, reused positions) of the named reservation, read from the kvstore (resent
-        through a kvstore outage while the caller's deadline allows, at most 10 s); InvalidArgument
-        if the prompt is not the one it was reserved for."""
+    async def _reserved(self, request, context):
+        """(block table, reused positions, GetReservation answer) of the named reservation, read
+        from the kvstore (resent through a kvstore outage while the caller's deadline allows, at
+        most 10 s); InvalidArgument if the prompt is not the one it was reserved for;
+        FAILED_PRECONDITION if the kvstore restarted since it was reserved (reserve again)."""
         ref = request.reservation
         remaining = context.time_remaining()
         retry_s = 10.0 if remaining is None else max(0.0, min(10.0, remaining - 0.5))
         try:
             got = await asyncio.to_thread(self.identity.link.get_reservation, ref.reservation_id, ref.incarnation,
                                           retry_s=retry_s)
+        except NotFound as exc:
+            link = self.identity.link
+            if ref.incarnation != link.incarnation or link.forgot_us(link.generation):
+                # reserved in a memory kvstore that restarted since: the router reserves again
+                raise FailedPrecondition(f"reservation not usable, the kvstore restarted: {exc.message}") from None
+            raise NotFound(f"reservation not usable: {exc.message}") from None
         except TandemError as exc:
             raise type(exc)(f"reservation not usable: {exc.message}") from None
         prompt = tokens_from_proto(request.prompt, field="prompt")
         if got.prompt_packed != np.asarray(prompt, dtype="<u4").tobytes():
             raise InvalidArgument("the prompt is not the one the reservation was made for")
         r = got.reservation
-        return list(r.block_table), int(r.reused_positions)
+        return list(r.block_table), int(r.reused_positions), got
 
     def _spec_from(self, request) -> RequestSpec:
         ident = self.identity
@@ -162,10 +169,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._claims[rid] = spec.request_id
         self._pending.add(rid)
         try:
-            table, reused = await self._reserved(request, context)
+            table, reused, got = await self._reserved(request, context)
             spec = dataclasses.replace(spec, block_table=table, reused_positions=reused)
             loop = asyncio.get_running_loop()
-            job = Job(spec, rid, request.reservation.incarnation, loop, asyncio.Queue())
+            job = Job(spec, rid, request.reservation.incarnation, loop, asyncio.Queue(),
+                      cache_salt=got.cache_salt, kv_request_id=got.reservation.request_id)
             try:
                 self.runner.submit(job)
             except AlreadyExists:

@@ -27,12 +27,15 @@ from .types import (
     Event,
     EventKind,
     ExtendItem,
+    HeldReservation,
+    HeldSequence,
     ItemResult,
     MatchResult,
     PoolUsage,
     PublishResult,
     ReleaseResult,
     Reservation,
+    RestoreResult,
     StoreStats,
     TrimItem,
     WorkerInfo,
@@ -41,7 +44,7 @@ from .types import (
 )
 
 __all__ = [
-    "BlockKey", "Event", "EventKind", "ExtendItem", "ItemResult", "KVStore", "KeyStream",
-    "MatchResult", "Namespace", "PoolUsage", "PublishResult", "ReleaseResult", "Reservation",
+    "BlockKey", "Event", "EventKind", "ExtendItem", "HeldReservation", "HeldSequence", "ItemResult", "KVStore", "KeyStream",
+    "MatchResult", "Namespace", "PoolUsage", "PublishResult", "ReleaseResult", "Reservation", "RestoreResult",
     "StoreStats", "TrimItem", "WorkerInfo", "WorkerSpec", "WorkerStats",
 ]

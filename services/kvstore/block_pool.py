@@ -133,6 +133,13 @@ class BlockPool:
         self.num_in_use += len(out)
         return out
 
+    def take_ids(self, ids: set[int]) -> None:
+        """Take these free ids out of the free queue (they become own blocks); the caller checked
+        that every one is free. One pass over the queue: for a restore, not the hot path."""
+        if ids:
+            self._free = deque(b for b in self._free if b not in ids)
+            self.num_in_use += len(ids)
+
     def release_own(self, ids: list[int]) -> None:
         """Own (unpublished) blocks go back to the tail of the free queue, in order."""
         self._free.extend(ids)

@@ -44,16 +44,16 @@ from services.common.errors import TandemError
 
 from .keys import token_array
 from .store import KVStore
-from .types import PublishResult, ReleaseResult, Reservation, WorkerInfo
+from .types import PublishResult, ReleaseResult, Reservation, RestoreResult, WorkerInfo
 
 # Verbs that may change state, with the arguments that describe them. Every public method of
 # KVStore must be in exactly one of MUTATING / READ_ONLY (a test checks), so a verb added to the
 # core cannot silently escape the journal.
 MUTATING = frozenset(
-    {"register_worker", "heartbeat", "reserve", "reserve_first", "extend", "trim", "publish", "release", "suspend", "abort"}
+    {"register_worker", "restore_worker", "heartbeat", "reserve", "reserve_first", "extend", "trim", "publish", "release", "suspend", "abort"}
 )
 READ_ONLY = frozenset(
-    {"list_workers", "match", "get_reservation", "reservation_prompt", "ending_for", "stats", "check_invariants",
+    {"list_workers", "match", "get_reservation", "reservation_prompt", "reservation_salt", "ending_for", "stats", "check_invariants",
      "events_since", "view", "subscribe"}
 )
 _TOKEN_ARGS = ("tokens", "new_tokens")
@@ -106,6 +106,9 @@ def _digest(verb: str, result: Any) -> Any:
         return (result.newly_published, result.deduplicated, result.freed_blocks, result.unpinned_blocks)
     if t is WorkerInfo:
         return (result.incarnation, result.pool)
+    if t is RestoreResult:
+        return (result.worker.incarnation, result.worker.pool, tuple(_digest("", r) for r in result.restored),
+                result.dropped, result.cached_blocks)
     if t is list:  # Extend / Trim items
         return tuple((r.error is None, len(r.block_table), r.block_table[-1:]) for r in result)
     return result  # bool (Abort), float (Heartbeat)
@@ -118,7 +121,7 @@ def _portable(kwargs: dict) -> dict:
         value = out.get(name)
         if isinstance(value, np.ndarray):
             out[name] = token_array(value).tobytes()
-    for name in ("items", "candidates"):
+    for name in ("items", "candidates", "reservations", "cached"):
         if name in out:
             out[name] = list(out[name])
     return out
@@ -250,6 +253,19 @@ class JournaledStore:
         clock.resume(journaled.last_time)
         journaled.sink = sink
         return journaled
+
+    def catch_up(self, entries: Iterable[tuple[int, bytes]]) -> int:
+        """Replay ``entries`` ((seq, entry), consecutive after ours) onto this store (a warm
+        standby's copy). Returns how many. JournalDiverged on a gap or another outcome."""
+        n = 0
+        for entry_seq, raw in entries:
+            if entry_seq <= self.seq:
+                continue
+            if entry_seq != self.seq + 1:
+                raise JournalDiverged(f"journal gap: entry {entry_seq} follows {self.seq}")
+            self._replay(pickle.loads(raw))
+            n += 1
+        return n
 
     def _replay(self, entry: tuple) -> None:
         verb, now, call, digest, rid = entry

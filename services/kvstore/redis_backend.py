@@ -25,10 +25,13 @@ while the lease lasts. Reads (Match, Stats) never touch Redis.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import os
 import pickle
 import socket
+import sys
 import time
 import uuid
 
@@ -37,7 +40,7 @@ import redis.asyncio as aredis
 
 from services.common.errors import Unavailable
 
-from .journal import FORMAT, JournaledStore
+from .journal import FORMAT, JournalDiverged, JournaledStore
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,8 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('FENCED l
 local base = tonumber(redis.call('GET', KEYS[3]) or '0')
 local len = redis.call('LLEN', KEYS[2])
 local seq = tonumber(ARGV[2])
+-- a snapshot older than the one there (a slow snapshot process) changes nothing
+if seq < base then return base + len end
 if seq >= base + len then
   redis.call('DEL', KEYS[2])
 else
@@ -93,6 +98,90 @@ return 0
 _LOAD_CHUNK = 10_000
 
 
+class AppendPipe:
+    """The group-commit append, spoken as raw RESP on one connection of its own: redis-py's
+    asyncio client cost more per call than the rest of a batch together (connection-pool
+    checkout, encoders, per-argument packing in Python: docs/benchmarks.md). One ``EVALSHA``
+    frame built with one ``join``, one reply line read back (an integer or an error). Scripts
+    are loaded with SCRIPT LOAD by ``RedisLog``'s client; NOSCRIPT (a flushed Redis) loads again.
+    Errors surface as ``redis.ResponseError`` (script replies) or ``OSError`` (the connection,
+    which is reopened on the next call), as the redis-py path did."""
+
+    def __init__(self, url: str, script: str, *, timeout_s: float = 5.0):
+        self._pool = redis.ConnectionPool.from_url(url)  # parses host/port/db/password/TLS once
+        self._kw = self._pool.connection_kwargs
+        self._script = script
+        self._sha = hashlib.sha1(script.encode()).hexdigest().encode()
+        self._timeout_s = timeout_s
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def _connect(self) -> None:
+        kw = self._kw
+        if "path" in kw:
+            self._reader, self._writer = await asyncio.open_unix_connection(kw["path"])
+        else:
+            ssl = None
+            if self._pool.connection_class is not redis.Connection:  # rediss://: TLS as redis-py
+                import ssl as ssl_
+
+                ssl = ssl_.create_default_context()
+            self._reader, self._writer = await asyncio.open_connection(kw.get("host", "localhost"), kw.get("port", 6379), ssl=ssl)
+        hello = []
+        if kw.get("password"):
+            hello.append([b"AUTH", *([kw["username"].encode()] if kw.get("username") else []), kw["password"].encode()])
+        if kw.get("db"):
+            hello.append([b"SELECT", str(kw["db"]).encode()])
+        hello.append([b"SCRIPT", b"LOAD", self._script.encode()])
+        for cmd in hello:
+            self._writer.write(_resp(cmd))
+            await self._reply()
+
+    async def call(self, keys: list[str], args: list) -> int:
+        """EVALSHA of the script; its integer reply."""
+        if self._writer is None:
+            await self._connect()
+        frame = _resp([b"EVALSHA", self._sha, str(len(keys)).encode(), *(k.encode() for k in keys),
+                       *(a if isinstance(a, bytes) else str(a).encode() for a in args)])
+        try:
+            self._writer.write(frame)
+            return int(await self._reply())
+        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+            self.close()
+            raise ConnectionError(f"redis append connection: {exc}") from None
+        except redis.ResponseError as exc:
+            if str(exc).startswith("NOSCRIPT"):
+                self.close()  # reconnect loads the script again; the caller retries
+                raise ConnectionError("redis lost the append script") from None
+            raise
+
+    async def _reply(self) -> bytes:
+        line = await asyncio.wait_for(self._reader.readline(), self._timeout_s)
+        if not line:
+            raise ConnectionError("redis closed the connection")
+        kind, body = line[:1], line[1:-2]
+        if kind == b"-":
+            raise redis.ResponseError(body.decode(errors="replace"))
+        if kind == b"$":  # a bulk string (SCRIPT LOAD's sha)
+            n = int(body)
+            return b"" if n < 0 else (await self._reader.readexactly(n + 2))[:-2]
+        return body  # ":" integer or "+" simple string
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
+
+
+def _resp(parts: list[bytes]) -> bytes:
+    out = [b"*%d\r\n" % len(parts)]
+    for p in parts:
+        out.append(b"$%d\r\n" % len(p))
+        out.append(p)
+        out.append(b"\r\n")
+    return b"".join(out)
+
+
 class Fenced(Unavailable):
     """This kvstore no longer holds the lease: it must not write (UNAVAILABLE to clients)."""
 
@@ -109,6 +198,7 @@ class RedisLog:
         self.client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
         self.keys = {k: prefix + k for k in ("lease", "epoch", "meta", "snapshot", "base", "journal")}
         self.token: str | None = None
+        self._base_seen = 0  # the snapshot seq catch_up last saw
         c = self.client
         self._append = c.register_script(_APPEND)
         self._snapshot = c.register_script(_SNAPSHOT)
@@ -166,7 +256,7 @@ class RedisLog:
         return int(base or 0) + n
 
     def load(self, store_args: dict, sink=None, *, previous: JournaledStore | None = None, previous_epoch: int = 0,
-             acknowledged: int = 0, clock=None, ids=None) -> JournaledStore:
+             acknowledged: int = 0, clock=None, ids=None, warm: JournaledStore | None = None) -> JournaledStore:
         """The store the journal describes (we must hold the lease). The genesis arguments in
         Redis win over ``store_args`` (replay needs the originals).
 
@@ -203,20 +293,64 @@ class RedisLog:
             previous.sink = sink
             previous.clock.resume(previous.last_time)
             return previous
-        snapshot = self.client.get(k["snapshot"])
-        base = int(self.client.get(k["base"]) or 0)
+        if warm is not None:
+            # a standby's warm copy: with the lease held nobody appends any more, so replaying
+            # what it has not seen yet makes it exactly what a full load would give
+            try:
+                self.catch_up(warm)
+            except JournalDiverged as exc:
+                log.info("warm standby copy unusable (%s): loading from Redis", exc)
+            else:
+                warm.sink = sink
+                warm.clock.resume(warm.last_time)
+                return warm
+        snapshot, base = self.client.pipeline(transaction=True).get(k["snapshot"]).get(k["base"]).execute()
+        return JournaledStore.recover(store_args, snapshot, self._entries(int(base or 0)), sink, clock=clock, ids=ids)
 
-        def entries():
-            start = 0
-            while True:
-                chunk = self.client.lrange(k["journal"], start, start + _LOAD_CHUNK - 1)
-                for i, raw in enumerate(chunk):
-                    yield base + start + i + 1, raw
-                if len(chunk) < _LOAD_CHUNK:
-                    return
-                start += _LOAD_CHUNK
+    def catch_up(self, store: JournaledStore) -> int:
+        """Replay onto ``store`` (a copy made by ``replica``) the entries Redis got since
+        (a warm standby: its takeover then replays only the last few). JournalDiverged if a
+        snapshot trimmed entries it had not replayed yet (it then needs a new replica)."""
+        k, total = self.keys, 0
+        base = self._base_seen
+        while True:
+            # the base and the entries in one transaction: a snapshot trims the list, which
+            # would otherwise shift what an index names; a base other than the one assumed
+            # means: ask again with it
+            start = store.seq - base
+            if start < 0:
+                raise JournalDiverged(f"a snapshot at {base} covers entries past the replica's {store.seq}")
+            got, chunk = (self.client.pipeline(transaction=True).get(k["base"])
+                          .lrange(k["journal"], start, start + _LOAD_CHUNK - 1).execute())
+            got = int(got or 0)
+            if got != base:
+                base = self._base_seen = got
+                continue
+            total += store.catch_up((base + start + i + 1, raw) for i, raw in enumerate(chunk))
+            if len(chunk) < _LOAD_CHUNK:
+                return total
 
-        return JournaledStore.recover(store_args, snapshot, entries(), sink, clock=clock, ids=ids)
+    def replica(self) -> JournaledStore:
+        """The store the journal in Redis describes, read without holding the lease (the
+        snapshot process's copy, see ``snapshotter``). Snapshot and base are read together;
+        the entries after them only grow."""
+        k = self.keys
+        meta, snapshot, base = (self.client.pipeline(transaction=True).get(k["meta"]).get(k["snapshot"])
+                                .get(k["base"]).execute())
+        stored = pickle.loads(meta) if meta is not None else None
+        if not isinstance(stored, dict) or stored.get("format") != FORMAT:
+            raise JournalFormatError(f"no kvstore journal of format {FORMAT} under {self.prefix!r}")
+        return JournaledStore.recover(stored["store_args"], snapshot, self._entries(int(base or 0)))
+
+    def _entries(self, base: int, start: int = 0):
+        """(seq, entry) of the journal after ``base`` (from list index ``start``), in chunks."""
+        while True:
+            chunk = self.client.lrange(self.keys["journal"], start, start + _LOAD_CHUNK - 1)
+            for i, raw in enumerate(chunk):
+                yield base + start + i + 1, raw
+            if len(chunk) < _LOAD_CHUNK:
+                return
+            start += _LOAD_CHUNK
 
     def wipe(self) -> None:
         """Delete every key of this journal (tests and ``--redis-reset``)."""
@@ -260,7 +394,7 @@ class Committer:
         self.snapshot_every = snapshot_every
         self.max_batch = max_batch
         self.client = aredis.Redis.from_url(log_.url, socket_timeout=5, socket_connect_timeout=2)
-        self._append = self.client.register_script(_APPEND)
+        self._append = AppendPipe(log_.url, _APPEND)  # the hot path: raw RESP (see AppendPipe)
         self._snapshot = self.client.register_script(_SNAPSHOT)
         self._renew = self.client.register_script(_RENEW)
         self._queue: list[tuple[int, bytes | None]] = []  # (seq, entry); None = snapshot after seq
@@ -273,6 +407,7 @@ class Committer:
         self.batches = 0
         self.repairs = 0
         self.snapshots = 0
+        self._snapshotting: asyncio.Task | None = None
 
     def start(self, durable_seq: int) -> list[asyncio.Task]:
         self.durable_seq = durable_seq
@@ -355,21 +490,32 @@ class Committer:
         await self._call(self._snapshot, *self.log.snapshot_args(seq, blob))
 
     async def _snapshot_now(self) -> None:
-        """Snapshot the store as it is now (its seq may be past the marker: the entries between
-        are still queued, and the append script skips what the snapshot covers). Inline: the
-        pickle holds the loop for its duration (measured in docs/benchmarks.md); a forked child
-        (like Redis's BGSAVE) would not, but this grpcio's fork handlers crash the child unless
-        GRPC_ENABLE_FORK_SUPPORT=0 is set before gRPC starts."""
-        store = self._store_ref()
+        """Start a snapshot in another process (``snapshotter``) if none runs: it rebuilds the
+        state from Redis and writes it back, so the pickle never holds this event loop (inline
+        it held it ~180 ms at 31k blocks). Not awaited: journal appends go on meanwhile."""
+        if self._snapshotting is not None and not self._snapshotting.done():
+            return  # the one running covers most of it; the next marker starts another
+        self._snapshotting = asyncio.get_running_loop().create_task(self._snapshot_process())
+
+    async def _snapshot_process(self) -> None:
         started = time.perf_counter()
-        seq, blob = store.seq, store.snapshot()
-        await self._write_snapshot(seq, blob)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.kvstore.snapshotter",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        args = json.dumps({"url": self.log.url, "prefix": self.log.prefix, "token": self.log.token}).encode()
+        out, err = await proc.communicate(args)
+        if proc.returncode != 0:
+            log.warning("kvstore snapshot process failed (%s): %s", proc.returncode, err.decode(errors="replace")[-500:])
+            return
         self.snapshots += 1
-        log.info("kvstore snapshot at entry %d (%d bytes, %.1f ms to pickle) written to Redis", seq, len(blob),
-                 (time.perf_counter() - started) * 1000)
+        done = json.loads(out)
+        log.info("kvstore snapshot at entry %d (%d bytes) written by a snapshot process in %.2f s (wall %.2f s)",
+                 done["seq"], done["bytes"], done["seconds"], time.perf_counter() - started)
 
     async def _call(self, script, keys, args):
         try:
+            if isinstance(script, AppendPipe):
+                return await script.call(keys, args)
             return await script(keys=keys, args=args)
         except redis.ResponseError as exc:
             raise _script_error(exc) from None
@@ -407,4 +553,8 @@ class Committer:
             await asyncio.sleep(period)
 
     async def close(self) -> None:
+        self._append.close()
+        if self._snapshotting is not None:
+            self._snapshotting.cancel()  # its process finishes or is fenced on its own
+            await asyncio.gather(self._snapshotting, return_exceptions=True)
         await self.client.aclose()

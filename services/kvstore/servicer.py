@@ -161,9 +161,23 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             vocab_size=request.vocab_size,
             max_seq_len=request.max_seq_len,
         )
-        info = self.store.register_worker(spec)
+        if not request.held_reservations and not request.held_sequences:
+            info = self.store.register_worker(spec)
+            await self._committed()
+            return pb.RegisterWorkerResponse(worker=_worker_info(info))
+        result = self.store.restore_worker(
+            spec,
+            reservations=[core.HeldReservation(h.reservation_id, h.request_id, h.tokens_packed, h.cache_salt,
+                                               tuple(h.block_table), h.published_blocks) for h in request.held_reservations],
+            cached=[core.HeldSequence(h.tokens_packed, h.cache_salt, tuple(h.block_ids)) for h in request.held_sequences],
+        )
         await self._committed()
-        return pb.RegisterWorkerResponse(worker=_worker_info(info))
+        return pb.RegisterWorkerResponse(
+            worker=_worker_info(result.worker),
+            restored=[_reservation(r) for r in result.restored],
+            dropped=[pb.DroppedReservation(reservation_id=rid, reason=why) for rid, why in result.dropped],
+            restored_cached_blocks=result.cached_blocks,
+        )
 
     async def ListWorkers(self, request, context):
         return pb.ListWorkersResponse(workers=[_worker_info(w) for w in self.store.list_workers()])
@@ -179,7 +193,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
         worker_id = _caller_worker()
         r = self.store.get_reservation(request.reservation_id, request.incarnation, worker_id=worker_id)
         prompt = self.store.reservation_prompt(request.reservation_id, request.incarnation, worker_id=worker_id)
-        return pb.GetReservationResponse(reservation=_reservation(r), prompt_packed=prompt)
+        salt = self.store.reservation_salt(request.reservation_id, request.incarnation, worker_id=worker_id)
+        return pb.GetReservationResponse(reservation=_reservation(r), prompt_packed=prompt, cache_salt=salt)
 
     async def Match(self, request, context):
         tokens = tokens_from_proto(request.tokens)

@@ -56,11 +56,14 @@ from .types import (
     Event,
     EventKind,
     ExtendItem,
+    HeldReservation,
+    HeldSequence,
     ItemResult,
     MatchResult,
     PublishResult,
     ReleaseResult,
     Reservation,
+    RestoreResult,
     StoreStats,
     TrimItem,
     WorkerInfo,
@@ -138,6 +141,143 @@ class KVStore:
         self._workers[spec.worker_id] = worker
         self._events.flush()
         return self._info(worker)
+
+    def restore_worker(self, spec: WorkerSpec, reservations=(), cached=()) -> RestoreResult:
+        """Register a new incarnation of a worker that outlived the kvstore's memory (a restart
+        of the memory backend, or a lapsed lease) and re-create what it still holds (mutates):
+        ``reservations`` (:class:`HeldReservation`, the requests it runs, under their ids, now
+        tied to the new incarnation) and ``cached`` (:class:`HeldSequence`, published blocks
+        whose content it still holds), so running streams go on and the cache is rebuilt from
+        the worker. The worker alone knows what its pages hold; the store only refuses what
+        would break its own rules: every id is in range, a block lands in exactly one place
+        (one reservation's own blocks, or one trie run), and a key already resident on the
+        worker under another id stays as it is (a reservation's copy is then deduplicated as
+        Publish does, which the worker adopts from ``restored``; a cached copy is left free).
+        Registration is the transaction; each reservation is restored whole or dropped (with
+        why), each sequence up to its first block that cannot be taken. Calls of the previous
+        incarnation stay stale (DESIGN §2): only the new incarnation names these reservations;
+        until the worker re-registered they are unknown (NOT_FOUND), and the worker resends them
+        (``kvstore_courier``)."""
+        reservations, cached = list(reservations), list(cached)
+        if len(reservations) > self.max_items or len(cached) > self.max_items:
+            raise InvalidArgument(f"restore_worker takes at most {self.max_items} reservations and sequences")
+        info = self.register_worker(spec)
+        worker = self._workers[info.worker_id]
+        free = set(worker.pool.free_ids())
+        restored: list[Reservation] = []
+        dropped: list[tuple[str, str]] = []
+        for held in reservations:
+            rid = getattr(held, "reservation_id", None)
+            try:
+                record = self._restore_reservation(worker, held, free)
+            except TandemError as err:
+                dropped.append((str(rid)[: validation.MAX_ID_BYTES], err.message))
+                continue
+            restored.append(record.snapshot())
+        cached_blocks = 0
+        for seq in cached:
+            try:
+                cached_blocks += self._restore_sequence(worker, seq, free)
+            except TandemError:
+                continue  # stale or malformed: the blocks stay free, the cache a little colder
+        self._events.flush()
+        return RestoreResult(self._info(worker), tuple(restored), tuple(dropped), cached_blocks)
+
+    def _held(self, worker: WorkerRecord, tokens, salt, table, free: set[int]):
+        """Validate one re-announced sequence (read-only): its key stream, block ids, and how
+        many leading blocks are already resident on the worker under exactly these ids.
+        Returns (stream, salt, table, resident path, matched blocks)."""
+        spec = worker.spec
+        buf, arr = validation.prompt(tokens, self.max_tokens)
+        validation.fits_worker(spec, arr, len(arr) - 1)  # the last sampled token has no position
+        salt = validation.salt(salt)
+        table = [validation.count("block id", b) for b in table]
+        if any(b >= spec.num_blocks for b in table):
+            raise InvalidArgument(f"a block id is not below num_blocks {spec.num_blocks}")
+        if len(set(table)) != len(table):
+            raise InvalidArgument("a block id appears twice in one table")
+        stream = KeyStream(buf, worker.span, spec.block_size)
+        # walk() caps at the reusable blocks (n - 1 positions when D = 0); a resend names every
+        # keyed block, so walk a stream one token longer, which reads no key past them
+        probe = stream if worker.span else KeyStream(buf + b"\0\0\0\0", 0, spec.block_size)
+        path, ends = self._trie.walk(self._trie.root(worker.namespace(salt)), probe)
+        wid = worker.worker_id
+        k = self._resident_prefix(path, wid)
+        resident: list[int] = []
+        if k:
+            for run in chain(path[k - 1].residency[wid]):
+                resident += run.ids
+            del resident[ends[k - 1]:]
+        m = 0
+        limit = min(len(resident), len(table), stream.num_keyed_blocks)
+        while m < limit and resident[m] == table[m]:
+            m += 1
+        return stream, salt, table, path[:k], ends[:k], m
+
+    def _pin_held(self, worker: WorkerRecord, path, ends, m: int) -> Run | None:
+        """Pin the worker's first ``m`` resident blocks along ``path`` (cutting a run where they
+        end, as Reserve does); returns the deepest pinned run (mutates)."""
+        if not m:
+            return None
+        i = next(i for i, end in enumerate(ends) if end >= m)
+        node = path[i]
+        used = m - (ends[i - 1] if i else 0)
+        if used < node.size:
+            node = self._trie.split(node, used)
+        last = node.residency[worker.worker_id]
+        worker.pool.pin_chain(last, self.tick)
+        return last
+
+    def _restore_reservation(self, worker: WorkerRecord, held, free: set[int]) -> ReservationRecord:
+        if not isinstance(held, HeldReservation):
+            raise InvalidArgument("a held reservation is expected")
+        rid = validation.ident("reservation_id", held.reservation_id)
+        request_id = validation.ident("request_id", held.request_id)
+        if rid in self._reservations or rid in self._ending or request_id in self._by_request:
+            raise InvalidArgument(f"reservation {validation.shown(rid)} or its request is live already")
+        stream, salt, table, path, ends, m = self._held(worker, held.tokens, held.cache_salt, held.block_table, free)
+        bs = worker.spec.block_size
+        # a worker counts blocks with final KV; only keyed ones were published (as Publish clamps)
+        published = min(validation.count("published_blocks", held.published_blocks), len(table), stream.num_keyed_blocks)
+        # the last token of a sequence is sampled, never fed: it has no KV position yet
+        if len(table) * bs < min(stream.n - 1, worker.spec.max_seq_len) or len(table) > -(-worker.spec.max_seq_len // bs):
+            raise InvalidArgument(f"a table of {len(table)} blocks does not fit {stream.n} tokens and max_seq_len")
+        m = min(m, published)
+        own = table[m:]
+        if any(b not in free for b in own):
+            raise FailedPrecondition(f"reservation {validation.shown(rid)} names blocks held elsewhere")
+        # validated: mutate
+        self.tick += 1
+        free.difference_update(own)
+        worker.pool.take_ids(set(own))
+        last = self._pin_held(worker, path, ends, m)
+        record = ReservationRecord(rid, request_id, worker, stream, salt, 0, last, list(own), m)
+        self._reservations[rid] = worker.reservations[rid] = self._by_request[request_id] = record
+        self._tombstones.pop(rid, None)
+        self._publish_blocks(record, published * bs)  # may deduplicate: the worker adopts the table
+        return record
+
+    def _restore_sequence(self, worker: WorkerRecord, held, free: set[int]) -> int:
+        """Cached blocks back into the trie at ref 0, up to the first block not free (mutates).
+        Returns how many were added."""
+        if not isinstance(held, HeldSequence):
+            raise InvalidArgument("a held sequence is expected")
+        stream, salt, table, path, ends, m = self._held(worker, held.tokens, held.cache_salt, held.block_ids, free)
+        n = min(len(table), stream.num_keyed_blocks)
+        end = m
+        while end < n and table[end] in free:
+            end += 1
+        own = table[m:end]
+        if not own:
+            return 0
+        self.tick += 1
+        free.difference_update(own)
+        worker.pool.take_ids(set(own))
+        last = self._pin_held(worker, path, ends, m)
+        record = ReservationRecord("", "", worker, stream, salt, 0, last, list(own), m)
+        newly, _dedup = self._publish_blocks(record, end * worker.spec.block_size)
+        self._unpin_all(record)  # published blocks become cached (ref 0); dedup copies free
+        return newly
 
     def list_workers(self) -> list[WorkerInfo]:
         """Every live worker, ordered by worker id (read-only apart from lapsing leases)."""
@@ -350,6 +490,11 @@ class KVStore:
         """The packed prompt a live reservation was made for (read-only; checks as
         :meth:`get_reservation`): a worker asked to run it compares it with what it was sent."""
         return self._live(reservation_id, incarnation, worker_id).prompt
+
+    def reservation_salt(self, reservation_id: str, incarnation: int, *, worker_id: str | None = None) -> bytes:
+        """The cache salt of a live reservation (read-only; checks as :meth:`get_reservation`):
+        its worker re-announces it with the reservation after a kvstore restart."""
+        return self._live(reservation_id, incarnation, worker_id).cache_salt
 
     def ending_for(self, worker_id: str, incarnation: int, limit: int = 1024) -> list[str]:
         """Ids of the worker's reservations ended by someone else and waiting for it to confirm

@@ -200,3 +200,41 @@ class Event:
     block_keys: tuple[BlockKey, ...] = ()
     block_ids: tuple[int, ...] = ()
     parent_key: BlockKey | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HeldReservation:
+    """A reservation a worker still runs, as it re-announces it after a kvstore restart
+    (``restore_worker``): the sequence the kvstore held for it (prompt + tokens sent since),
+    its whole block table, and how many leading blocks its Publishes (sent or answered) made
+    final. ``tokens`` is packed little-endian uint32 or a sequence of ints."""
+
+    reservation_id: str
+    request_id: str
+    tokens: object
+    cache_salt: bytes
+    block_table: tuple[int, ...]
+    published_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeldSequence:
+    """Published blocks a worker still holds unchanged: block ``block_ids[j]`` holds the KV of
+    key block ``j`` of ``tokens`` (under ``cache_salt``); re-announced after a kvstore restart so
+    the shared cache is rebuilt from the workers."""
+
+    tokens: object
+    cache_salt: bytes
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    """What ``restore_worker`` did: the new registration, the reservations it re-created (their
+    tables may differ in deduplicated final blocks, which the worker adopts), the ones it could
+    not (id, why), and how many cached blocks it took back."""
+
+    worker: WorkerInfo
+    restored: tuple[Reservation, ...]
+    dropped: tuple[tuple[str, str], ...]
+    cached_blocks: int

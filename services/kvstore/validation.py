@@ -155,11 +155,13 @@ def final_positions(value: object, stream: KeyStream, capacity_positions: int) -
 
 def resent_tokens(stream: KeyStream, new_tokens: object, known: int) -> object:
     """``new_tokens`` of a Publish that says the sequence held ``known`` tokens before them: as
-    given if it does, nothing if they are already there (a resend of a call that landed),
+    given if it does, nothing if they are already there (a resend of a call that landed, or
+    of one that a worker's re-announced sequence already covers: later tokens may follow them),
     InvalidArgument otherwise."""
     if stream.n == known:
         return new_tokens
-    added = len(token_array(new_tokens))
-    if stream.n == known + added and stream.buf[known * 4 :] == token_array(new_tokens).tobytes():
+    arr = token_array(new_tokens)
+    added = len(arr)
+    if stream.n >= known + added and stream.buf[known * 4 : (known + added) * 4] == arr.tobytes():
         return ()
     raise InvalidArgument(f"the reservation holds {stream.n} tokens, the call assumes {known}")

@@ -136,6 +136,10 @@ class _WorkerFailed(Exception):
         self.message = message
 
 
+# A stream of a worker that left the registry is cut once the worker has been absent from it, and
+# quiet, this long (a frozen worker). A worker back under a new incarnation keeps its streams.
+_DEPARTED_QUIET_S = 5.0
+
 class _Progress:
     """What one attempt has seen from its worker (mutated while streaming)."""
 
@@ -147,6 +151,7 @@ class _Progress:
         # the worker's totals as of its last message (decode steps, accepted drafts)
         self.decode_steps = 0
         self.accepted_drafts = 0
+        self.last_heard_at: float | None = None  # the last message from the worker
         self.decoder = StreamDecoder(tokenizer)
         self.stops = StopScanner(stop_strings, tokenizer) if stop_strings else None
 
@@ -228,7 +233,7 @@ class _Outage:
         self._d = dispatcher
         self._deadline = deadline
         self._until: float | None = None
-        self._delays = backoff_delays(0.05, 0.5)
+        self._delays = backoff_delays(0.02, 0.1)  # a kvstore back is used within 0.1 s
 
     async def wait(self, exc: Exception) -> None:
         clock, config = self._d._clock, self._d.config
@@ -276,6 +281,7 @@ class Dispatcher:
         self._cleanup: set[asyncio.Task] = set()
         # (worker id, incarnation) -> the streams running there: ended when it leaves the registry
         self._streams: dict[tuple[str, int], dict[int, tuple[object, _Progress]]] = {}
+        self._absent_since: dict[str, float] = {}  # worker id -> first registry read without it
         # worker id -> (incarnation, most draft tokens it accepts), from its Info answer
         self._draft_limits: dict[str, tuple[int, int]] = {}
 
@@ -326,23 +332,36 @@ class Dispatcher:
             raise _kv_error("ListWorkers", err) from None
         entries = [_entry(w) for w in resp.workers]
         self.directory.replace(entries)
-        self._end_streams_of_departed({(e.worker_id, e.incarnation) for e in entries})
+        self._end_streams_of_departed({(e.worker_id, e.incarnation) for e in entries}, {e.worker_id for e in entries})
         return entries
 
-    def _end_streams_of_departed(self, registered: set[tuple[str, int]]) -> None:
-        """Cancel the streams of worker incarnations that left the registry (lease lapsed,
-        re-registered): their blocks are gone, and a frozen worker would hold them forever.
-        The client sees UNAVAILABLE (mutates the calls)."""
+    def _end_streams_of_departed(self, registered: set[tuple[str, int]], present: set[str]) -> None:
+        """Cancel the streams of worker incarnations that left the registry (lease lapsed) when
+        the worker has been absent from it, and quiet, for ``_DEPARTED_QUIET_S``: a frozen
+        worker would hold them forever. A worker registered again under a new incarnation is
+        alive (it heartbeats): after a kvstore restart it re-registers with the reservations it
+        runs and carries on, so its streams are left alone (one it could not take back, it ends
+        itself). The client of a cancelled stream sees UNAVAILABLE (mutates the calls)."""
+        now = self._clock()
+        for wid in present:
+            self._absent_since.pop(wid, None)
         for key in [k for k in self._streams if k not in registered]:
-            for call, progress in self._streams.pop(key).values():
+            if key[0] in present:
+                continue
+            absent_since = self._absent_since.setdefault(key[0], now)
+            streams = self._streams[key]
+            for cid, (call, progress) in list(streams.items()):
+                heard = progress.last_heard_at
+                if now - absent_since < _DEPARTED_QUIET_S or (heard is not None and now - heard < _DEPARTED_QUIET_S):
+                    continue
+                del streams[cid]
                 progress.left_registry = True
                 call.cancel()
+            if not streams:
+                del self._streams[key]
 
     # ---------------------------------------------------------------------------------- planning
-    async def _plan(self, job: GenerateJob, tenant: Tenant, prompt_pb, state: AttemptState,
-                    deadline: float | None) -> list[WorkerEntry]:
-        """Match + rank: the workers in preference order (read-only for the kvstore). Raises
-        when no worker could ever take the request."""
+    async def _match(self, tenant: Tenant, prompt_pb, deadline: float | None) -> list:
         try:
             resp = await self._kv.Match(
                 kv_pb.MatchRequest(tokens=prompt_pb, cache_salt=tenant.cache_salt, model_id=self.config.model_id),
@@ -350,7 +369,19 @@ class Dispatcher:
             )
         except grpc.aio.AioRpcError as err:
             raise _kv_error("Match", err) from None
-        matches = list(resp.workers)
+        return list(resp.workers)
+
+    async def _plan(self, job: GenerateJob, tenant: Tenant, prompt_pb, state: AttemptState,
+                    deadline: float | None) -> list[WorkerEntry]:
+        """Match + rank: the workers in preference order (read-only for the kvstore). Raises
+        when no worker could ever take the request."""
+        matches = await self._match(tenant, prompt_pb, deadline)
+        if not matches:
+            # none at all: the registry may have been empty for a moment (a kvstore restarted,
+            # its workers re-registering). Read it again, then ask again: only a Match after the
+            # refresh tells "no worker yet" from "no compatible worker".
+            await self.refresh_directory(deadline)
+            matches = await self._match(tenant, prompt_pb, deadline)
         if not self.directory.is_fresh_for((m.worker_id, m.incarnation) for m in matches):
             await self.refresh_directory(deadline)
         if not matches:
@@ -380,19 +411,20 @@ class Dispatcher:
             )
         if not candidates and too_small:
             raise ResourceExhausted(f"the prompt can never fit: {'; '.join(too_small)}")
+        exclude = state.excluded_now({m.worker_id: m.incarnation for m in matches})
         if self.config.policy == "round_robin":
             ranked = rotate_workers(candidates, prompt_tokens=n, turn=self._turn,
-                                    model_id=self.config.model_id, exclude=state.excluded)
+                                    model_id=self.config.model_id, exclude=exclude)
             self._turn += 1
         else:
             ranked = rank_workers(
                 candidates, prompt_tokens=n, weights=self.config.weights, rng=self._rng,
-                model_id=self.config.model_id, exclude=state.excluded,
+                model_id=self.config.model_id, exclude=exclude,
             )
         if not ranked:
-            if candidates and not state.failures and not any(c.healthy for c in candidates):
-                # Nothing failed for this request: every worker is cooling down after other
-                # requests' failures (e.g. a kvstore restart ended their streams). Waitable.
+            if any(not c.healthy and c.worker_id not in exclude for c in candidates):
+                # Every worker this request may still use is cooling down after failures (e.g. a
+                # kvstore restart ended streams, or sent this request back to reserve again). Waitable.
                 raise AllCoolingDown(state.no_worker_left().message)
             if candidates:
                 raise state.no_worker_left()
@@ -529,6 +561,7 @@ class Dispatcher:
                     raise _WorkerFailed("INTERNAL", f"the worker sent {exc}") from None
                 if msg.decode_steps:
                     progress.decode_steps, progress.accepted_drafts = msg.decode_steps, msg.accepted_drafts
+                progress.last_heard_at = self._clock()
                 text, cut = progress.text(ids) if ids else ("", None)
                 if ids:
                     if progress.first_token_at is None:
@@ -674,6 +707,7 @@ class Dispatcher:
                     span.set_attribute("tandem.reused_positions", reservation.reused_positions)
                 worker_request_id = state.reservation_request_id()
                 progress = _Progress(self._tokenizer, job.sampling.stop_strings)
+                progress.last_heard_at = self._clock()  # a stream that just began counts as heard
                 finished = False
                 stream = self._stream(job, entry, reservation, worker_request_id, deadline, arrival, progress)
                 self.directory.begin(entry.worker_id)
@@ -693,7 +727,7 @@ class Dispatcher:
                         self.directory.mark_failed(entry.worker_id)
                     log.info("request %s: worker %s failed (%s)", job.request_id, entry.worker_id, failure)
                     state.worker_failed(entry.worker_id, failure.code_name, failure.message,
-                                        streamed_tokens=len(progress.tokens))
+                                        streamed_tokens=len(progress.tokens), incarnation=entry.incarnation)
                 except BaseException:
                     # cancelled, expired, or the consumer stopped early
                     if not finished and not progress.acknowledged:

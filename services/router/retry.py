@@ -103,12 +103,20 @@ class AttemptState:
     attempt: int = 0
     excluded: set[str] = field(default_factory=set)
     failures: list[str] = field(default_factory=list)
+    failed_incarnation: dict[str, int] = field(default_factory=dict)  # worker id -> the one that failed
+
+    def excluded_now(self, incarnations: dict[str, int]) -> set[str]:
+        """The excluded workers still at the incarnation that failed (read-only): one that
+        re-registered since (a kvstore restart) is a new candidate."""
+        return {w for w in self.excluded
+                if w not in self.failed_incarnation or incarnations.get(w) == self.failed_incarnation[w]}
 
     def reservation_request_id(self) -> str:
         """The kvstore/worker request id of the current attempt (read-only)."""
         return self.request_id if self.attempt == 0 else f"{self.request_id}~{self.attempt}"
 
-    def worker_failed(self, worker_id: str, code_name: str, message: str, *, streamed_tokens: int) -> None:
+    def worker_failed(self, worker_id: str, code_name: str, message: str, *, streamed_tokens: int,
+                      incarnation: int | None = None) -> None:
         """Record that ``worker_id`` failed with ``code_name`` (mutates) and decide.
 
         Returns when another worker should be tried (excluding this one); otherwise raises the error
@@ -127,6 +135,8 @@ class AttemptState:
         if code_name not in _RETRY_ELSEWHERE:
             raise error_for(code_name, f"worker {worker_id}: {message}")
         self.excluded.add(worker_id)
+        if incarnation is not None:
+            self.failed_incarnation[worker_id] = incarnation
         self.attempt += 1
         if self.attempt >= self.max_attempts:
             raise Unavailable(

@@ -293,3 +293,33 @@ def test_ahead_of_need_extend_stays_within_watermark_plus_chunk(watermark, chunk
         assert done[f"r{i}"].tokens == plain_greedy(p, 40)
     if watermark >= 1:  # headroom was kept ahead: decode steps stopped asking for blocks
         assert sum(step_extends[3:]) == 0, step_extends
+
+
+def test_an_unavailable_extend_makes_a_request_wait_not_fail():
+    """The kvstore is away (its Extend answers UNAVAILABLE): a request that cannot go on in the
+    capacity it holds waits its steps out instead of ending with CAPACITY, the others go on,
+    and once Extends are answered again every output is token-identical."""
+    from services.common.errors import Unavailable
+
+    ps = prompts((9, 10), seed=11)
+    setup = make_setup("eagle3", scripted={f"r{i}": p + plain_greedy(p, 24) for i, p in enumerate(ps)}, miss_percent=0)
+    checked_plans(setup)
+    source = setup.source
+    real_extend, away = source.extend, {"steps": 6}
+
+    def extend(wants):
+        if away["steps"] > 0:
+            away["steps"] -= 1
+            return {rid: Unavailable("kvstore away") for rid in wants}
+        return real_extend(wants)
+
+    source.extend = extend
+    submit(setup, "r0", ps[0], max_new_tokens=20, k=3)  # no headroom: it needs an Extend soon
+    submit(setup, "r1", ps[1], max_new_tokens=20, k=3, headroom=40)  # holds all it needs
+    seen_waiting = []
+    done = run_until_done(setup, on_step=lambda rep: seen_waiting.append("r0" not in rep.results or
+                                                                          not rep.results["r0"].new_token_ids))
+    assert away["steps"] == 0 and any(seen_waiting)
+    for i, p in enumerate(ps):
+        assert done[f"r{i}"].finish_reason is FinishReason.LENGTH
+        assert done[f"r{i}"].tokens == plain_greedy(p, 20)

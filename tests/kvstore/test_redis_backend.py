@@ -242,3 +242,49 @@ def test_snapshots_are_taken_while_serving_and_recovery_uses_them(start_kvstore_
     recovered = RedisLog(log.url, prefix=log.prefix).load({})
     assert recovered.seq == lead.store.seq
     assert svc.in_loop(lambda: recovered.store.view().reservations() == lead.store.store.view().reservations())
+
+
+def test_a_snapshot_process_rebuilds_the_state_from_redis_and_is_fenced(redis_server):
+    """Snapshots are made by another process from what Redis holds (the leader's loop is not
+    held): its copy equals the leader's; an older snapshot never replaces a newer one; without
+    the lease it writes nothing."""
+    from services.kvstore.snapshotter import snapshot_from_redis
+
+    log = RedisLog(redis_server.url, prefix=unique_prefix(), lease_ms=60_000)
+    assert log.try_acquire()
+    store = log.load(ARGS, lambda s, e: log.append(s, [e]))
+    _fill(store)
+    seq, size, _ = snapshot_from_redis(log.url, log.prefix, log.token)
+    assert seq == store.seq and size > 0 and int(log.client.get(log.keys["base"])) == seq
+    again = RedisLog(log.url, prefix=log.prefix).replica()
+    assert again.store.view().reservations() == store.store.view().reservations()
+    assert again.stats() == store.stats()
+    log.write_snapshot(seq - 1, b"older")  # a slow snapshot process: refused, nothing trimmed
+    assert int(log.client.get(log.keys["base"])) == seq and log.client.get(log.keys["snapshot"]) != b"older"
+    token = log.token
+    log.resign()
+    with pytest.raises(Fenced):
+        snapshot_from_redis(log.url, log.prefix, token)
+    log.wipe(), log.close()
+
+
+def test_a_warm_standby_copy_catches_up_to_exactly_what_a_load_gives(redis_server):
+    """A standby keeps a copy current (catch_up after each poll), across a snapshot; at takeover
+    the copy equals a full load from Redis."""
+    from services.kvstore.snapshotter import snapshot_from_redis
+
+    log = RedisLog(redis_server.url, prefix=unique_prefix(), lease_ms=60_000)
+    assert log.try_acquire()
+    store = log.load(ARGS, lambda s, e: log.append(s, [e]))
+    standby = RedisLog(log.url, prefix=log.prefix)
+    warm = standby.replica()
+    _fill(store)
+    assert standby.catch_up(warm) > 0 and warm.seq == store.seq
+    snapshot_from_redis(log.url, log.prefix, log.token)  # the leader's snapshot trims the journal
+    _fill(store)
+    standby.catch_up(warm)
+    full = RedisLog(log.url, prefix=log.prefix).replica()
+    assert warm.seq == full.seq == store.seq
+    assert warm.store.view().reservations() == full.store.view().reservations() == store.store.view().reservations()
+    assert warm.stats() == full.stats()
+    log.wipe(), log.close(), standby.close()

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 import torch
 
-from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, TandemError
+from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, TandemError, Unavailable
 from services.gpuworker.attention.base import AttentionBackend, AttentionKind, BatchLayout
 from services.gpuworker.engine.acceptance import accept_greedy, accept_sampled_batch
 from services.gpuworker.engine.capacity import BlockSource, blocks_for
@@ -440,8 +440,8 @@ class Engine:
             # an extend may end a request for want of capacity: first learn whether it had stopped
             self._resolve_lagging()
             work = [w for w in work if not w.state.finished]
-        extend_wants = self._reserve(work)
-        work = [w for w in work if not w.state.finished]
+        extend_wants, waiting = self._reserve(work)
+        work = [w for w in work if not w.state.finished and w.state.request_id not in waiting]
         for w in work:
             if w.is_prefill:
                 ledger[w.state.request_id].prefill_tokens = w.num_target_tokens
@@ -484,19 +484,25 @@ class Engine:
 
     # -- 0. capacity ------------------------------------------------------------------------------
 
-    def _reserve(self, work: list[ScheduledWork]) -> dict[str, int]:
-        """One batched extend; shrink (or finish with CAPACITY) what did not get its capacity."""
+    def _reserve(self, work: list[ScheduledWork]) -> tuple[dict[str, int], set[str]]:
+        """One batched extend; shrink (or finish with CAPACITY) what did not get its capacity.
+        An ``Unavailable`` answer (the kvstore is away or slow, the Extend still pending) is no
+        verdict: the request runs in the capacity it holds, or waits this step out. Returns the
+        wants and the ids of the requests that wait."""
         wants = {w.state.request_id: w.needed_capacity for w in work if w.needed_capacity > w.state.capacity}
+        waiting: set[str] = set()
         if not wants:
-            return {}
+            return {}, waiting
         answers = self.block_source.extend(dict(wants))
         for w in work:
             s = w.state
             if s.request_id not in wants:
                 continue
             ans = answers.get(s.request_id)
+            transient = isinstance(ans, Unavailable)  # no verdict: nothing recorded against it
             if isinstance(ans, Exception) or ans is None:
-                self._ledger[s.request_id].error = ans or FailedPrecondition("block source gave no answer")
+                if not transient:
+                    self._ledger[s.request_id].error = ans or FailedPrecondition("block source gave no answer")
             else:
                 table = [int(b) for b in ans]
                 # only deduplicated final blocks may differ (a Publish answered meanwhile)
@@ -510,11 +516,13 @@ class Engine:
             else:
                 w.num_drafts = min(w.num_drafts, cap - s.logical_len)
                 ok = w.num_drafts >= 0
-            if not ok:
+            if not ok and transient:
+                waiting.add(s.request_id)
+            elif not ok:
                 s.finish_reason = FinishReason.CAPACITY
                 entry = self._ledger[s.request_id]
                 entry.error = entry.error or FailedPrecondition("no capacity for the next step")
-        return wants
+        return wants, waiting
 
     # -- A. chain drafting ---------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "model_id", "spec_mode", "mtp_depth", "block_size", "num_blocks", "vocab_size", "max_seq_len")
+    __slots__ = ("worker_id", "address", "model_id", "spec_mode", "mtp_depth", "block_size", "num_blocks", "vocab_size", "max_seq_len", "held_reservations", "held_sequences")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,8 @@ class RegisterWorkerRequest(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    HELD_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    HELD_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     model_id: str
@@ -28,13 +30,55 @@ class RegisterWorkerRequest(_message.Message):
     num_blocks: int
     vocab_size: int
     max_seq_len: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., spec_mode: _Optional[_Union[_common_pb2.SpecMode, str]] = ..., mtp_depth: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ...) -> None: ...
+    held_reservations: _containers.RepeatedCompositeFieldContainer[HeldReservation]
+    held_sequences: _containers.RepeatedCompositeFieldContainer[HeldSequence]
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., spec_mode: _Optional[_Union[_common_pb2.SpecMode, str]] = ..., mtp_depth: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., held_reservations: _Optional[_Iterable[_Union[HeldReservation, _Mapping]]] = ..., held_sequences: _Optional[_Iterable[_Union[HeldSequence, _Mapping]]] = ...) -> None: ...
+
+class HeldReservation(_message.Message):
+    __slots__ = ("reservation_id", "request_id", "tokens_packed", "cache_salt", "block_table", "published_blocks")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    request_id: str
+    tokens_packed: bytes
+    cache_salt: bytes
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    published_blocks: int
+    def __init__(self, reservation_id: _Optional[str] = ..., request_id: _Optional[str] = ..., tokens_packed: _Optional[bytes] = ..., cache_salt: _Optional[bytes] = ..., block_table: _Optional[_Iterable[int]] = ..., published_blocks: _Optional[int] = ...) -> None: ...
+
+class HeldSequence(_message.Message):
+    __slots__ = ("tokens_packed", "cache_salt", "block_ids")
+    TOKENS_PACKED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    tokens_packed: bytes
+    cache_salt: bytes
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens_packed: _Optional[bytes] = ..., cache_salt: _Optional[bytes] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DroppedReservation(_message.Message):
+    __slots__ = ("reservation_id", "reason")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    reason: str
+    def __init__(self, reservation_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
-    __slots__ = ("worker",)
+    __slots__ = ("worker", "restored", "dropped", "restored_cached_blocks")
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerInfo
-    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+    restored: _containers.RepeatedCompositeFieldContainer[Reservation]
+    dropped: _containers.RepeatedCompositeFieldContainer[DroppedReservation]
+    restored_cached_blocks: int
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., restored: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., dropped: _Optional[_Iterable[_Union[DroppedReservation, _Mapping]]] = ..., restored_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
@@ -113,12 +157,14 @@ class GetReservationRequest(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class GetReservationResponse(_message.Message):
-    __slots__ = ("reservation", "prompt_packed")
+    __slots__ = ("reservation", "prompt_packed", "cache_salt")
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_PACKED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     reservation: Reservation
     prompt_packed: bytes
-    def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., prompt_packed: _Optional[bytes] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., prompt_packed: _Optional[bytes] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
     __slots__ = ("tokens", "cache_salt", "model_id")
