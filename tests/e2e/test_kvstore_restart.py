@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from tandem.router.v1 import router_pb2
 
 PROMPTS = [f"stream {i}: the kvstore may restart at any moment and nobody should notice. " * 2 for i in range(6)]
@@ -16,7 +18,7 @@ MAX_NEW = 64
 def _stream(suite, prompt: str, out: dict, key: int, first: threading.Event) -> None:
     ids: list[int] = []
     try:
-        request = router_pb2.GenerateRequest(text=prompt, max_new_tokens=MAX_NEW, num_draft_tokens=3)
+        request = router_pb2.GenerateRequest(text=prompt, max_new_tokens=MAX_NEW, num_draft_tokens=3, temperature=0.0)
         for msg in suite.stub.Generate(request, timeout=120):
             ids.extend(msg.token_ids)
             if ids:
@@ -30,9 +32,10 @@ def _stream(suite, prompt: str, out: dict, key: int, first: threading.Event) -> 
 SEEDS = [f"seed {i}: a prefix that only the cache remembers, published before the restart. " * 2 for i in range(3)]
 
 
-def test_running_streams_survive_a_memory_kvstore_restart(suite, start_kvstore_service):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-thread", "engine-process"])
+def test_running_streams_survive_a_memory_kvstore_restart(suite, start_kvstore_service, engine_process):
     for wid in ("w0", "w1"):
-        suite.add_worker(wid)
+        suite.add_worker(wid, engine_process=engine_process)
     suite.add_router()
     # reference outputs (greedy): what each stream must produce, restart or not
     reference = {i: suite.generate(p, max_new_tokens=MAX_NEW, num_draft_tokens=3)[0] for i, p in enumerate(PROMPTS)}
