@@ -44,6 +44,22 @@ log = logging.getLogger(__name__)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class _Sender:
+    """One end of a pipe that several threads send on (``Connection.send`` is not thread-safe).
+    A send to a process that is gone is dropped: its reader or supervisor notices the EOF."""
+
+    def __init__(self, conn: Connection):
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: tuple) -> None:
+        with self._lock:
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):
+                pass
+
+
 class EngineProcess:
     """The gRPC side's handle on an engine process: the public surface of
     :class:`~services.gpuworker.runner.EngineRunner` (``submit``, ``cancel``, ``running``,
@@ -52,7 +68,8 @@ class EngineProcess:
     def __init__(self, settings: WorkerSettings, *, metrics: bool = False,
                  on_tally: Callable[[StepTally], None] | None = None, on_exit: Callable[[], None] | None = None):
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
-        cmd_recv, self._cmd = ctx.Pipe(duplex=False)
+        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+        self._cmd = _Sender(cmd_send)
         self._events, evt_send = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
             target=_engine_main, name=f"engine-{settings.worker_id}", daemon=True,
@@ -61,7 +78,6 @@ class EngineProcess:
         self._child_ends = (cmd_recv, evt_send)
         self._on_tally = on_tally
         self._on_exit = on_exit
-        self._send_lock = threading.Lock()  # Connection.send is not thread-safe
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}  # submitted, reservation not ended yet (the engine says when)
         self._running = 0
@@ -166,11 +182,7 @@ class EngineProcess:
             return frozenset(self._jobs)
 
     def _send(self, message: tuple) -> None:
-        with self._send_lock:
-            try:
-                self._cmd.send(message)
-            except (OSError, ValueError):  # the engine process is gone; the reader fails its jobs
-                pass
+        self._cmd.send(message)  # dropped if the engine process is gone: the reader fails its jobs
 
     # -- reader thread ----------------------------------------------------------------------------
 
@@ -242,8 +254,7 @@ class PipeOutbox(Outbox):
 
     def __init__(self, conn: Connection):
         super().__init__()
-        self._conn = conn
-        self._send_lock = threading.Lock()  # the engine thread flushes; the command thread answers calls
+        self._sender = _Sender(conn)  # the engine thread flushes; the command thread answers calls
         self._batch: list[tuple[str, tuple]] = []
         self.disowned: list[str] = []
         self.tallies: list[StepTally] = []
@@ -269,11 +280,7 @@ class PipeOutbox(Outbox):
         self.send(message)
 
     def send(self, message: tuple) -> None:
-        with self._send_lock:
-            try:
-                self._conn.send(message)
-            except (OSError, ValueError):  # the gRPC process is gone; the command thread stops us
-                pass
+        self._sender.send(message)  # dropped if the gRPC process is gone: the command thread stops us
 
 
 def _engine_main(settings_data: dict, metrics: bool, commands: Connection, events: Connection, log_level: int) -> None:
