@@ -33,7 +33,7 @@ from services.gpuworker.model.config import LlamaConfig
 from services.gpuworker.model.dense import dense_forward
 from services.gpuworker.model.layers import init_weights
 from services.gpuworker.model.llama import TargetModel
-from services.gpuworker.model.loader import save_model
+from services.gpuworker.model.loader import load_model, save_model
 
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3",
              "turtledemo", "tkinter", "ensurepip", "config-3"}
@@ -41,13 +41,14 @@ HELD_OUT_EVERY = 20  # a file is held out when sha256(relative path) % 20 == 0
 DEMO_META = "tandem_demo.json"
 
 
-def demo_config() -> LlamaConfig:
-    """The demo model: byte vocabulary (as ``tiny``), 6 layers, hidden 256, GQA 4/2 heads of 64, ~5 M
-    params. Heads of 64 because FlashInfer has kernels for 64/128/256 only: the GPU path then runs
-    FlashInfer and CUDA graphs instead of falling back to the torch backend."""
+def demo_config(head_dim: int = 64) -> LlamaConfig:
+    """The demo model: byte vocabulary (as ``tiny``), 6 layers, hidden 256, GQA 8/4 heads of 64,
+    ~6.2 M params. Heads of 64 because FlashInfer has kernels for 64/128/256 only: the GPU path
+    then runs FlashInfer and CUDA graphs instead of the torch backend. ``head_dim=32``: the first
+    shipped model's shape (``--init-from`` widens such a checkpoint exactly, see ``widen_heads``)."""
     return LlamaConfig(
-        vocab_size=TINY_VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_layers=6, num_heads=4,
-        num_kv_heads=2, head_dim=64, max_seq_len=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+        vocab_size=TINY_VOCAB_SIZE, hidden_size=256, intermediate_size=768, num_layers=6, num_heads=8,
+        num_kv_heads=4, head_dim=head_dim, max_seq_len=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
         bos_token_id=TINY_BOS_ID, eos_token_ids=(TINY_EOS_ID,),
     )
 
@@ -100,6 +101,45 @@ def held_out_text(n: int, length: int, root: str | Path | None = None) -> list[s
     return [bytes(data[i * step : i * step + length].tolist()).decode("utf-8", "replace") for i in range(n)]
 
 
+def widen_heads(old: TargetModel, new: TargetModel, noise_std: float = 1e-3, seed: int = 0) -> None:
+    """Copy ``old`` into ``new``, whose attention heads are twice as wide (same head counts), so
+    that ``new`` computes what ``old`` does (up to ``noise_std``). Mutates ``new``.
+
+    Head dim d -> 2d with rotate-half RoPE: old pair (j, j + d/2) turns at frequency index j of
+    d/2, which is index 2j of d, so old dim j goes to new dim 2j and old dim j + d/2 to 2j + d;
+    q is scaled by sqrt(2) because the attention scale goes from 1/sqrt(d) to 1/sqrt(2d). The new
+    dims get small noise instead of zeros: zero q and k pads (and v and o pads) would have zero
+    gradients for each other and never learn."""
+    oc, nc = old.config, new.config
+    if nc.head_dim != 2 * oc.head_dim or (nc.num_heads, nc.num_kv_heads) != (oc.num_heads, oc.num_kv_heads):
+        raise ValueError(f"widen_heads doubles head_dim at equal head counts; got {oc} -> {nc}")
+    d = oc.head_dim
+    j = torch.arange(d // 2)
+    slots = torch.cat([2 * j, 2 * j + d])  # where old dims 0..d-1 land in a head of 2d
+    gen = torch.Generator().manual_seed(seed)
+
+    def rows(w_old: torch.Tensor, heads: int, scale: float = 1.0) -> torch.Tensor:  # [heads*d, in] -> [heads*2d, in]
+        out = torch.randn(heads, 2 * d, w_old.shape[1], generator=gen) * noise_std
+        out[:, slots] = w_old.float().view(heads, d, -1) * scale
+        return out.reshape(heads * 2 * d, -1)
+
+    old_sd = old.state_dict()
+    new_sd = {}
+    for name, w in new.state_dict().items():
+        ow = old_sd[name].float()
+        if name.endswith("q_proj.weight"):
+            new_sd[name] = rows(ow, oc.num_heads, math.sqrt(2.0))
+        elif name.endswith(("k_proj.weight", "v_proj.weight")):
+            new_sd[name] = rows(ow, oc.num_kv_heads)
+        elif name.endswith("o_proj.weight"):
+            new_sd[name] = rows(ow.t().contiguous(), oc.num_heads).t().contiguous()
+        elif w.shape == ow.shape:
+            new_sd[name] = ow
+        else:
+            raise ValueError(f"widen_heads: {name} has shape {tuple(ow.shape)}, expected {tuple(w.shape)}")
+    new.load_state_dict(new_sd, strict=True)
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     """Linear warm-up to ``peak``, then cosine decay to 0 at the last step: a short run is only
     as good as its annealed end (the first shipped model stopped at peak LR and looped)."""
@@ -120,8 +160,11 @@ def greedy_sample(model: TargetModel, prompt: str, n: int = 160) -> str:
 
 
 def train(out_dir: str | Path, *, steps: int, batch_size: int, seq_len: int, lr: float, seed: int,
-          save_every: int, log_every: int, threads: int, log=print) -> Path:
-    """Train from scratch and save to ``out_dir`` (bf16 safetensors + byte tokenizer marker)."""
+          save_every: int, log_every: int, threads: int, init_from: str | None = None, warmup: int = 100,
+          log=print) -> Path:
+    """Train (from scratch, or from ``init_from``: a demo checkpoint of this shape or of the
+    first shipped one, heads of 32, widened exactly) and save to ``out_dir`` (bf16 safetensors +
+    byte tokenizer marker)."""
     torch.manual_seed(seed)
     if threads:
         torch.set_num_threads(threads)
@@ -132,6 +175,13 @@ def train(out_dir: str | Path, *, steps: int, batch_size: int, seq_len: int, lr:
     config = demo_config()
     model = TargetModel(config)
     init_weights(model, torch.Generator().manual_seed(seed), 0.02)
+    if init_from:
+        old = load_model(init_from)[0]  # float32
+        if old.config.head_dim == config.head_dim:
+            model.load_state_dict(old.state_dict(), strict=True)
+        else:
+            widen_heads(old, model, seed=seed)
+        log(f"initialized from {init_from} (head_dim {old.config.head_dim} -> {config.head_dim})")
     log(f"model: {sum(p.numel() for p in model.parameters())/1e6:.2f} M params, {config}")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -141,11 +191,13 @@ def train(out_dir: str | Path, *, steps: int, batch_size: int, seq_len: int, lr:
     held_idx = torch.linspace(0, len(held) - seq_len - 2, 16).long()
     held_batch = _with_bos(torch.stack([held[i : i + seq_len] for i in held_idx]))
     meta = {"python": sys.version.split()[0], "steps": steps, "batch_size": batch_size, "seq_len": seq_len,
-            "lr": lr, "seed": seed, "train_files": len(train_files), "held_out_files": len(held_files)}
+            "lr": lr, "warmup": warmup, "schedule": "linear warm-up, cosine to 0", "seed": seed,
+            "init_from": str(init_from) if init_from else None,
+            "train_files": len(train_files), "held_out_files": len(held_files)}
     t0, tokens = time.time(), 0
     for step in range(steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr, warmup=min(100, steps // 10 + 1))
+            group["lr"] = lr_at(step, steps, lr, warmup=min(warmup, steps // 10 + 1))
         starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
         batch = _with_bos(torch.stack([data[s : s + seq_len] for s in starts.tolist()]))
         # float32: CPUs without bf16 instructions run autocast bf16 many times slower (measured
@@ -194,6 +246,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--save-every", type=int, default=300)
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--warmup", type=int, default=100, help="warm-up steps (capped at a tenth of --steps)")
+    ap.add_argument("--init-from", default=None, help="start from this demo checkpoint (a folder; heads of 32 are widened to 64 exactly)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -206,7 +260,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
     train(args.out, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-          seed=args.seed, save_every=args.save_every, log_every=args.log_every, threads=args.threads, log=log)
+          seed=args.seed, save_every=args.save_every, log_every=args.log_every, threads=args.threads,
+          init_from=args.init_from, warmup=args.warmup, log=log)
     return 0
 
 
