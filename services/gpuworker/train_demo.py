@@ -28,12 +28,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from services.common.spec import SpecMode
 from services.common.tokenizer import TINY_BOS_ID, TINY_EOS_ID, TINY_VOCAB_SIZE, ByteTokenizer
 from services.gpuworker.model.config import LlamaConfig
 from services.gpuworker.model.dense import dense_forward
 from services.gpuworker.model.layers import init_weights
 from services.gpuworker.model.llama import TargetModel
-from services.gpuworker.model.loader import load_model, save_model
+from services.gpuworker.model.loader import load_draft, load_model, save_draft, save_model
 
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3",
              "turtledemo", "tkinter", "ensurepip", "config-3"}
@@ -111,8 +112,33 @@ def widen_heads(old: TargetModel, new: TargetModel, noise_std: float = 1e-3, see
     dims get small noise instead of zeros: zero q and k pads (and v and o pads) would have zero
     gradients for each other and never learn."""
     oc, nc = old.config, new.config
+    _check_widening(oc, nc)
+    new.load_state_dict(_widened(old.state_dict(), new.state_dict(), oc, noise_std, seed), strict=True)
+
+
+def widen_draft(old_draft, new_target: TargetModel, noise_std: float = 1e-3, seed: int = 0):
+    """An EAGLE-3 draft of ``new_target`` (heads twice as wide) computing what ``old_draft`` does
+    (``widen_heads`` for its one layer; fc, MLP, norms, LM head and vocabulary map copied): the
+    starting point ``distill-draft`` fine-tunes after ``--init-from`` widened the target."""
+    import dataclasses
+
+    from services.gpuworker.model.draft import Eagle3Draft
+
+    olc = old_draft.layer_config
+    cfg = dataclasses.replace(old_draft.config, layer=dataclasses.replace(olc, head_dim=2 * olc.head_dim))
+    new = Eagle3Draft(new_target, cfg)
+    _check_widening(olc, new.layer_config)
+    new.load_state_dict(_widened(old_draft.draft_state_dict(), new.draft_state_dict(), olc, noise_std, seed), strict=True)
+    new.set_vocab_map(old_draft.d2t)
+    return new
+
+
+def _check_widening(oc: LlamaConfig, nc: LlamaConfig) -> None:
     if nc.head_dim != 2 * oc.head_dim or (nc.num_heads, nc.num_kv_heads) != (oc.num_heads, oc.num_kv_heads):
-        raise ValueError(f"widen_heads doubles head_dim at equal head counts; got {oc} -> {nc}")
+        raise ValueError(f"widening doubles head_dim at equal head counts; got {oc} -> {nc}")
+
+
+def _widened(old_sd: dict, new_sd: dict, oc: LlamaConfig, noise_std: float, seed: int) -> dict:
     d = oc.head_dim
     j = torch.arange(d // 2)
     slots = torch.cat([2 * j, 2 * j + d])  # where old dims 0..d-1 land in a head of 2d
@@ -120,24 +146,23 @@ def widen_heads(old: TargetModel, new: TargetModel, noise_std: float = 1e-3, see
 
     def rows(w_old: torch.Tensor, heads: int, scale: float = 1.0) -> torch.Tensor:  # [heads*d, in] -> [heads*2d, in]
         out = torch.randn(heads, 2 * d, w_old.shape[1], generator=gen) * noise_std
-        out[:, slots] = w_old.float().view(heads, d, -1) * scale
+        out[:, slots] = w_old.view(heads, d, -1) * scale
         return out.reshape(heads * 2 * d, -1)
 
-    old_sd = old.state_dict()
-    new_sd = {}
-    for name, w in new.state_dict().items():
+    out = {}
+    for name, w in new_sd.items():
         ow = old_sd[name].float()
         if name.endswith("q_proj.weight"):
-            new_sd[name] = rows(ow, oc.num_heads, math.sqrt(2.0))
+            out[name] = rows(ow, oc.num_heads, math.sqrt(2.0))
         elif name.endswith(("k_proj.weight", "v_proj.weight")):
-            new_sd[name] = rows(ow, oc.num_kv_heads)
+            out[name] = rows(ow, oc.num_kv_heads)
         elif name.endswith("o_proj.weight"):
-            new_sd[name] = rows(ow.t().contiguous(), oc.num_heads).t().contiguous()
+            out[name] = rows(ow.t().contiguous(), oc.num_heads).t().contiguous()
         elif w.shape == ow.shape:
-            new_sd[name] = ow
+            out[name] = ow
         else:
-            raise ValueError(f"widen_heads: {name} has shape {tuple(ow.shape)}, expected {tuple(w.shape)}")
-    new.load_state_dict(new_sd, strict=True)
+            raise ValueError(f"widening: {name} has shape {tuple(ow.shape)}, expected {tuple(w.shape)}")
+    return out
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -175,13 +200,17 @@ def train(out_dir: str | Path, *, steps: int, batch_size: int, seq_len: int, lr:
     config = demo_config()
     model = TargetModel(config)
     init_weights(model, torch.Generator().manual_seed(seed), 0.02)
+    draft = None  # init_from's EAGLE-3 draft, widened with the target: distill-draft's starting point
     if init_from:
         old = load_model(init_from)[0]  # float32
         if old.config.head_dim == config.head_dim:
             model.load_state_dict(old.state_dict(), strict=True)
         else:
             widen_heads(old, model, seed=seed)
-        log(f"initialized from {init_from} (head_dim {old.config.head_dim} -> {config.head_dim})")
+            if (Path(init_from) / "eagle3").is_dir():
+                draft = widen_draft(load_draft(old, Path(init_from) / "eagle3", spec_mode=SpecMode.EAGLE3), model, seed=seed)
+        log(f"initialized from {init_from} (head_dim {old.config.head_dim} -> {config.head_dim}"
+            f"{'; its EAGLE-3 draft widened too' if draft is not None else ''})")
     log(f"model: {sum(p.numel() for p in model.parameters())/1e6:.2f} M params, {config}")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -221,7 +250,7 @@ def train(out_dir: str | Path, *, steps: int, batch_size: int, seq_len: int, lr:
                 f"({held_loss.item()/math.log(2):.2f} bits/byte) {tokens/el:.0f} tok/s "
                 f"elapsed {el/60:.1f} min ETA {(steps-done)*el/done/60:.1f} min")
         if done % save_every == 0 or done == steps:
-            _save(model, out_dir, {**meta, "steps_done": done, "held_out_loss": float(held_loss)})
+            _save(model, out_dir, {**meta, "steps_done": done, "held_out_loss": float(held_loss)}, draft)
             log(f"saved step {done} to {out_dir}; sample: {greedy_sample(model, 'def ')!r}")
     return Path(out_dir)
 
@@ -231,8 +260,10 @@ def _with_bos(windows: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.full((windows.shape[0], 1), TINY_BOS_ID), windows], dim=1)
 
 
-def _save(model: TargetModel, out_dir: str | Path, meta: dict) -> None:
+def _save(model: TargetModel, out_dir: str | Path, meta: dict, draft=None) -> None:
     folder = save_model(model, out_dir, tokenizer=ByteTokenizer(), dtype=torch.bfloat16)
+    if draft is not None:
+        save_draft(draft, folder, dtype=torch.bfloat16)
     (folder / DEMO_META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
 

@@ -76,3 +76,30 @@ def test_the_schedule_warms_up_and_anneals_to_zero():
     assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # decays monotonically after warm-up
     assert lrs[-1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_widening_the_eagle3_draft_keeps_its_logits():
+    """The tiny model's EAGLE-3 draft widened with its target (heads 16 -> 32) gives the same
+    draft logits on the same aux hiddens (the paged forward the engine runs)."""
+    from services.common.spec import SpecMode
+    from services.gpuworker.attention.base import get_backend
+    from services.gpuworker.model.loader import load_model
+    from services.gpuworker.train_demo import widen_draft
+
+    target, draft, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3, seed=3)
+    for p in draft.parameters():  # the random draft's weights are small: make a wrong slot show
+        torch.nn.init.normal_(p, std=0.2) if p.dim() == 2 else None
+    wide = TargetModel(dataclasses.replace(target.config, head_dim=2 * target.config.head_dim))
+    widen_heads(target, wide, noise_std=0.0)
+    wide_draft = widen_draft(draft, wide, noise_std=0.0)
+    assert wide_draft.layer_config.head_dim == 2 * draft.layer_config.head_dim
+    T = 20
+    ids = torch.randint(0, 256, (T,), generator=torch.Generator().manual_seed(4))
+    aux = torch.randn(T, 3 * target.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    outs = []
+    for t, d in ((target, draft), (wide, wide_draft)):
+        backend = get_backend("torch", "cpu", t.attention_geometry(8))
+        plan = backend.plan(BatchLayout([[0, 1, 2]], [0], [T]))
+        with torch.no_grad():
+            outs.append(d(ids, aux, plan, backend, d.new_kv_pool(4, 8), context_is_aux=True).logits)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
