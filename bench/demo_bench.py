@@ -7,9 +7,18 @@ greedy, on held-out standard-library text (files the model and draft never train
         k = K   EAGLE-3 speculative decoding     -> tokens/s, acceptance length (1 + accepted / verify)
     outputs of every k must be token-identical (greedy speculation changes nothing but speed)
 
-Usage (CPU; ``--device cuda:0`` on a GPU box picks FlashInfer + bf16)::
+``--served``: the same prompts through the served path instead, as processes (kvstore + one
+``tandem worker`` + the router, ``bench/_common.start_suite``), one request after another (or
+``--batch`` at once) over gRPC ``Router.Generate``; acceptance length from the worker's Usage
+(tokens per target forward), tokens/s = completion tokens / wall time. Every prompt is sent once
+untimed first (warm-up; the prompts' KV is then cached in the kvstore for every k alike).
+
+Usage (CPU; ``--device cuda:0`` on a GPU box picks FlashInfer + bf16 when the head size has
+kernels, else the torch backend)::
 
     python bench/demo_bench.py --out docs/demo_bench.json --png docs/img/demo_bench.png
+    python bench/demo_bench.py --served --out docs/demo_served_cpu.json --png docs/img/demo_served_cpu.png
+    python bench/demo_bench.py --served --device cuda:0 --out demo_served_h200.json --png demo_served_h200.png
 """
 
 from __future__ import annotations
@@ -27,6 +36,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine  # noqa: E402
 
 
+def _backend(args) -> str:
+    """The worker's own choice (tandem up's): FlashInfer on CUDA where it has kernels for the head size."""
+    from services.gpuworker.model.loader import plan_model
+    from services.launch_plan import FLASHINFER_HEAD_DIMS
+
+    head_dim = plan_model(args.model).config.head_dim
+    return "flashinfer" if args.device.startswith("cuda") and head_dim in FLASHINFER_HEAD_DIMS else "torch"
+
+
+def _prompts(args) -> list[list[int]]:
+    from services.common.tokenizer import ByteTokenizer
+    from services.gpuworker.train_demo import held_out_text
+
+    return [ByteTokenizer().encode(t)[: args.prompt_len + 1] for t in held_out_text(args.prompts, args.prompt_len)]
+
+
 def run(args) -> dict:
     import torch
 
@@ -34,24 +59,18 @@ def run(args) -> dict:
     from services.gpuworker.engine.capacity import LocalBlockSource, blocks_for
     from services.gpuworker.engine.local import LocalSetup, generate
     from services.gpuworker.settings import WorkerSettings
-    from services.gpuworker.train_demo import held_out_text
     from services.common.tokenizer import ByteTokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     gpu = args.device.startswith("cuda")
     tok = ByteTokenizer()
-    prompts = [tok.encode(t)[: args.prompt_len + 1] for t in held_out_text(args.prompts, args.prompt_len)]
+    prompts = _prompts(args)
     per = blocks_for(args.prompt_len + 1 + args.max_new_tokens + max(args.k) + 1, 16)
     num_blocks = args.batch * per + 8
     setups, models = {}, None
     ks = [0, *args.k]
-    # the worker's own choice (tandem up's): FlashInfer on CUDA where it has kernels for the head size
-    from services.gpuworker.model.loader import plan_model
-    from services.launch_plan import FLASHINFER_HEAD_DIMS
-
-    head_dim = plan_model(args.model).config.head_dim
-    backend = "flashinfer" if gpu and head_dim in FLASHINFER_HEAD_DIMS else "torch"
+    backend = _backend(args)
     for k in ks:
         settings = WorkerSettings(model=args.model, spec_mode="eagle3", device=args.device,
                                   backend=backend, num_blocks=num_blocks)
@@ -89,8 +108,95 @@ def run(args) -> dict:
         print(json.dumps(row), flush=True)
     sample = tok.decode(prompts[0] + outputs[0][0])
     return {"machine": machine(), "command": " ".join(sys.argv), "model": args.model, "device": args.device,
+            "path": "engine alone", "backend": backend,
             "dtype": settings.torch_dtype_name, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
             "rows": rows, "sample": sample}
+
+
+def run_served(args) -> dict:
+    """The same measurement through the served path: kvstore + worker + router as processes."""
+    import asyncio
+    import tempfile
+
+    import grpc
+
+    from _common import start_suite
+    from services.common.tokenizer import ByteTokenizer
+    from services.common.wire import tokens_to_proto
+    from tandem.router.v1 import router_pb2, router_pb2_grpc
+
+    prompts = _prompts(args)
+    backend = _backend(args)
+    gpu = args.device.startswith("cuda")
+    per = -(-(args.prompt_len + 2 + args.max_new_tokens + max(args.k) + 1) // 16)
+    worker = ["--model", args.model, "--spec-mode", "eagle3", "--device", args.device, "--backend", backend,
+              "--dtype", "auto", "--num-blocks", str(len(prompts) * per + 64)]
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else None
+    ks = [0, *args.k]
+    log_dir = Path(tempfile.mkdtemp(prefix="demo-served-"))
+    print(f"suite logs: {log_dir}; worker {' '.join(worker)}", flush=True)
+    suite = start_suite(log_dir, [worker], ["--model", args.model], worker_env=env, timeout_s=args.startup_timeout_s)
+
+    async def one(stub, prompt, k, rid):
+        req = router_pb2.GenerateRequest(token_ids=tokens_to_proto(prompt), max_new_tokens=args.max_new_tokens,
+                                         num_draft_tokens=k, request_id=rid)
+        tokens, usage = [], None
+        async for msg in stub.Generate(req, timeout=600):
+            tokens += list(msg.token_ids)
+            if msg.HasField("usage"):
+                usage = msg.usage
+        return tokens, usage
+
+    async def batch(stub, k, tag):
+        out = []
+        for i in range(0, len(prompts), args.batch):
+            part = prompts[i : i + args.batch]
+            out += await asyncio.gather(*(one(stub, p, k, f"{tag}-k{k}-{i + j}") for j, p in enumerate(part)))
+        return out
+
+    async def main():
+        walls = {k: [] for k in ks}
+        outputs, stats = {}, {}
+        async with grpc.aio.insecure_channel(suite.router) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            for k in ks:  # warm-up: every prompt once (kernels, caches), untimed
+                await batch(stub, k, "warm")
+            for r in range(args.repeats):  # interleaved repeats: a shared machine drifts
+                for k in ks:
+                    start = time.perf_counter()
+                    done = await batch(stub, k, f"r{r}")
+                    walls[k].append(time.perf_counter() - start)
+                    outputs[k] = [t for t, _ in done]
+                    steps = sum(u.decode_steps for _, u in done)
+                    produced = sum(u.mean_acceptance_length * u.decode_steps for _, u in done)
+                    stats[k] = (steps, produced, sum(len(t) for t, _ in done), len(done),
+                                sum(u.cached_tokens for _, u in done), sum(u.prompt_tokens for _, u in done))
+        return walls, outputs, stats
+
+    try:
+        walls, outputs, stats = asyncio.run(main())
+    finally:
+        suite.stop()
+    rows = []
+    for k in ks:
+        steps, produced, tokens, n, cached, prompt_tokens = stats[k]
+        med = statistics.median(walls[k])
+        row = {"k": k, "batch": args.batch, "requests": n, "tokens": tokens, "repeats": args.repeats,
+               "wall_s_median": round(med, 3), "wall_s_all": [round(w, 3) for w in walls[k]],
+               "tokens_per_s": round(tokens / med, 1),
+               "acceptance_length": round(produced / max(steps, 1), 3) if k else 1.0,
+               "cached_prompt_fraction": round(cached / max(prompt_tokens, 1), 3),
+               "identical_to_k0": outputs[k] == outputs[0]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    speedup = {f"k{k}_over_k0": round(rows[i]["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
+               for i, k in enumerate(ks) if k}
+    print(json.dumps(speedup), flush=True)
+    sample = ByteTokenizer().decode(prompts[0] + outputs[0][0])
+    return {"machine": machine(), "command": " ".join(sys.argv), "model": args.model, "device": args.device,
+            "path": "served (kvstore + worker + router processes, gRPC)", "backend": backend,
+            "dtype": "bfloat16" if gpu else "float32", "prompt_len": args.prompt_len,
+            "max_new_tokens": args.max_new_tokens, "rows": rows, "speedup": speedup, "sample": sample}
 
 
 def plot(result: dict, png: str) -> None:
@@ -104,7 +210,8 @@ def plot(result: dict, png: str) -> None:
     labels = [f"k={r['k']}" for r in rows]
     a.bar(labels, [r["tokens_per_s"] for r in rows], color=["#888"] + ["#2a7"] * (len(rows) - 1))
     a.set_ylabel("tokens/s")
-    a.set_title(f"demo model, {result['device']}, batch {rows[0]['batch']}")
+    a.set_title(f"demo model, {result['device']}, batch {rows[0]['batch']}"
+                + (", served" if result.get("path", "").startswith("served") else ""))
     b.bar(labels, [r["acceptance_length"] for r in rows], color=["#888"] + ["#27a"] * (len(rows) - 1))
     b.axhline(2.0, ls="--", c="k", lw=0.8)
     b.set_ylabel("acceptance length (tokens / verify)")
@@ -124,10 +231,12 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every k (medians reported)")
+    ap.add_argument("--served", action="store_true", help="through the served path (kvstore + worker + router processes)")
+    ap.add_argument("--startup-timeout-s", type=float, default=600.0, help="--served: load + warm-up before SERVING")
     ap.add_argument("--out", default=None)
     ap.add_argument("--png", default=None)
     args = ap.parse_args()
-    result = run(args)
+    result = run_served(args) if args.served else run(args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     if args.png:

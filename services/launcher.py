@@ -246,7 +246,8 @@ def start_suite(s: UpSettings, plans: list[WorkerPlan], log_level: str = "INFO",
         r_addr = f"{host}:{s.router_port or _free_port(host)}"
         http = ["--http-port", str(s.http_port or _free_port(host))] if s.http else []
         children.append(_spawn("router", [*flags, "router", "--host", host, "--port", r_addr.rsplit(':', 1)[1], "--kvstore", kv_addr,
-                                          "--model", s.model, *http, *_metrics(s, 1)], r_addr, env("router", "TANDEM_ROUTER_")))
+                                          "--model", s.model, *(["--revision", s.revision] if s.revision else []), *http,
+                                          *_metrics(s, 1)], r_addr, env("router", "TANDEM_ROUTER_")))
         for child in children[1:]:
             # the router's client side is plaintext (bearer tokens); the workers need a certificate
             wait_serving(child.address, deadline, child.proc, None if child.name == "router" else probe)

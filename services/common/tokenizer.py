@@ -168,19 +168,21 @@ class StreamDecoder:
         return full[len(seen) :]
 
 
-def load_tokenizer(model_dir_or_tiny: str | Path) -> Tokenizer:
+def load_tokenizer(model_dir_or_tiny: str | Path, revision: str | None = None) -> Tokenizer:
     """``"tiny"`` / ``"demo"`` (byte-level built-ins) -> ``ByteTokenizer``; a folder (or a hub
-    id, fetched into the hub cache) with ``tokenizer.json`` -> ``HFTokenizer``; one with a
-    ``tandem_tokenizer.json`` marker ``{"type": "byte"}`` -> ``ByteTokenizer``. Raises
-    ``NotFound`` otherwise."""
+    id at ``revision``, fetched into the hub cache) with ``tokenizer.json`` -> ``HFTokenizer``;
+    one with a ``tandem_tokenizer.json`` marker ``{"type": "byte"}`` -> ``ByteTokenizer``. Raises
+    ``NotFound`` otherwise, ``InvalidArgument`` for a revision of something not on the hub."""
     if str(model_dir_or_tiny) in ("tiny", "demo"):
+        if revision:
+            raise InvalidArgument(f"a revision applies to hub ids, and {model_dir_or_tiny} is built in")
         return ByteTokenizer()
     folder = Path(model_dir_or_tiny)
-    if not folder.is_dir():
+    if revision or not folder.is_dir():
         from services.common.hub import looks_like_hub_id, resolve
 
-        if looks_like_hub_id(str(model_dir_or_tiny)):
-            folder = resolve(str(model_dir_or_tiny), full=False).path
+        if revision or looks_like_hub_id(str(model_dir_or_tiny)):
+            folder = resolve(str(model_dir_or_tiny), revision, full=False).path
     if (folder / "tokenizer.json").is_file():
         return HFTokenizer(folder)
     marker = _read_json(folder / BYTE_TOKENIZER_MARKER)

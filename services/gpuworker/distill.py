@@ -1,8 +1,9 @@
 """``tandem distill-draft``: train the draft layers on the target's own greedy continuations.
 
     prompts (--prompts FILE: plain text cut into windows, or JSONL: ShareGPT "conversations",
-    chat "messages", "prompt" or "text" records; --stdlib: the Python standard library's sources;
-    none: random bytes, for the byte-level tiny model) ── last ones held out ──▶
+    chat "messages", "prompt" or "text" records; --dataset ORG/NAME: those files of a Hugging Face
+    dataset repo; --stdlib: the Python standard library's sources; none: random bytes, for the
+    byte-level tiny model) ── last ones held out ──▶
     prompts ──engine, plain greedy──▶ sequences t[0..N)
     target forward (frozen) ──▶ hidden h, aux a, labels y[i] = argmax target logits at i
     draft (trained, same paged forward the engine runs):
@@ -75,6 +76,8 @@ def distill_draft(
     progress: bool = True,
     prompts_file: str | None = None,
     stdlib: bool = False,
+    dataset: str | None = None,
+    dataset_revision: str | None = None,
     draft_model: str | None = None,
     draft_vocab: int = 0,
     save_dtype: torch.dtype | None = None,
@@ -94,8 +97,15 @@ def distill_draft(
             raise InvalidArgument(f"{name} must be a positive integer, got {v!r}")
     if draft_vocab and spec_mode is not SpecMode.EAGLE3:
         raise InvalidArgument("--draft-vocab applies to EAGLE-3 drafts")
-    if prompts_file and stdlib:
-        raise InvalidArgument("give --prompts or --stdlib, not both")
+    if sum(map(bool, (prompts_file, stdlib, dataset))) > 1:
+        raise InvalidArgument("give one of --prompts, --dataset and --stdlib")
+    if dataset_revision and not dataset:
+        raise InvalidArgument("--dataset-revision applies to --dataset")
+    texts = None
+    if prompts_file:
+        texts, source = read_prompts(prompts_file), prompts_file
+    elif dataset:  # fetched before the model loads: a wrong id fails fast
+        texts, source = dataset_prompts(dataset, dataset_revision), dataset
     builtin = str(model_dir_or_tiny) in ("tiny", "demo")
     if builtin and out_dir is None:
         raise InvalidArgument(f"the built-in {model_dir_or_tiny} model: give out_dir")
@@ -111,7 +121,8 @@ def distill_draft(
     target.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)
 
-    train_prompts, eval_set = _prompts(tokenizer, prompts_file, stdlib, num_sequences, eval_prompts, prompt_len, seed, gen)
+    train_prompts, eval_set = _prompts(tokenizer, texts, source if texts is not None else None, stdlib, num_sequences,
+                                       eval_prompts, prompt_len, seed, gen)
     before = measure_acceptance(target, draft, eval_set, k=k, max_new_tokens=gen_len)
     sequences = _continuations(target, train_prompts, gen_len, progress)
     if draft_vocab:
@@ -177,10 +188,10 @@ def _byte_prompts(n: int, length: int, gen: torch.Generator) -> list[list[int]]:
     return torch.randint(0, 256, (n, length), generator=gen).tolist()
 
 
-def _prompts(tokenizer, prompts_file, stdlib, n_train, n_eval, length, seed, gen):
-    """(training prompts, held-out prompts) as token ids of ``length`` tokens (file prompts may
-    be shorter). Held-out prompts are never trained on: the stdlib's held-out files, or the last
-    ``n_eval`` prompts of a file."""
+def _prompts(tokenizer, texts, source, stdlib, n_train, n_eval, length, seed, gen):
+    """(training prompts, held-out prompts) as token ids of ``length`` tokens (prompts from
+    ``texts`` may be shorter). Held-out prompts are never trained on: the stdlib's held-out files,
+    or the last ``n_eval`` of ``texts`` (a file's or a dataset's prompts, named ``source``)."""
     if stdlib:
         from services.gpuworker.train_demo import split_corpus, corpus_bytes
 
@@ -188,12 +199,11 @@ def _prompts(tokenizer, prompts_file, stdlib, n_train, n_eval, length, seed, gen
         train = _windows(tokenizer, corpus_bytes(train_files), n_train, length, gen)
         held = _windows(tokenizer, corpus_bytes(held_files), n_eval, length, torch.Generator().manual_seed(seed + 7))
         return train, held
-    if prompts_file:
-        texts = read_prompts(prompts_file)
+    if texts is not None:
         ids = [tokenizer.encode(t)[: length] for t in texts]
         ids = [p for p in ids if len(p) >= 2]
         if len(ids) < n_eval + 1:
-            raise InvalidArgument(f"{prompts_file} gives {len(ids)} prompts; need more than the {n_eval} held out")
+            raise InvalidArgument(f"{source} gives {len(ids)} prompts; need more than the {n_eval} held out")
         held, train = ids[-n_eval:], ids[:-n_eval]
         order = torch.randperm(len(train), generator=gen).tolist()
         return [train[i] for i in order[:n_train]], held
@@ -207,15 +217,52 @@ def _windows(tokenizer, data: torch.Tensor, n: int, length: int, gen: torch.Gene
     return [tokenizer.encode(t)[:length] for t in text]
 
 
+def dataset_prompts(repo_id: str, revision: str | None = None) -> list[str]:
+    """Prompts from every ``*.jsonl``/``*.json``/``*.txt`` file of a Hugging Face dataset repo (and
+    ``*.parquet`` when pyarrow is installed), in path order (so the held-out ones, the last, are
+    the same on every run). Fetched into the hub cache (``HF_HUB_OFFLINE=1``: cache only).
+    Raises ``NotFound`` or ``InvalidArgument``."""
+    from services.common.hub import DATASET_PATTERNS, resolve_dataset
+
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        pq = None
+    patterns = DATASET_PATTERNS if pq else tuple(p for p in DATASET_PATTERNS if p != "*.parquet")
+    root = resolve_dataset(repo_id, revision, patterns).path
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".jsonl", ".json", ".txt", ".parquet"))
+    out = []
+    for f in files:
+        if f.suffix == ".parquet":
+            if pq is None:
+                continue
+            out += [t for t in map(_record_prompt, pq.read_table(f).to_pylist()) if t]
+        else:
+            out += read_prompts(f)
+    if not out:
+        raise InvalidArgument(f"dataset {repo_id} has no prompts in *.jsonl, *.json or *.txt files"
+                              + (" (*.parquet files are read only when pyarrow is installed)" if pq is None else ""))
+    return out
+
+
 def read_prompts(path: str | Path) -> list[str]:
-    """Prompts from a file. JSONL (``.jsonl``/``.json`` lines): the first human/user turn of a
-    ShareGPT ``conversations`` or chat ``messages`` record, else its ``prompt`` or ``text``.
-    Plain text: paragraphs (blocks separated by blank lines). Raises ``InvalidArgument``."""
+    """Prompts from a file. JSONL (``.jsonl``/``.json`` lines) or a ``.json`` array of records:
+    the first human/user turn of a ShareGPT ``conversations`` or chat ``messages`` record, else
+    its ``prompt`` or ``text``. Plain text: paragraphs (blocks separated by blank lines). Raises
+    ``InvalidArgument``."""
     p = Path(path)
     try:
         raw = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"cannot read prompts from {path}: {exc}") from None
+    if p.suffix == ".json":  # one JSON document (ShareGPT's own files are an array), else JSON lines
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        if isinstance(doc, (list, dict)):  # a dict: one record, or metadata (dataset_info.json: no prompt)
+            records = doc if isinstance(doc, list) else [doc]
+            return [t for t in (_record_prompt(r) for r in records if isinstance(r, dict)) if t]
     if p.suffix in (".jsonl", ".json"):
         out = []
         for n, line in enumerate(raw.splitlines(), 1):
@@ -348,6 +395,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step when measuring acceptance")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts", default=None, help="prompts: a text file (paragraphs) or JSONL (ShareGPT conversations, chat messages, prompt/text)")
+    ap.add_argument("--dataset", default=None, help="prompts from a Hugging Face dataset repo (org/name): its *.jsonl, *.json and *.txt files (*.parquet with pyarrow), read as --prompts reads a file; HF_HUB_OFFLINE=1 uses the hub cache only")
+    ap.add_argument("--dataset-revision", default=None, help="hub revision of --dataset (default: main)")
     ap.add_argument("--stdlib", action="store_true", help="prompts from the Python standard library's sources (held-out files for acceptance)")
     ap.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt (file prompts are cut to it)")
     ap.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts acceptance is measured on")
@@ -365,7 +414,8 @@ def run(args: argparse.Namespace) -> int:
         result = distill_draft(
             args.model, out, args.steps, spec_mode=SpecMode[args.mode.upper()], mtp_depth=args.mtp_depth,
             num_sequences=args.sequences, gen_len=args.gen_len, batch_size=args.batch_size, lr=args.lr,
-            k=args.k, seed=args.seed, prompts_file=args.prompts, stdlib=args.stdlib, prompt_len=args.prompt_len,
+            k=args.k, seed=args.seed, prompts_file=args.prompts, stdlib=args.stdlib,
+            dataset=args.dataset, dataset_revision=args.dataset_revision, prompt_len=args.prompt_len,
             eval_prompts=args.eval_prompts, draft_model=args.draft_model, draft_vocab=args.draft_vocab,
             save_dtype=getattr(torch, args.save_dtype) if args.save_dtype else None,
         )

@@ -2,8 +2,10 @@
 
 ``--model X`` fixes it (the tokenizer is loaded at start); ``--model auto`` learns it from the
 first worker registered with the kvstore: that worker's ``Info.model_name`` names a folder (or
-``tiny``), and the router loads the tokenizer from there (compose and ``tandem up`` give every
-service the same model path).
+``tiny``, or a hub id), and the router loads the tokenizer from there (compose and ``tandem up``
+give every service the same model path). A hub id's tokenizer is fetched at the router's
+``--revision``, which ``tandem up`` sets to the workers' ``--revision`` (a tokenizer can change
+between revisions; ``main`` is not necessarily what the workers serve).
 
 A worker is compatible when it names the router's model (workers that name none, e.g. older
 builds, are judged by vocabulary alone) and its registered vocabulary size equals the tokenizer's.
@@ -43,8 +45,9 @@ class ModelBinding:
 
     def __init__(self, configured: str, tokenizer: Tokenizer | None,
                  worker_model: Callable[[WorkerEntry], Awaitable[str]],
-                 on_bound: Callable[[Tokenizer], None] = lambda tokenizer: None):
+                 on_bound: Callable[[Tokenizer], None] = lambda tokenizer: None, revision: str | None = None):
         self.model = None if configured == AUTO else configured
+        self.revision = revision or None  # of a hub id's tokenizer (None = main)
         self.tokenizer = tokenizer
         self._worker_model = worker_model
         self._on_bound = on_bound
@@ -83,9 +86,10 @@ class ModelBinding:
         if not name:
             raise Unavailable(f"worker {entry.worker_id} does not say which model it serves: start the router with --model")
         try:
-            tokenizer = load_tokenizer(name)
+            tokenizer = load_tokenizer(name, self.revision)
         except TandemError as err:
             raise Unavailable(f"cannot load the tokenizer of {name!r} (served by worker {entry.worker_id}): {err.message}") from None
         self.model, self.tokenizer = name, tokenizer
-        log.info("serving model %r, learned from worker %s", name, entry.worker_id)
+        log.info("serving model %r%s, learned from worker %s", name, f" at revision {self.revision}" if self.revision else "",
+                 entry.worker_id)
         self._on_bound(tokenizer)

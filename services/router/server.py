@@ -104,7 +104,7 @@ async def start_router(
     tokenizer = None  # --model auto: learned from the first worker (see ModelBinding)
     if settings.model != AUTO:
         try:
-            tokenizer = load_tokenizer(settings.model)
+            tokenizer = load_tokenizer(settings.model, settings.revision or None)
         except TandemError as exc:
             raise StartupError(f"cannot load the tokenizer of model {settings.model!r}: {exc.message}") from None
     try:
@@ -151,7 +151,7 @@ async def start_router(
         servicer.tokenizer, servicer.limits = learned, request_limits(settings, learned)
         dispatcher.use_tokenizer(learned)
 
-    binding = ModelBinding(settings.model, tokenizer, dispatcher.worker_model, on_bound=bind)
+    binding = ModelBinding(settings.model, tokenizer, dispatcher.worker_model, on_bound=bind, revision=settings.revision)
     dispatcher.directory.compatible = binding.is_compatible
     interceptors: list = [ServerTracingInterceptor(tracer_provider)]
     router_metrics = None

@@ -17,6 +17,7 @@ class RouterSettings(TandemSettings):
     port: int = Field(50050, ge=0, le=65535, description="port to bind (0 = any free port)")
     kvstore: str = Field("127.0.0.1:50051", min_length=1, description="kvstore host:port, or a comma-separated list (a leader and its standbys: the one that leads is used)")
     model: str = Field("auto", min_length=1, description="model folder whose tokenizer to load, 'tiny' (byte-level), or 'auto': the model the first registered worker serves (workers serving another model are refused)")
+    revision: str = Field("", description="hub revision (branch, tag or commit) of a hub-id model whose tokenizer the router loads (--model, or learned with auto): give the workers' --revision ('' = main)")
     model_id: str = Field("", description="only route to workers registered with this model fingerprint ('' = any)")
     max_concurrent_rpcs: int = Field(1024, ge=1, description="RPCs handled at once; more are refused")
     http_port: int | None = Field(None, ge=0, le=65535, description="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on host:this port (unset = off, 0 = any free port)")

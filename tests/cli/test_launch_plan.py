@@ -115,7 +115,7 @@ def test_worker_command_line_carries_the_plan_and_the_passthrough_flags():
 
 @pytest.mark.parametrize("head_dim,backend", [(128, "flashinfer"), (64, "flashinfer"), (32, "torch"), (16, "torch")])
 def test_a_head_size_without_flashinfer_kernels_runs_the_torch_backend_on_the_gpus(head_dim, backend):
-    # the shipped demo model (head_dim 32) and tiny (16) must still start on a GPU box
+    # tiny (16) and the first demo model (32) must still start on a GPU box
     plans, notes = plan_workers(device="auto", gpus=gpus(70, 70), head_dim=head_dim)
     assert {(p.device, p.backend, p.dtype) for p in plans} == {("cuda:0", backend, "bfloat16")}
     assert (backend == "torch") == any(f"head_dim {head_dim}" in n for n in notes)
@@ -132,6 +132,11 @@ def test_tandem_up_checks_the_demo_model_head_size():
     from services.launcher import UpSettings, check_model
 
     from services.gpuworker.model.loader import plan_model  # the launcher's own answer, from config alone
+    from services.launch_plan import FLASHINFER_HEAD_DIMS
+
     head_dim = check_model(UpSettings())
-    assert head_dim not in (64, 128, 256)  # the demo model: why the fallback exists
+    # the demo model's heads have FlashInfer kernels: a GPU box serves it with FlashInfer + graphs
+    assert head_dim in FLASHINFER_HEAD_DIMS
     assert head_dim == plan_model(UpSettings().model).config.head_dim
+    plans, notes = plan_workers(device="auto", gpus=gpus(70), head_dim=head_dim)
+    assert [p.backend for p in plans] == ["flashinfer"] and not any("head_dim" in n for n in notes)
