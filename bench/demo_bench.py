@@ -139,7 +139,7 @@ def run_served(args) -> dict:
 
     async def one(stub, prompt, k, rid):
         req = router_pb2.GenerateRequest(token_ids=tokens_to_proto(prompt), max_new_tokens=args.max_new_tokens,
-                                         num_draft_tokens=k, request_id=rid)
+                                         num_draft_tokens=k, request_id=rid, temperature=0.0)
         tokens, usage = [], None
         async for msg in stub.Generate(req, timeout=600):
             tokens += list(msg.token_ids)
