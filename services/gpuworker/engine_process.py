@@ -2,9 +2,11 @@
 
     gRPC process (asyncio: Generate handlers)            engine process
     EngineProcess.submit/cancel ──("add"|"abort")──▶ command thread ──▶ EngineRunner (its thread)
+    EngineProcess._call ─────────("call")──────────▶    (runs the runner method, answers)
           ▲                                                               │ steps, kvstore verbs
           └── reader thread ◀── ("events", [(request id, event)], disowned, running, tallies)
-              one message per engine-loop turn; delivered once per asyncio loop
+                            ◀── ("answer", call id, ok, value)
+              one "events" message per engine-loop turn; delivered once per asyncio loop
 
 With the engine thread and the gRPC event loop in one process, the engine held the GIL 57 % of
 the time at 64 concurrent streams and gRPC 36 % (py-spy, H200): the served path ran at 0.62 of

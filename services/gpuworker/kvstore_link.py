@@ -125,11 +125,18 @@ class KVStoreLink:
             held_sequences=held_sequences,
         )
         response = self._call(self._stub.RegisterWorker, request)
-        with self._lock:
-            self.incarnation = response.worker.incarnation
-            self.worker_id = registration["worker_id"]
-            self.generation += 1
+        self.adopt(registration["worker_id"], response.worker.incarnation, restored=True)
         return response
+
+    def adopt(self, worker_id: str, incarnation: int, *, restored: bool = False) -> None:
+        """Take a registration another link made for this worker (an engine process and its gRPC
+        process each hold a link): the incarnation, and with ``restored`` one more generation
+        (see :meth:`forgot_us`), as :meth:`restore` would have counted it."""
+        with self._lock:
+            self.worker_id = worker_id
+            self.incarnation = incarnation
+            if restored:
+                self.generation += 1
 
     def forgot_us(self, generation: int) -> bool:
         """Whether a verb sent at ``generation`` that the kvstore answered NOT_FOUND or

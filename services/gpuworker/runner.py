@@ -213,8 +213,7 @@ class EngineRunner:
     def adopt_registration(self, incarnation: int, worker_id: str) -> None:
         """Another link registered this worker (the gRPC process's, when this runner is in an
         engine process): this runner's link adopts the incarnation it got."""
-        self.link.worker_id = worker_id
-        self.link.incarnation = incarnation
+        self.link.adopt(worker_id, incarnation)
 
     def reregister(self, registration: dict, timeout_s: float = 30.0) -> int:
         """Register again with a kvstore that forgot this worker (a memory kvstore restarted, or

@@ -40,10 +40,6 @@ class EngineFacts:
     device: str
     graphs: int  # CUDA graphs captured at warm-up
 
-    @property
-    def has_draft(self) -> bool:
-        return self.max_draft_tokens > 0
-
 
 def build_runtime(
     settings: WorkerSettings,

@@ -202,8 +202,7 @@ async def _heartbeat(identity: WorkerIdentity, runner: EngineRunner | EngineProc
             try:
                 incarnation = await asyncio.to_thread(runner.reregister, identity.registration())
                 if isinstance(runner, EngineProcess):  # the engine process re-registered on its own link
-                    identity.link.incarnation = incarnation
-                    identity.link.generation += 1  # see KVStoreLink.forgot_us
+                    identity.link.adopt(identity.worker_id, incarnation, restored=True)
             except TandemError as exc:
                 log.warning("re-register failed: %s", exc.message)
         except TandemError as exc:
