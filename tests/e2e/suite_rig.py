@@ -132,6 +132,17 @@ def spawn_worker_process(kv_address: str, worker_id: str, **flags) -> subprocess
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
+def stream_a_few_tokens(suite, tokens: int = 4):
+    """A long request, read until ``tokens`` arrived; the call stays open (cancel it)."""
+    call = suite.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
+    got = 0
+    for msg in call:
+        got += len(msg.token_ids)
+        if got >= tokens:
+            break
+    return call
+
+
 def rpc_code(call) -> grpc.StatusCode:
     try:
         for _ in call:

@@ -14,7 +14,7 @@ import pytest
 from services.common.metrics import ServiceMetrics
 from services.gpuworker.server import start_worker
 from services.gpuworker.settings import WorkerSettings
-from suite_rig import LONG_PREFIX, PROCESS_STARTUP_TIMEOUT, TIMEOUT, spawn_worker_process
+from suite_rig import LONG_PREFIX, PROCESS_STARTUP_TIMEOUT, TIMEOUT, spawn_worker_process, stream_a_few_tokens
 from tandem.common.v1 import common_pb2
 from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
 from tandem.router.v1 import router_pb2
@@ -82,12 +82,7 @@ def test_an_engine_process_answers_exactly_what_an_engine_thread_does(suite):
 def test_cancel_and_worker_abort_cross_the_process_boundary(suite):
     svc = suite.add_worker("w0", engine_process=True)
     suite.add_router()
-    call = suite.stub.Generate(router_pb2.GenerateRequest(text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
-    got = 0
-    for msg in call:
-        got += len(msg.token_ids)
-        if got >= 8:
-            break
+    call = stream_a_few_tokens(suite, 8)
     assert suite.stats().live_reservations == 1
     call.cancel()
     assert suite.wait_no_live_reservations().live_reservations == 0

@@ -21,7 +21,7 @@ from services.kvstore.server import start_kvstore
 from services.kvstore.settings import KVStoreSettings
 from services.router.server import start_router
 from services.router.settings import RouterSettings
-from suite_rig import LONG_PREFIX, TIMEOUT, Suite, rpc_code
+from suite_rig import LONG_PREFIX, TIMEOUT, Suite, rpc_code, stream_a_few_tokens
 from tandem.router.v1 import router_pb2, router_pb2_grpc
 
 NUM_BLOCKS = 512
@@ -74,17 +74,6 @@ def wait_for(predicate, timeout_s: float = 15.0):
         if result or time.monotonic() > end:
             return result
         time.sleep(0.05)
-
-
-def stream_a_few_tokens(suite, tokens: int = 4):
-    """A long request, read until ``tokens`` arrived; the call stays open (cancel it)."""
-    call = suite.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
-    got = 0
-    for msg in call:
-        got += len(msg.token_ids)
-        if got >= tokens:
-            break
-    return call
 
 
 def test_counters_move_by_what_the_requests_did(metered):

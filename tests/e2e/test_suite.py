@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import grpc
 import pytest
 
-from suite_rig import LONG_PREFIX, TIMEOUT, spawn_worker_process
+from suite_rig import LONG_PREFIX, TIMEOUT, spawn_worker_process, stream_a_few_tokens
 from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
 from tandem.router.v1 import router_pb2
 
@@ -99,12 +98,7 @@ def test_load_outweighs_reuse_when_the_holder_is_busy(suite):
 def test_client_cancel_mid_stream_frees_the_reservation(suite):
     suite.add_worker("w0")
     suite.add_router()
-    call = suite.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
-    got = 0
-    for msg in call:
-        got += len(msg.token_ids)
-        if got >= 8:
-            break
+    call = stream_a_few_tokens(suite, 8)
     assert suite.stats().live_reservations == 1
     call.cancel()
     assert suite.wait_no_live_reservations().live_reservations == 0
