@@ -148,7 +148,7 @@ class EngineProcess:
     def cancel(self, request_id: str, reason: TandemError) -> None:
         self._send(("abort", request_id, reason))
 
-    def registered(self, incarnation: int, worker_id: str, timeout_s: float = 30.0) -> None:
+    def adopt_registration(self, incarnation: int, worker_id: str, timeout_s: float = 30.0) -> None:
         """The gRPC process registered the worker: the engine's own kvstore link adopts the
         incarnation (its verbs carry it, and ``KVStoreLink.forgot_us`` heartbeats with it)."""
         self._call("adopt_registration", incarnation, worker_id, timeout_s=timeout_s)

@@ -154,8 +154,8 @@ async def start_worker(
     server.on_stop(lambda: runner.stop())
     # The kvstore may come up after us (compose, Kubernetes): wait with bounded backoff, NOT_SERVING.
     await wait_for(lambda: asyncio.to_thread(identity.register), what=f"the kvstore at {settings.kvstore}", logger=log)
-    if isinstance(runner, EngineProcess):  # its own link must name the same incarnation
-        await asyncio.to_thread(runner.registered, link.incarnation, settings.worker_id)
+    # an engine in its own process has a link of its own: it must name the same incarnation
+    await asyncio.to_thread(runner.adopt_registration, link.incarnation, settings.worker_id)
     server.run_in_background(_heartbeat(identity, runner, servicer, settings.heartbeat_s))
     await server.set_serving()
     log.info("worker %s serving on %s (incarnation %d, %d blocks, engine %s)", identity.worker_id, identity.address,
