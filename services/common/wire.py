@@ -30,12 +30,18 @@ def tokens_from_proto(msg: common_pb2.TokenIds, *, field: str = "tokens") -> np.
     return np.zeros(0, dtype=np.uint32)
 
 
-def tokens_to_proto(tokens) -> common_pb2.TokenIds:
-    """Encode token ids (list, tuple or array) as packed little-endian uint32."""
+def pack_tokens(tokens) -> bytes:
+    """Token ids (list, tuple or array) as packed little-endian uint32 bytes (the wire's
+    ``packed`` form); InvalidArgument for ids outside uint32."""
     arr = np.asarray(tokens)
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise InvalidArgument("token ids must fit in uint32")
-    return common_pb2.TokenIds(packed=arr.astype(_LE_U32, copy=False).tobytes())
+    return arr.astype(_LE_U32, copy=False).tobytes()
+
+
+def tokens_to_proto(tokens) -> common_pb2.TokenIds:
+    """Encode token ids (list, tuple or array) as packed little-endian uint32."""
+    return common_pb2.TokenIds(packed=pack_tokens(tokens))
 
 
 def logprobs_to_proto(logprobs) -> list[common_pb2.TokenLogprob]:

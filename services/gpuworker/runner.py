@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from services.common.wire import pack_tokens
 from services.common.errors import AlreadyExists, Cancelled, FailedPrecondition, ResourceExhausted, TandemError, Unavailable
 from services.gpuworker.engine.engine import Engine
 from services.gpuworker.engine.report import StepReport
@@ -505,7 +505,7 @@ class EngineRunner:
         waiting = [  # admitted once no Publish is in flight: nothing ran yet
             kv.HeldReservation(
                 reservation_id=job.reservation_id, request_id=job.kv_request_id or job.spec.request_id,
-                tokens_packed=np.asarray(job.spec.prompt_ids, dtype="<u4").tobytes(), cache_salt=job.cache_salt,
+                tokens_packed=pack_tokens(job.spec.prompt_ids), cache_salt=job.cache_salt,
                 block_table=job.spec.block_table, published_blocks=job.spec.reused_positions // bs)
             for job in self._waiting
         ]
@@ -515,7 +515,7 @@ class EngineRunner:
                 request_id=job.kv_request_id or rid,
                 # the sequence as the kvstore held it if every call sent had landed; a resent
                 # Publish then finds its tokens there and appends nothing (known_tokens)
-                tokens_packed=np.asarray(job.tokens[: job.known_tokens], dtype="<u4").tobytes(),
+                tokens_packed=pack_tokens(job.tokens[: job.known_tokens]),
                 cache_salt=job.cache_salt,
                 block_table=self.engine.state(rid).block_table,
                 published_blocks=job.publish_sent_blocks,
@@ -523,7 +523,7 @@ class EngineRunner:
             for rid, job in self._jobs.items()
         ]
         sequences = [
-            kv.HeldSequence(tokens_packed=np.asarray(seq.tokens, dtype="<u4").tobytes(), cache_salt=seq.cache_salt,
+            kv.HeldSequence(tokens_packed=pack_tokens(seq.tokens), cache_salt=seq.cache_salt,
                             block_ids=seq.block_ids)
             # the kvstore takes at most 4,096 of each kind per call (its max_items default)
             for seq in self.ledger.sequences(self.restore_max_tokens, max_count=4096)

@@ -15,7 +15,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import numpy as np
 
 from opentelemetry import trace
 
@@ -29,7 +28,7 @@ from services.common.errors import (
     TandemError,
 )
 from services.common.spec import lookahead_span
-from services.common.wire import logprobs_to_proto, spec_mode_to_proto, tokens_from_proto
+from services.common.wire import logprobs_to_proto, pack_tokens, spec_mode_to_proto, tokens_from_proto
 from services.gpuworker.engine.engine import MAX_LOGPROBS
 from services.gpuworker.engine.request import FinishReason, RequestSpec
 from services.gpuworker.engine.sampling import SamplingParams
@@ -107,7 +106,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except TandemError as exc:
             raise type(exc)(f"reservation not usable: {exc.message}") from None
         prompt = tokens_from_proto(request.prompt, field="prompt")
-        if got.prompt_packed != np.asarray(prompt, dtype="<u4").tobytes():
+        if got.prompt_packed != pack_tokens(prompt):
             raise InvalidArgument("the prompt is not the one the reservation was made for")
         r = got.reservation
         return list(r.block_table), int(r.reused_positions), got
