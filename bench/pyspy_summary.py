@@ -14,7 +14,9 @@ from pathlib import Path
 _FRAME = re.compile(r"^(.*) \((.*?):\d+\)$")
 
 
-def summarize(path: Path, top: int) -> str:
+def summarize(path: Path, top: int, thread: str = "") -> str:
+    """``thread``: only stacks whose thread label contains it (e.g. the engine thread's name)."""
+    thread_filter = thread
     threads, selfs, incl = collections.Counter(), collections.Counter(), collections.Counter()
     total = 0
     for line in path.read_text().splitlines():
@@ -24,6 +26,8 @@ def summarize(path: Path, top: int) -> str:
         n = int(count)
         frames = stack.split(";")
         thread = frames[0]
+        if thread_filter and thread_filter not in thread:
+            continue
         names = []
         for f in frames[1:]:
             m = _FRAME.match(f)
@@ -34,7 +38,7 @@ def summarize(path: Path, top: int) -> str:
             selfs[names[-1]] += n
         for name in set(names):
             incl[name] += n
-    out = [f"== {path.name}: {total} samples"]
+    out = [f"== {path.name}{f' (threads matching {thread!r})' if thread else ''}: {total} samples"]
     out += [f"  thread {t}: {c} ({100 * c / total:.0f} %)" for t, c in threads.most_common(6)]
     out.append("  self:")
     out += [f"    {100 * c / total:5.1f} %  {name}" for name, c in selfs.most_common(top)]
@@ -47,9 +51,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--top", type=int, default=20)
+    p.add_argument("--thread", default="", help="only threads whose label contains this")
     args = p.parse_args()
     for f in args.files:
-        print(summarize(f, args.top))
+        print(summarize(f, args.top, args.thread))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _common import gpu_ms, grouped_bars, machine, start_suite  # noqa: E402
+from _common import free_port, gpu_ms, grouped_bars, machine, start_suite  # noqa: E402
 from worker_bench import bench_config  # noqa: E402
 
 from services.gpuworker.model.config import LlamaConfig  # noqa: E402
@@ -281,14 +281,46 @@ async def served_level(stub, level: Level, prompts: Prompts, max_s: float, prefi
     return traces, time.monotonic() - t0
 
 
+def worker_steps(metrics_url: str | None) -> dict[str, float]:
+    """The worker's engine-step counters from its Prometheus endpoint: steps, seconds in steps,
+    tokens generated and (request, verify) pairs — what ``step_stats`` turns into per-step figures."""
+    if not metrics_url:
+        return {}
+    import urllib.request
+
+    names = {"tandem_worker_step_duration_seconds_count": "steps", "tandem_worker_step_duration_seconds_sum": "step_s",
+             "tandem_worker_generated_tokens_total": "tokens"}
+    out = {}
+    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            name, _, value = line.partition(" ")
+            if name in names:
+                out[names[name]] = float(value)
+    return out
+
+
+def step_stats(before: dict, after: dict, wall_s: float) -> dict:
+    """Engine steps of a level (pure): how many, mean host time of ``Engine.step`` (the call, as
+    the worker's step histogram times it), tokens per step (≈ batch occupancy × tokens a step
+    gives a request) and the share of the level's wall time spent inside steps."""
+    if not before or not after:
+        return {}
+    steps = after["steps"] - before["steps"]
+    busy = after["step_s"] - before["step_s"]
+    return {"steps": int(steps), "step_ms_mean": 1e3 * busy / steps if steps else float("nan"),
+            "tokens_per_step": (after["tokens"] - before["tokens"]) / steps if steps else float("nan"),
+            "in_step_share": busy / wall_s if wall_s > 0 else float("nan")}
+
+
 def cpu_now(suite) -> dict[str, float]:
     """CPU seconds used so far by each suite process and by this (client) process."""
     return {**suite.cpu_seconds(), "client": sum(os.times()[:2])}
 
 
 def profile_level(args, suite, level: Level, out_dir: Path | None) -> list[subprocess.Popen]:
-    """``--profile LEVEL``: py-spy records the worker and router (and the GIL holder) while the
-    named level runs, as collapsed stacks in ``out_dir`` (where the host time of each goes)."""
+    """``--profile LEVEL``: py-spy records the worker and router while the named level runs, as
+    collapsed stacks in ``out_dir``: every thread including where it waits (``--idle``: why the
+    engine thread is not stepping), and the GIL holder only (``_gil``: where the host time goes)."""
     wanted = {name.replace(" ", "") for name in (args.profile or "").split(",")}
     if level.name.replace(" ", "") not in wanted or out_dir is None:
         return []
@@ -304,12 +336,12 @@ def profile_level(args, suite, level: Level, out_dir: Path | None) -> list[subpr
             dest = out_dir / f"pyspy_{name}_{level.name.replace(' ', '')}{'_gil' if gil else ''}.txt"
             cmd = [pyspy, "record", "--pid", str(pid), "--duration",
                    str(max(1, int(args.level_max_s) - 1)), "--rate", "200", "--format", "raw", "--threads",
-                   "--nonblocking", "-o", str(dest)] + (["--gil"] if gil else [])
+                   "--nonblocking", "-o", str(dest)] + (["--gil"] if gil else ["--idle"])
             procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return procs
 
 
-async def served_suite(args, suite, a: int, prompts: Prompts, log) -> dict:
+async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: str | None = None) -> dict:
     """First request right after SERVING, a warm-up per k, then every measured level."""
     import grpc
 
@@ -332,13 +364,13 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log) -> dict:
                 traces, wall = await served_level(stub, warm, prompts, args.level_max_s, f"a{a}")
                 log(f"  warm-up {warm.name}: {len(traces)} requests in {wall:.1f} s")
                 warmed.add(level.k)
-            cpu0 = cpu_now(suite)
+            cpu0, steps0 = cpu_now(suite), worker_steps(metrics_url)
             profilers = profile_level(args, suite, level, args.json.parent if args.json else None)
             traces, wall = await served_level(stub, level, prompts, args.level_max_s, f"a{a}")
-            cpu1 = cpu_now(suite)
+            cpu1, steps1 = cpu_now(suite), worker_steps(metrics_url)
             for p in profilers:
                 p.wait(timeout=30)
-            stats = {**asdict(level), **level_stats(traces, wall)}
+            stats = {**asdict(level), **level_stats(traces, wall), **step_stats(steps0, steps1, wall)}
             # share of one core each process used during the level (1.0 = a core busy)
             stats["cpu_cores"] = {k: round((cpu1[k] - cpu0.get(k, 0.0)) / wall, 2) for k in cpu1} if wall > 0 else {}
             out["levels"].append(stats)
@@ -346,7 +378,9 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log) -> dict:
                 f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms, "
                 f"{stats['tokens_per_msg']:.2f} tok/msg, hit {100 * stats['hit_rate']:.0f} %, cores "
                 + " ".join(f"{k} {v:.2f}" for k, v in stats["cpu_cores"].items())
-                + (f", {stats['failed']} failed: {stats['errors']}" if stats["failed"] else ""))
+                + (f", {stats['failed']} failed: {stats['errors']}" if stats["failed"] else "")
+                + (f"; {stats['steps']} steps of {stats['step_ms_mean']:.1f} ms, {stats['tokens_per_step']:.1f} tok/step, "
+                   f"{100 * stats['in_step_share']:.0f} % of the wall in steps" if stats.get("steps") else ""))
     return out
 
 
@@ -359,14 +393,16 @@ def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log) -> 
         log_dir.mkdir()
         log(f"[served a={a}] starting kvstore + worker ({' '.join(settings_flags(settings))}) + router ...")
         t0 = time.monotonic()
+        metrics_port = free_port()
         try:
-            suite = start_suite(log_dir, [settings_flags(settings)], router, timeout_s=args.startup_timeout_s)
+            suite = start_suite(log_dir, [settings_flags(settings) + ["--metrics-port", str(metrics_port)]], router,
+                                timeout_s=args.startup_timeout_s)
         except Exception:
             print_logs(log_dir)
             raise
         log(f"[served a={a}] all SERVING after {time.monotonic() - t0:.1f} s")
         try:
-            result = asyncio.run(served_suite(args, suite, a, prompts, log))
+            result = asyncio.run(served_suite(args, suite, a, prompts, log, f"http://127.0.0.1:{metrics_port}/metrics"))
         finally:
             suite.stop()
         if result["first_error"] or any(r["failed"] for r in result["levels"]):
@@ -382,9 +418,10 @@ def print_logs(log_dir: Path) -> None:
 
 # ---------------------------------------------------------------------------------- engine alone
 def engine_level(setup, level: Level, prompts: Prompts, prefix_blocks: list[int], reused: int,
-                 max_s: float) -> tuple[list[Trace], float]:
+                 max_s: float) -> tuple[list[Trace], float, dict]:
     """Closed loop on the engine itself: keep ``concurrency`` requests admitted, top up between
-    steps (where the worker's engine thread admits too), until ``requests`` were issued."""
+    steps (where the worker's engine thread admits too), until ``requests`` were issued.
+    Returns the traces, the wall time and the level's ``step_stats``."""
     import torch
 
     from services.gpuworker.engine.local import submit
@@ -396,6 +433,7 @@ def engine_level(setup, level: Level, prompts: Prompts, prefix_blocks: list[int]
     if gpu:
         torch.cuda.synchronize()
     t0 = time.monotonic()
+    steps = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0}
     # bounded: each step prefills at least one position or emits at least one token of a request
     for _ in range(level.requests * (len(prompts.shared) + prompts.private_len + level.max_new_tokens) + 100):
         while pending and len(engine.request_ids()) < level.concurrency and time.monotonic() - t0 < max_s:
@@ -407,10 +445,14 @@ def engine_level(setup, level: Level, prompts: Prompts, prefix_blocks: list[int]
                    reused_positions=reused, headroom=level.k + 1)
         if not engine.has_work():
             break
+        started = time.perf_counter()
         report = engine.step()
+        steps["step_s"] += time.perf_counter() - started
+        steps["steps"] += 1
         now = time.monotonic()
         for rid, r in report.results.items():
             if r.new_token_ids:
+                steps["tokens"] += len(r.new_token_ids)
                 traces[rid].events.append((now, len(r.new_token_ids)))
             if r.error is not None and r.finished:
                 traces[rid].error = repr(r.error)
@@ -421,7 +463,8 @@ def engine_level(setup, level: Level, prompts: Prompts, prefix_blocks: list[int]
         raise RuntimeError(f"engine level {level.name} did not finish")
     if gpu:
         torch.cuda.synchronize()
-    return list(traces.values()), time.monotonic() - t0
+    wall = time.monotonic() - t0
+    return list(traces.values()), wall, step_stats({"steps": 0.0, "step_s": 0.0, "tokens": 0.0}, steps, wall)
 
 
 def run_engine_alone(args, model_dir: Path, prompts: Prompts, served: list[dict], log) -> list[dict]:
@@ -457,12 +500,14 @@ def run_engine_alone(args, model_dir: Path, prompts: Prompts, served: list[dict]
             if level.k not in warmed:
                 engine_level(setup, warmup_of(args, level.k, level.a), prompts, prefix_blocks, reused, args.level_max_s)
                 warmed.add(level.k)
-            traces, wall = engine_level(setup, level, prompts, prefix_blocks, reused, 1e9)
-            stats = {**asdict(level), **level_stats(traces, wall)}
+            traces, wall, steps = engine_level(setup, level, prompts, prefix_blocks, reused, 1e9)
+            stats = {**asdict(level), **level_stats(traces, wall), **steps}
             out.append(stats)
             log(f"  alone  {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
                 f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms "
-                f"(served ÷ alone {row['tokens_per_s'] / stats['tokens_per_s']:.2f})")
+                f"(served ÷ alone {row['tokens_per_s'] / stats['tokens_per_s']:.2f}); {stats['steps']} steps of "
+                f"{stats['step_ms_mean']:.1f} ms, {stats['tokens_per_step']:.1f} tok/step, "
+                f"{100 * stats['in_step_share']:.0f} % of the wall in steps")
         del setup, built
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -187,6 +187,25 @@ class KVStoreLink:
             ),
         )
 
+    def publish_many(self, items: list[tuple[str, int, list[int], int, int]]) -> list[kv.PublishResponse | TandemError]:
+        """One PublishMany of ``items`` (reservation id, incarnation, new tokens, final positions,
+        known tokens: the arguments of :meth:`publish`): per item its answer, or its error as a
+        typed domain error. A call
+        whose every item failed NOT_FOUND / FAILED_PRECONDITION raises that error instead, as a
+        lone Publish would: the courier then asks whether the kvstore forgot this worker (a
+        restart) and resends the whole batch once it re-registered."""
+        request = kv.PublishManyRequest(items=[
+            kv.PublishRequest(reservation_id=rid, incarnation=inc, new_tokens=tokens_to_proto(new), final_positions=final,
+                              known_tokens=known) for rid, inc, new, final, known in items])
+        results = self._call(self._stub.PublishMany, request).results
+        if len(results) != len(items):
+            raise Unavailable(f"kvstore: PublishMany answered {len(results)} results for {len(items)} items")
+        answers = [r.response if r.code == 0 else _ITEM_ERRORS.get(r.code, Unavailable)(f"kvstore: {r.message}")
+                   for r in results]
+        if answers and all(isinstance(a, (NotFound, FailedPrecondition)) for a in answers):
+            raise answers[0]
+        return answers
+
     def release(self, reservation_id: str, incarnation: int, new_tokens, final_positions: int) -> kv.ReleaseResponse:
         return self._call(
             self._stub.Release,

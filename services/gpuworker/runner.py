@@ -67,6 +67,18 @@ class Job:
     cache_salt: bytes = b""  # the reservation's (re-announced after a kvstore restart)
     kv_request_id: str = ""  # the kvstore's request id of the reservation ("" = spec.request_id)
 
+@dataclass(slots=True)
+class _Publish:
+    """One request's Publish of a step, waiting to go out in that step's PublishMany."""
+
+    job: Job
+    reservation_id: str
+    new_tokens: list[int]
+    final: int
+    known: int
+    at_risk: list[int]
+
+
 class Outbox:
     """Events for the asyncio handlers, delivered once per engine-loop turn (``flush``): one
     ``call_soon_threadsafe`` per event loop instead of one per request and step (each wakes the
@@ -160,6 +172,7 @@ class EngineRunner:
         self.extend_chunk_blocks = extend_chunk_blocks
         self._extending: set[str] = set()  # request ids with an ahead-of-need Extend in flight
         self._publishing = BlocksInFlight()  # blocks that Publishes in flight may deduplicate
+        self._step_publishes: list[_Publish] = []  # gathered during a step's results, sent as one call
         self._outbox = outbox if outbox is not None else Outbox()
         self._on_disown = on_disown  # told when a request's reservation has been ended
         self._commands: queue.Queue = queue.Queue()
@@ -283,6 +296,7 @@ class EngineRunner:
                 job = self._jobs.get(rid)
                 if job is not None:
                     self._on_result(job, result)
+            self._send_publishes()
             self._extend_ahead()
         for rid in list(self._jobs):
             self._fail(rid, Cancelled("worker is shutting down"))
@@ -390,16 +404,39 @@ class EngineRunner:
         self._publishing.add(at_risk)
         # a Publish may free our copy of a deduplicated block: after the step that wrote it.
         # The incarnation is read when it is sent: a kvstore restart may have renewed it.
-        self.courier.send(lambda: job.incarnation and self.link.publish(res_id, job.incarnation, new_tokens, final, known),
-                          lambda response: self._published(rid, response, at_risk), kind="publish",
-                          after=self.engine.last_fence)
+        self._step_publishes.append(_Publish(job, res_id, new_tokens, final, known, at_risk))
+
+    def _send_publishes(self) -> None:
+        """One PublishMany for the Publishes of the step just run (before its ahead-of-need
+        Extends in the courier's FIFO); each answer goes to ``_published``. A Publish may free
+        our copy of a deduplicated block: sent after the step that wrote it (its fence)."""
+        batch, self._step_publishes = self._step_publishes, []
+        if not batch:
+            return
+
+        def call():
+            # incarnations are read when it is sent: a kvstore restart may have renewed them
+            # (0: the reservation died with the kvstore's memory, nothing to publish)
+            live = [p for p in batch if p.job.incarnation]
+            answers = self.link.publish_many(
+                [(p.reservation_id, p.job.incarnation, p.new_tokens, p.final, p.known) for p in live]) if live else []
+            by_publish = dict(zip(map(id, live), answers))
+            return [by_publish.get(id(p)) for p in batch]
+
+        def done(answers) -> None:
+            for i, p in enumerate(batch):
+                answer = answers if isinstance(answers, Exception) else answers[i]
+                self._published(p.job.spec.request_id, answer, p.at_risk)
+
+        self.courier.send(call, done, kind="publish", after=self.engine.last_fence)
 
     def _published(self, rid: str, response, at_risk: list[int]) -> None:
         """A Publish answered (engine thread; possibly inside a step's blocking Extend, so
-        failures go through ``cancel``, which takes effect between steps)."""
+        failures go through ``cancel``, which takes effect between steps). ``response`` None:
+        not sent (its reservation died with a kvstore restart)."""
         self._publishing.discard(at_risk)
         job = self._jobs.get(rid)
-        if job is None:
+        if job is None or response is None:
             return  # ended meanwhile: its Release or Abort follows in the queue
         if isinstance(response, Exception):
             log.warning("publish for %s failed: %s", rid, response)

@@ -17,6 +17,7 @@ from services.common.errors import InvalidArgument, PermissionDenied, TandemErro
 from services.common.peers import acting_worker, current_peer
 from services.common.wire import spec_mode_from_proto, spec_mode_to_proto, tokens_from_proto
 from services.kvstore import types as core
+from services.kvstore import validation
 from services.kvstore.store import KVStore
 from tandem.kvstore.v1 import kvstore_pb2 as pb
 from tandem.kvstore.v1 import kvstore_pb2_grpc
@@ -113,7 +114,7 @@ WORKER, ROUTER = frozenset({"worker"}), frozenset({"router"})
 # own reservations) are checked per call below and in the core.
 ROLE_RULES = {
     "RegisterWorker": WORKER, "Heartbeat": WORKER, "GetReservation": WORKER,
-    "Extend": WORKER, "Trim": WORKER, "Publish": WORKER, "Release": WORKER, "Suspend": WORKER,
+    "Extend": WORKER, "Trim": WORKER, "Publish": WORKER, "PublishMany": WORKER, "Release": WORKER, "Suspend": WORKER,
     "Abort": WORKER | ROUTER,
     "ListWorkers": ROUTER, "Match": ROUTER, "Reserve": ROUTER, "WatchEvents": ROUTER,
     "Stats": WORKER | ROUTER, "CheckInvariants": WORKER | ROUTER,
@@ -243,21 +244,37 @@ class KVStoreServicer(kvstore_pb2_grpc.KVStoreServicer):
             results=[_capacity_result(i.reservation_id, r) for i, r in zip(request.items, results)]
         )
 
-    async def Publish(self, request, context):
+    def _publish(self, request, worker_id: str | None) -> pb.PublishResponse:
         result = self.store.publish(
             reservation_id=request.reservation_id,
             incarnation=request.incarnation,
             new_tokens=tokens_from_proto(request.new_tokens, field="new_tokens"),
             final_positions=request.final_positions,
-            worker_id=_caller_worker(),
+            worker_id=worker_id,
             known_tokens=request.known_tokens,
         )
-        await self._committed()
         return pb.PublishResponse(
             reservation=_reservation(result.reservation),
             newly_published=result.newly_published,
             deduplicated=result.deduplicated,
         )
+
+    async def Publish(self, request, context):
+        response = self._publish(request, _caller_worker())
+        await self._committed()
+        return response
+
+    async def PublishMany(self, request, context):
+        validation.items(request.items, self.store.max_items)
+        worker_id = _caller_worker()
+        results = []
+        for item in request.items:  # one Publish each, no await between them: one transaction each
+            try:
+                results.append(pb.PublishResult(code=0, response=self._publish(item, worker_id)))
+            except TandemError as exc:
+                results.append(pb.PublishResult(code=exc.code.number, message=exc.message))
+        await self._committed()
+        return pb.PublishManyResponse(results=results)
 
     async def _end(self, verb, request) -> pb.ReleaseResponse:
         result = verb(

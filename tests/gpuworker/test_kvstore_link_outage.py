@@ -45,3 +45,31 @@ def test_get_reservation_is_resent_through_an_outage(start_kvstore, retry_s):
             assert failover.down == 2
     finally:
         link.close()
+
+
+def test_publish_many_answers_per_item_and_raises_when_every_item_was_forgotten(start_kvstore):
+    """One PublishMany per engine step: per item its answer or typed error; a batch the kvstore
+    refused whole as unknown (it forgot this worker) raises, so the courier can resend it."""
+    from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+    from services.gpuworker.kvstore_link import KVStoreLink
+
+    svc = start_kvstore()
+    link = KVStoreLink(svc.address, timeout_s=2.0)
+    try:
+        info = link.register(worker_id="w", address="x", model_id="m", spec_mode=SpecMode.NONE, mtp_depth=0,
+                             block_size=4, num_blocks=16, vocab_size=100, max_seq_len=64)
+        r = svc.in_loop(lambda: svc.payload.reserve(worker_id="w", incarnation=info.incarnation, request_id="q",
+                                                    tokens=list(range(10)), headroom_positions=6))
+        inc = info.incarnation
+        ok, bad, ghost = link.publish_many([(r.reservation_id, inc, [], 8, 0), (r.reservation_id, inc, [], 99, 0),
+                                            ("r-ghost", inc, [], 4, 0)])
+        assert ok.reservation.published_blocks == 2
+        assert isinstance(bad, InvalidArgument) and isinstance(ghost, NotFound)
+        with pytest.raises(NotFound):
+            link.publish_many([("r-ghost", inc, [], 4, 0)])
+        link.register(worker_id="w", address="x", model_id="m", spec_mode=SpecMode.NONE, mtp_depth=0,
+                      block_size=4, num_blocks=16, vocab_size=100, max_seq_len=64)  # r died with incarnation inc
+        with pytest.raises(FailedPrecondition):
+            link.publish_many([(r.reservation_id, inc, [10, 11], 8, 10), (r.reservation_id, inc, [], 8, 0)])
+    finally:
+        link.close()

@@ -150,6 +150,53 @@ def test_publish_after_the_worker_restarted_fails_precondition(kv):
     assert r.reservation_id in err.details()
 
 
+# ------------------------------------------------------------------------------------ PublishMany
+
+
+def publish_many(kv, *items):
+    """PublishMany of ``(reservation, final_positions, new_ids)`` items (mutates); the results."""
+    req = kv.pb.PublishManyRequest(items=[
+        kv.pb.PublishRequest(reservation_id=r.reservation_id, incarnation=r.incarnation,
+                             new_tokens=kv.tokens(new), final_positions=final) for r, final, new in items])
+    return list(kv.stub.PublishMany(req, timeout=kv.timeout).results)
+
+
+def test_publish_many_answers_each_item_as_publish_would(kv):
+    w = kv.register("a")
+    r1, r2 = kv.reserve(w, "r1", P, headroom_positions=7), kv.reserve(w, "r2", P)
+    one, two = publish_many(kv, (r1, 9, []), (r2, 17, []))  # r2 deduplicates nothing: r1 has 2 blocks only
+    assert (one.code, one.response.newly_published, one.response.reservation.published_blocks) == (OK, 2, 2)
+    assert (two.code, two.response.newly_published, two.response.deduplicated) == (OK, 2, 2)
+    assert list(two.response.reservation.block_table[:2]) == list(r1.block_table[:2])  # remapped
+    (again,) = publish_many(kv, (r1, 21, [18, 19, 20, 21]))
+    assert (again.code, again.response.reservation.published_blocks) == (OK, 5)
+    assert kv.match(P + [18, 19, 20, 21, 22])["a"].reusable_positions == 20
+
+
+def test_publish_many_items_fail_independently_and_change_nothing(kv):
+    w = kv.register("a")
+    r = kv.reserve(w, "r", P, headroom_positions=3)  # capacity 20
+    before = kv.snapshot()
+    results = publish_many(kv, (_Ghost, 0, []), (stale(r), 16, []), (r, 18, []), (r, 21, [18, 19, 20, 21]))
+    assert [x.code for x in results] == [NOT_FOUND, FAILED_PRECONDITION, INVALID_ARGUMENT, INVALID_ARGUMENT]
+    assert all(x.message and not x.HasField("response") for x in results)
+    assert kv.snapshot() == before
+    # a good item between bad ones happens; the bad ones do not
+    bad, ok, bad_again = publish_many(kv, (r, 18, []), (r, 9, []), (_Ghost, 0, []))
+    assert (bad.code, ok.code, bad_again.code) == (INVALID_ARGUMENT, OK, NOT_FOUND)
+    assert ok.response.reservation.published_blocks == 2 and kv.stats().workers[0].published_blocks == 2
+
+
+def test_publish_many_bounds_its_items(kv):
+    w = kv.register("a")
+    r = kv.reserve(w, "r", P)
+    req = kv.pb.PublishManyRequest(items=[kv.pb.PublishRequest(reservation_id=r.reservation_id, incarnation=r.incarnation,
+                                                               final_positions=4)] * 4097)
+    err = kv.expect_error(grpc.StatusCode.INVALID_ARGUMENT, kv.stub.PublishMany, req, timeout=5)
+    assert "4097 items" in err.details()
+    assert publish_many(kv) == []  # no items: nothing to do
+
+
 # -------------------------------------------------------------------------------- Release / Suspend
 
 

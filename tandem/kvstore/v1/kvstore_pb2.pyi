@@ -322,6 +322,28 @@ class PublishResponse(_message.Message):
     deduplicated: int
     def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., newly_published: _Optional[int] = ..., deduplicated: _Optional[int] = ...) -> None: ...
 
+class PublishManyRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PublishRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[PublishRequest, _Mapping]]] = ...) -> None: ...
+
+class PublishResult(_message.Message):
+    __slots__ = ("code", "message", "response")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    response: PublishResponse
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[PublishResponse, _Mapping]] = ...) -> None: ...
+
+class PublishManyResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PublishResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PublishResult, _Mapping]]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("reservation_id", "incarnation", "new_tokens", "final_positions")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]

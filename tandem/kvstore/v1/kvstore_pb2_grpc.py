@@ -80,6 +80,11 @@ class KVStoreStub:
                 request_serializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.PublishRequest.SerializeToString,
                 response_deserializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.PublishResponse.FromString,
                 _registered_method=True)
+        self.PublishMany = channel.unary_unary(
+                '/tandem.kvstore.v1.KVStore/PublishMany',
+                request_serializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.PublishManyRequest.SerializeToString,
+                response_deserializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.PublishManyResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/tandem.kvstore.v1.KVStore/Release',
                 request_serializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.ReleaseRequest.SerializeToString,
@@ -183,6 +188,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishMany(self, request, context):
+        """Publish for several reservations in one call (a worker sends one per engine step); each item
+        is applied atomically and independently, in order, and gets its own status.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """End a reservation: publish what is publishable, unpin everything, free unpublished blocks.
         """
@@ -275,6 +288,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Publish,
                     request_deserializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.PublishRequest.FromString,
                     response_serializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.PublishResponse.SerializeToString,
+            ),
+            'PublishMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishMany,
+                    request_deserializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.PublishManyRequest.FromString,
+                    response_serializer=tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.PublishManyResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -551,6 +569,33 @@ class KVStore:
             '/tandem.kvstore.v1.KVStore/Publish',
             tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.PublishRequest.SerializeToString,
             tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.kvstore.v1.KVStore/PublishMany',
+            tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.PublishManyRequest.SerializeToString,
+            tandem_dot_kvstore_dot_v1_dot_kvstore__pb2.PublishManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
