@@ -122,6 +122,9 @@ def test_counters_move_by_what_the_requests_did(metered):
     assert value(k, "tandem_kvstore_worker_live_reservations", worker="w0") == 0
     reserve = "/tandem.kvstore.v1.KVStore/Reserve"
     assert value(k, "tandem_rpc_duration_seconds_count", method=reserve, code="OK") == 2
+    # a step's Publishes go out as one PublishMany; the worker never sends a lone Publish
+    many = value(k, "tandem_rpc_duration_seconds_count", method="/tandem.kvstore.v1.KVStore/PublishMany", code="OK")
+    assert many >= 1 and not value(k, "tandem_rpc_duration_seconds_count", method="/tandem.kvstore.v1.KVStore/Publish", code="OK")
 
     # --- worker: tokens, prefill, drafts, steps
     w = scrape(m["gpuworker"])
