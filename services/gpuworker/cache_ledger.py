@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: block holders are sets of them
 class Sequence:
     cache_salt: bytes
     tokens: list[int]  # the sequence as the kvstore held it (keys of every listed block)
@@ -35,8 +35,8 @@ class CacheLedger:
     """Published sequences by last block id, and which sequences each block is in."""
 
     def __init__(self) -> None:
-        self._sequences: dict[int, Sequence] = {}
-        self._holders: dict[int, set[int]] = {}  # block id -> last block ids of sequences holding it
+        self._sequences: dict[int, Sequence] = {}  # last block id -> sequence
+        self._holders: dict[int, set[Sequence]] = {}  # block id -> sequences holding it
         self._tick = 0
 
     def __len__(self) -> int:
@@ -44,21 +44,36 @@ class CacheLedger:
 
     def published(self, cache_salt: bytes, tokens: list[int], block_ids: list[int]) -> None:
         """Blocks ``block_ids`` hold key blocks 0.. of ``tokens`` (a Publish sent them). A shorter
-        sequence it extends is dropped: this one says the same and more."""
+        sequence it extends is dropped: this one says the same and more. The usual case, a
+        request publishing more of its own sequence, extends that sequence in place: only the
+        new blocks are touched (a Publish per request every few steps, at every batch size)."""
         if not block_ids:
             return
         self._tick += 1
         ids = list(block_ids)
-        for j in range(len(ids) - 1):
-            prev = self._sequences.get(ids[j])
-            if prev is not None and prev.block_ids == ids[: j + 1] and prev.cache_salt == cache_salt:
-                self._remove(ids[j])
         last = ids[-1]
         if last in self._sequences:
-            self._remove(last)
-        self._sequences[last] = Sequence(cache_salt, list(tokens), ids, self._tick)
-        for b in ids:
-            self._holders.setdefault(b, set()).add(last)
+            self._remove(self._sequences[last])
+        grown: Sequence | None = None  # the longest sequence this one extends
+        for j in range(len(ids) - 2, -1, -1):
+            prev = self._sequences.get(ids[j])
+            if prev is None or prev.cache_salt != cache_salt or len(prev.block_ids) != j + 1 or prev.block_ids != ids[: j + 1]:
+                continue
+            if grown is None:
+                grown = prev
+            else:
+                self._remove(prev)
+        if grown is None:
+            seq = Sequence(cache_salt, list(tokens), ids, self._tick)
+            new_blocks = ids
+        else:
+            del self._sequences[grown.block_ids[-1]]
+            new_blocks = ids[len(grown.block_ids):]
+            grown.tokens, grown.block_ids, grown.tick = list(tokens), ids, self._tick
+            seq = grown
+        self._sequences[last] = seq
+        for b in new_blocks:
+            self._holders.setdefault(b, set()).add(seq)
 
     def overwritten(self, block_ids: Iterable[int]) -> None:
         """These blocks are own blocks of a request now (a step will write them): every sequence
@@ -67,17 +82,14 @@ class CacheLedger:
             holders = self._holders.get(b)
             if not holders:
                 continue
-            for last in list(holders):
-                seq = self._sequences.get(last)
-                if seq is None:
-                    continue
-                self._remove(last)
+            for seq in list(holders):
+                self._remove(seq)
                 cut = seq.block_ids.index(b)
                 if cut and seq.block_ids[cut - 1] not in self._sequences:
-                    kept = seq.block_ids[:cut]
-                    self._sequences[kept[-1]] = Sequence(seq.cache_salt, seq.tokens, kept, seq.tick)
-                    for k in kept:
-                        self._holders.setdefault(k, set()).add(kept[-1])
+                    kept = Sequence(seq.cache_salt, seq.tokens, seq.block_ids[:cut], seq.tick)
+                    self._sequences[kept.block_ids[-1]] = kept
+                    for k in kept.block_ids:
+                        self._holders.setdefault(k, set()).add(kept)
 
     def sequences(self, max_tokens: int, max_count: int) -> list[Sequence]:
         """The sequences, most recently published first, up to ``max_tokens`` tokens and
@@ -90,11 +102,11 @@ class CacheLedger:
             out.append(seq)
         return out
 
-    def _remove(self, last: int) -> None:
-        seq = self._sequences.pop(last)
+    def _remove(self, seq: Sequence) -> None:
+        del self._sequences[seq.block_ids[-1]]
         for b in seq.block_ids:
             holders = self._holders.get(b)
             if holders is not None:
-                holders.discard(last)
+                holders.discard(seq)
                 if not holders:
                     del self._holders[b]

@@ -37,3 +37,78 @@ def test_sequences_are_bounded_most_recent_first():
     recent = ledger.sequences(10**9, max_count=3)
     assert [s.block_ids for s in recent] == [[9], [8], [7]]
     assert len(ledger.sequences(16 * 4, max_count=100)) == 4  # by tokens too
+
+
+# ------------------------------------------------------------------ against a model (hypothesis)
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+def _model_published(model: dict, salt: bytes, ids: tuple) -> None:
+    """The rule, written plainly: a sequence ending at a block the new one ends at, or that the
+    new one extends (same salt, a prefix of it), is replaced by the new one."""
+    for last, (s, blocks) in list(model.items()):
+        if last == ids[-1] or (s == salt and len(blocks) < len(ids) and ids[: len(blocks)] == blocks):
+            del model[last]
+    model[ids[-1]] = (salt, ids)
+
+
+def _model_overwritten(model: dict, b: int) -> None:
+    for last, (s, blocks) in list(model.items()):
+        if last in model and b in blocks:
+            del model[last]
+            cut = blocks.index(b)
+            if cut and blocks[cut - 1] not in model:
+                model[blocks[cut - 1]] = (s, blocks[:cut])
+
+
+# Block ids as pages really hold them: a block's content fixes its whole prefix, so sequences
+# are paths in a fixed forest (two cache salts, heap-shaped trees of 8 blocks each). An
+# overwritten block and the blocks below it never appear in a later publish (their content is
+# gone); a request publishing more of its own path is the common growth.
+_TREE = {0: None, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2, 6: 3, 7: 3}  # block -> parent; blocks 8..15 the same, salt "t"
+_PARENT = {**_TREE, **{b + 8: (None if p is None else p + 8) for b, p in _TREE.items()}}
+
+
+def _path(b: int) -> list[int]:
+    out = []
+    while b is not None:
+        out.append(b)
+        b = _PARENT[b]
+    return out[::-1]
+
+
+_ops = st.lists(st.one_of(
+    st.tuples(st.just("publish"), st.integers(0, 15), st.integers(1, 4)),
+    st.tuples(st.just("overwrite"), st.integers(0, 15)),
+), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_ops)
+def test_the_ledger_matches_a_plain_model(ops):
+    """Random publishes (new and growing sequences, shared prefixes, two salts) and overwrites:
+    the ledger keeps exactly the sequences of the plain rule, and every block's holders are
+    exactly the sequences listing it."""
+    ledger, model = CacheLedger(), {}
+    gone: set[int] = set()
+    for op in ops:
+        if op[0] == "publish":
+            _, b, upto = op
+            ids = _path(b)[:upto]
+            if gone.intersection(ids):
+                continue
+            salt = b"" if b < 8 else b"t"
+            ledger.published(salt, [1] * 16 * len(ids), ids)
+            _model_published(model, salt, tuple(ids))
+        else:
+            b = op[1]
+            ledger.overwritten([b])
+            _model_overwritten(model, b)
+            gone.update(x for x in range(16) if b in _path(x))
+        assert _as_tuples(ledger) == sorted(model.values())
+        holders = {b: {id(s) for s in seqs} for b, seqs in ledger._holders.items()}
+        expected: dict[int, set] = {}
+        for seq in ledger._sequences.values():
+            for b in seq.block_ids:
+                expected.setdefault(b, set()).add(id(seq))
+        assert holders == expected
