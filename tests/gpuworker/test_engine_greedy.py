@@ -93,11 +93,16 @@ def test_bucket_padded_batches_give_the_same_tokens(mode):
     graphs = setup.engine.graphs
     assert graphs.buckets[:3] == (1, 2, 4) and graphs.scratch_block == setup.engine.num_blocks
     scratch_before = setup.engine.target_pool.layer(0)[graphs.scratch_block].clone()
+    ran, original = [], graphs.run
+    graphs.run = lambda name, layout, inputs: (ran.append((name, layout.arrays.uniform_q, inputs)), original(name, layout, inputs))[1]
     for i, p in enumerate(ps):
         submit(setup, f"r{i}", p, max_new_tokens=MAX_NEW, k=0 if mode == "none" else 3)
     done = run_until_done(setup)
     for rid, toks in expected.items():
         assert done[rid].tokens == toks, rid
     assert graphs.eager_runs > 0, "no batch went through the padded path"
+    if mode == "eagle3":  # fills after verifies ran padded too, some with rows padded inside a request
+        fills = [(q, inputs["last"].tolist()) for name, q, inputs in ran if name == "fill"]
+        assert any(last[b] - b * q + 1 < q for q, last in fills for b in range(len(last))), fills
     # three requests pad to a bucket of 4: the scratch page was written by the padding row
     assert not torch.equal(setup.engine.target_pool.layer(0)[graphs.scratch_block], scratch_before)

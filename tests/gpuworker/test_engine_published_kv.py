@@ -63,16 +63,20 @@ class PublishWatcher:
         return n
 
 
-@pytest.mark.parametrize("chunk", list(range(1, BS + 4)))
+@pytest.mark.parametrize("chunk, graphs", [(c, "off") for c in range(1, BS + 4)] + [(2, "pad"), (5, "pad")])
 @pytest.mark.parametrize("mode", ["eagle3", "mtp2"])
-def test_published_blocks_equal_unchunked_prefill(mode, chunk):
+def test_published_blocks_equal_unchunked_prefill(mode, chunk, graphs):
+    """``graphs="pad"``: decode, verify, chain and (EAGLE-3) the fill after a verify run padded
+    to buckets and query lengths, as CUDA graphs replay them; padding rows write speculative
+    positions only, so what is published is still exactly the unchunked prefill's KV."""
     span = MODES[mode][1] if mode.startswith("mtp") else 1
     first = prompts((15,), seed=chunk)[0]
     tails = prompts((5, 3, 6), seed=100 + chunk)
     later = {f"reuse{r}": first[: r + span + 1] + tails[j] for j, r in enumerate((0, BS, 2 * BS))}
     expected = {"first": first + plain_greedy(first, 9)}
     expected.update({rid: p + plain_greedy(p, 9) for rid, p in later.items()})
-    setup = make_setup(mode, scripted=expected, chunk_size=chunk, max_batch_tokens=max(chunk, 8), max_draft_tokens=4)
+    setup = make_setup(mode, scripted=expected, chunk_size=chunk, max_batch_tokens=max(chunk, 8), max_draft_tokens=4,
+                       graphs=graphs)
     watch = PublishWatcher(setup, span)
     submit(setup, "first", first, max_new_tokens=9, k=3)
     done = run_until_done(setup, keep=["first"], on_step=watch)

@@ -121,6 +121,16 @@ class DraftRunner:
                 return {"logits": out.logits, "hidden": out.hidden}
         return run
 
+    @staticmethod
+    def fill_forward(draft: DraftModel, backend: AttentionBackend, pool: KVPool):
+        """EAGLE-3 only: ``fn(plan, ids [N], context [N, 3H], last [B]) -> {"hidden" [N, H],
+        "logits" [B, V]}``: the fill's draft layer over N = B * q rows, with logits of each
+        request's row ``last[b]`` only. The same function runs eagerly and under a graph."""
+        def run(plan, ids, context, last):
+            out = draft(ids, context, plan, backend, pool, context_is_aux=True, logits_indices=last)
+            return {"hidden": out.hidden, "logits": out.logits}
+        return run
+
     def warmup(self, plan, ids: torch.Tensor, rows: torch.Tensor) -> None:
         """One fill-shaped forward of every draft layer over ``plan`` (kernel compilation only;
         writes the plan's slots of the draft pool)."""
@@ -200,20 +210,73 @@ class DraftRunner:
 
     def _fill_eagle(self, run) -> None:
         draft: Eagle3Draft = self.draft  # type: ignore[assignment]
-        plan = self.backend.plan(self._layout(run))
-        next_ids = torch.tensor(
-            [tok for job, lo, hi, _ in run for tok in job.state.tokens[lo + 1 : hi + 1]],
-            dtype=torch.long, device=self.device,
-        )
         context = torch.cat([rows for _, _, _, rows in run])
-        drafting, last_rows = self._drafting(run)
-        out = draft(next_ids, context, plan, self.backend, self.pool, context_is_aux=True, logits_indices=last_rows)
+        q = self._uniform_fill(run)
+        if q is not None:
+            hidden, logits, last_rows, drafting = self._fill_padded(run, context, q)
+        else:
+            plan = self.backend.plan(self._layout(run))
+            next_ids = torch.tensor(
+                [tok for job, lo, hi, _ in run for tok in job.state.tokens[lo + 1 : hi + 1]],
+                dtype=torch.long, device=self.device,
+            )
+            drafting, last_rows = self._drafting(run)
+            out = draft(next_ids, context, plan, self.backend, self.pool, context_is_aux=True, logits_indices=last_rows)
+            hidden, logits = out.hidden, out.logits
         if drafting:
             states = [run[b][0].state for b in drafting]
-            tokens, probs = choose_proposals(states, out.logits)
-            hidden = out.hidden.index_select(0, last_rows)
+            tokens, probs = choose_proposals(states, logits)
+            last = hidden.index_select(0, last_rows)  # a copy: graph outputs are reused by the next replay
             for i, s in enumerate(states):
-                self._set_proposals(s, tokens[i : i + 1], [probs[i]], hidden[i])
+                self._set_proposals(s, tokens[i : i + 1], [probs[i]], last[i])
+
+    def _uniform_fill(self, run) -> int | None:
+        """The query length every job of ``run`` can be padded to, so the fill runs as one
+        captured graph (None: run it ragged and eager). Only when every job drafts now, i.e.
+        fills the rows a verify just accepted (1 .. k + 1 of them): its padding rows then write
+        draft KV at positions from T on — speculative positions, inside the capacity the verify
+        reserved, that the next chain or fill rewrites before anything reads them::
+
+            position:  lo ........ T-1 | T ...... lo+q-1
+            rows:      accepted (real) | padding (ids 0, context 0)
+        """
+        if self.graphs is None or self.mode is not SpecMode.EAGLE3:
+            return None
+        q = max(hi - lo for _, lo, hi, _ in run)
+        if not self.graphs.covers("fill", len(run), q):
+            return None
+        bs = self.backend.geometry.block_size
+        for job, lo, hi, _ in run:
+            s = job.state
+            if not (job.wanted > 0 and hi == s.target_len == s.logical_len - 1):
+                return None
+            if lo + q > min(len(s.block_table) * bs, self.draft.target_config.max_seq_len):
+                return None
+        return q
+
+    def _fill_padded(self, run, context: torch.Tensor, q: int):
+        """The fill as ``q`` rows per job (see ``_uniform_fill``): returns the layer output of
+        every row, the logits of each job's last real row, those rows and the indices of the
+        drafting jobs (all of them)."""
+        ids: list[int] = []
+        dest: list[int] = []
+        last: list[int] = []
+        for b, (job, lo, hi, _) in enumerate(run):
+            n = hi - lo
+            ids += job.state.tokens[lo + 1 : hi + 1] + [0] * (q - n)
+            dest += range(b * q, b * q + n)
+            last.append(b * q + n - 1)
+        padded = context.new_zeros((len(run) * q, context.shape[1]))
+        padded.index_copy_(0, torch.tensor(dest, dtype=torch.long, device=self.device), context)
+        layout = BatchLayout(
+            block_tables=[j.state.block_table for j, _, _, _ in run],
+            cached_lens=[lo for _, lo, _, _ in run],
+            query_lens=[q] * len(run),
+        )
+        last_rows = torch.tensor(last, dtype=torch.long, device=self.device)
+        out, _plan = self.graphs.run("fill", layout, {"ids": torch.tensor(ids, dtype=torch.long, device=self.device),
+                                                      "context": padded, "last": last_rows})
+        return out["hidden"], out["logits"], last_rows, list(range(len(run)))
 
     def _fill_mtp(self, run) -> None:
         draft: MTPDraft = self.draft  # type: ignore[assignment]

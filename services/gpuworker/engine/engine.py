@@ -31,6 +31,7 @@ from collections.abc import Iterable
 import torch
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, TandemError, Unavailable
+from services.common.spec import SpecMode
 from services.gpuworker.attention.base import AttentionBackend, AttentionKind, BatchLayout
 from services.gpuworker.engine.acceptance import accept_greedy, accept_sampled_batch
 from services.gpuworker.engine.capacity import BlockSource, blocks_for
@@ -171,7 +172,8 @@ class Engine:
 
     def _make_graphs(self, target: TargetModel, draft: DraftModel | None, draft_pool: KVPool | None) -> ForwardGraphs | None:
         """The padded/captured uniform forwards (None with ``graphs="off"``): the target over
-        decode and verify batches (q = 1 .. max_draft_tokens + 1) and the draft chain (q = 1)."""
+        decode and verify batches (q = 1 .. max_draft_tokens + 1), the draft chain (q = 1) and the
+        EAGLE-3 fill after a verify (q = 1 .. max_draft_tokens + 1)."""
         cfg = self.config
         if cfg.graphs == "off":
             return None
@@ -200,6 +202,11 @@ class Engine:
         if draft is not None:
             chain = DraftRunner.chain_forward(draft, backend, draft_pool)
             graphs.register("chain", chain, {"tokens": ((), torch.long), "hidden": ((hidden,), dtype)}, (1,))
+        if draft is not None and draft.spec_mode is SpecMode.EAGLE3:
+            # the fill after a verify: 1 .. k + 1 accepted rows per request, padded to the longest
+            fill = DraftRunner.fill_forward(draft, backend, draft_pool)
+            graphs.register("fill", fill, {"ids": ((), torch.long), "context": ((3 * hidden,), dtype),
+                                           "last": ((), torch.long)}, range(1, max_q + 1), per_request=("last", "logits"))
         return graphs
 
     @torch.inference_mode()

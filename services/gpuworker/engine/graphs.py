@@ -93,6 +93,12 @@ class ForwardGraphs:
         self.buckets = tuple(buckets)
         self.capture = capture
         self._forwards: dict[str, tuple[Forward, dict[str, tuple[tuple[int, ...], torch.dtype]], tuple[int, ...]]] = {}
+        self._per_request: dict[str, frozenset[str]] = {}  # forward -> inputs/outputs with a row per request
+        # forward -> input name -> one buffer for its largest shape; every graph of the forward
+        # reads a leading slice of it (inputs are copied in just before a replay, and only one
+        # graph replays at a time): the fill's [rows, 3H] inputs for every (bucket, q) would
+        # otherwise take hundreds of MB on an 8B model
+        self._input_buffers: dict[str, dict[str, torch.Tensor]] = {}
         self._graphs: dict[tuple, _Captured] = {}
         self._pool = None  # one memory pool shared by every graph (only one replays at a time)
         self.replays = 0
@@ -106,14 +112,17 @@ class ForwardGraphs:
         fn: Forward,
         inputs: dict[str, tuple[tuple[int, ...], torch.dtype]],
         query_lens: Iterable[int],
+        per_request: Iterable[str] = (),
     ) -> None:
         """Declare a forward: its input row shapes (without the token dimension) and dtypes, and
-        the query lengths to capture it for."""
+        the query lengths to capture it for. Inputs and outputs named in ``per_request`` have
+        one row per request instead of one per token (a row index per request, say)."""
         qs = tuple(sorted(set(query_lens)))
         bs = self.backend.geometry.block_size
         if any(q < 1 or q > bs for q in qs):
             raise InvalidArgument(f"captured query lengths must be in 1..block_size ({bs}), got {qs}")
         self._forwards[name] = (fn, inputs, qs)
+        self._per_request[name] = frozenset(per_request)
 
     def capture_all(self, progress: Callable[[str], None] | None = None) -> int:
         """Capture every registered forward for every bucket (largest first, so the shared pool is
@@ -139,8 +148,14 @@ class ForwardGraphs:
 
     def _capture(self, name, fn, specs, batch: int, q: int) -> None:
         dev = self.backend.device
-        rows = batch * q
-        inputs = {k: torch.zeros((rows, *shape), dtype=dtype, device=dev) for k, (shape, dtype) in specs.items()}
+        per_request = self._per_request[name]
+        shared = self._input_buffers.get(name)
+        if shared is None:
+            top, top_q = self.buckets[-1], max(self._forwards[name][2])
+            shared = self._input_buffers[name] = {
+                k: torch.zeros((top if k in per_request else top * top_q, *shape), dtype=dtype, device=dev)
+                for k, (shape, dtype) in specs.items()}
+        inputs = {k: shared[k][: batch if k in per_request else batch * q] for k in specs}
         plan = self.backend.plan(self._scratch_layout(batch, q), self._kind(q))
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -175,27 +190,32 @@ class ForwardGraphs:
 
     def run(self, name: str, layout: BatchLayout, inputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], AttentionPlan]:
         """Run forward ``name`` over ``layout`` (uniform query length q, covered shape). Returns
-        the outputs' first ``B * q`` rows and the plan of the padded layout."""
+        the outputs' first ``B * q`` rows (``B`` for per-request outputs) and the plan of the
+        padded layout."""
         fn, _specs, _qs = self._forwards[name]
         q = layout.arrays.uniform_q
         batch = layout.batch_size
         padded_batch = self.bucket(batch)
         if q is None or padded_batch is None or not self.covers(name, batch, q):
             raise InvalidArgument(f"{name}: shape (batch {batch}, q {q}) is not covered by the graphs")
-        rows = batch * q
+        per_request = self._per_request[name]
+
+        def rows(k: str, n: int) -> int:  # rows of input/output k for n requests
+            return n if k in per_request else n * q
+
         padded = self._pad(layout, padded_batch, q)
         plan = self.backend.plan(padded, self._kind(q))
         captured = self._graphs.get((name, padded_batch, q))
         if captured is None:  # padding without a graph: the same layouts, run eagerly
             self.eager_runs += 1
-            full = {k: _pad_rows(v, padded_batch * q) for k, v in inputs.items()}
+            full = {k: _pad_rows(v, rows(k, padded_batch)) for k, v in inputs.items()}
             out = fn(plan, **full)
-            return {k: v[:rows] for k, v in out.items()}, plan
+            return {k: v[: rows(k, batch)] for k, v in out.items()}, plan
         for k, v in inputs.items():
-            captured.inputs[k][:rows].copy_(v)
+            captured.inputs[k][: rows(k, batch)].copy_(v)
         captured.graph.replay()
         self.replays += 1
-        return {k: v[:rows] for k, v in captured.outputs.items()}, plan
+        return {k: v[: rows(k, batch)] for k, v in captured.outputs.items()}, plan
 
     def _pad(self, layout: BatchLayout, padded_batch: int, q: int) -> BatchLayout:
         extra = padded_batch - layout.batch_size
