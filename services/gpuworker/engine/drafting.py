@@ -193,7 +193,7 @@ class DraftRunner:
 
     def _layout(self, run) -> BatchLayout:
         return BatchLayout(
-            block_tables=[list(j.state.block_table) for j, _, _, _ in run],
+            block_tables=[j.state.table_array() for j, _, _, _ in run],
             cached_lens=[lo for _, lo, _, _ in run],
             query_lens=[hi - lo for _, lo, hi, _ in run],
         )
@@ -269,7 +269,7 @@ class DraftRunner:
         padded = context.new_zeros((len(run) * q, context.shape[1]))
         padded.index_copy_(0, torch.tensor(dest, dtype=torch.long, device=self.device), context)
         layout = BatchLayout(
-            block_tables=[j.state.block_table for j, _, _, _ in run],
+            block_tables=[j.state.table_array() for j, _, _, _ in run],
             cached_lens=[lo for _, lo, _, _ in run],
             query_lens=[q] * len(run),
         )
@@ -346,7 +346,7 @@ class DraftRunner:
         for j in range(max(need)):
             step_states = [todo[i] for i in active]
             layout = BatchLayout(
-                block_tables=[list(s.block_table) for s in step_states],
+                block_tables=[s.table_array() for s in step_states],
                 cached_lens=[base[i] + j for i in active],
                 query_lens=[1] * len(active),
             )

@@ -579,7 +579,7 @@ class Engine:
             row += w.num_target_tokens
         input_ids = torch.cat(ids) if len(ids) > 1 else ids[0]
         layout = BatchLayout(
-            block_tables=[w.state.block_table for w in work],
+            block_tables=[w.state.table_array() for w in work],
             cached_lens=[w.state.target_len for w in work],
             query_lens=[w.num_target_tokens for w in work],
         )

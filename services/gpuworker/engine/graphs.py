@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from services.common.errors import InvalidArgument
@@ -222,8 +223,9 @@ class ForwardGraphs:
         if not extra:
             return layout
         a = layout.arrays
+        scratch = np.array([self.scratch_block], dtype=np.int64)  # arrays beside arrays: one C-level pass
         return BatchLayout(
-            block_tables=[list(t) for t in layout.block_tables] + [[self.scratch_block]] * extra,
+            block_tables=[np.asarray(t, dtype=np.int64) for t in layout.block_tables] + [scratch] * extra,
             cached_lens=[int(c) for c in a.cached] + [0] * extra,
             query_lens=[q] * (layout.batch_size + extra),
         )

@@ -27,6 +27,7 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from services.gpuworker.engine.sampling import GREEDY, SamplingParams
@@ -128,6 +129,18 @@ class RequestState:
     decode_steps: int = 0
     accepted_drafts_total: int = 0
     proposed_drafts_total: int = 0
+    _table_cache: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def table_array(self) -> np.ndarray:
+        """``block_table`` as an int64 array, converted once per table instead of once per
+        forward (a speculative step lays out four forwards over the same tables). Tables are
+        replaced, never changed in place, so the list's identity keys the cache."""
+        cached = self._table_cache
+        if cached is None or cached[0] is not self.block_table:
+            array = np.asarray(self.block_table, dtype=np.int64)
+            array.flags.writeable = False  # shared by every layout of the step
+            cached = self._table_cache = (self.block_table, array)
+        return cached[1]
 
     @property
     def request_id(self) -> str:
