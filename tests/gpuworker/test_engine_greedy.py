@@ -106,3 +106,37 @@ def test_bucket_padded_batches_give_the_same_tokens(mode):
         assert any(last[b] - b * q + 1 < q for q, last in fills for b in range(len(last))), fills
     # three requests pad to a bucket of 4: the scratch page was written by the padding row
     assert not torch.equal(setup.engine.target_pool.layer(0)[graphs.scratch_block], scratch_before)
+
+
+@pytest.mark.parametrize("mode", ["none", "eagle3"])
+def test_prompt_chunks_beside_padded_decodes_give_the_same_tokens(mode):
+    """Requests that arrive while others decode (a served worker's usual step): the decode and
+    verify rows run padded, as their graphs replay them, and the prompt chunks as an eager
+    forward beside them in the same step (EAGLE-3: the fill likewise); tokens equal plain
+    greedy decoding."""
+    ps = prompts((5, 13, 22, 9), seed=7)
+    expected = {f"r{i}": plain_greedy(p, MAX_NEW) for i, p in enumerate(ps)}
+    scripted = {f"r{i}": p + expected[f"r{i}"] for i, p in enumerate(ps)} if mode != "none" else None
+    setup = make_setup(mode, scripted=scripted, chunk_size=8, max_batch_tokens=64, graphs="pad")
+    engine, k = setup.engine, 0 if mode == "none" else 3
+    events: list[str] = []
+    graph_run, eager = engine.graphs.run, engine._eager_target
+    engine.graphs.run = lambda name, layout, inputs: (events.append(name), graph_run(name, layout, inputs))[1]
+    engine._eager_target = lambda *a: (events.append("eager target"), eager(*a))[1]
+    steps = []
+
+    def arrive(report) -> None:  # one new request every other step, while the others decode
+        steps.append(list(events))
+        events.clear()
+        i = len(steps) // 2
+        if len(steps) % 2 == 0 and i < len(ps):
+            submit(setup, f"r{i}", ps[i], max_new_tokens=MAX_NEW, k=k)
+
+    submit(setup, "r0", ps[0], max_new_tokens=MAX_NEW, k=k)
+    done = run_until_done(setup, on_step=arrive)
+    for rid, toks in expected.items():
+        assert done[rid].tokens == toks, rid
+    mixed = [s for s in steps if "target" in s and "eager target" in s]
+    assert mixed, steps  # decodes replayed (padded) beside an eager prompt chunk in one step
+    if mode == "eagle3":
+        assert any("fill" in s for s in mixed), mixed

@@ -210,54 +210,63 @@ class DraftRunner:
 
     def _fill_eagle(self, run) -> None:
         draft: Eagle3Draft = self.draft  # type: ignore[assignment]
-        context = torch.cat([rows for _, _, _, rows in run])
-        q = self._uniform_fill(run)
-        if q is not None:
-            hidden, logits, last_rows, drafting = self._fill_padded(run, context, q)
-        else:
-            plan = self.backend.plan(self._layout(run))
+        padded, ragged, q = self._split_fill(run)
+        parts = []
+        if padded:
+            parts.append((padded, *self._fill_padded(padded, q)))
+        if ragged:
+            plan = self.backend.plan(self._layout(ragged))
             next_ids = torch.tensor(
-                [tok for job, lo, hi, _ in run for tok in job.state.tokens[lo + 1 : hi + 1]],
+                [tok for job, lo, hi, _ in ragged for tok in job.state.tokens[lo + 1 : hi + 1]],
                 dtype=torch.long, device=self.device,
             )
-            drafting, last_rows = self._drafting(run)
+            context = torch.cat([rows for _, _, _, rows in ragged])
+            drafting, last_rows = self._drafting(ragged)
             out = draft(next_ids, context, plan, self.backend, self.pool, context_is_aux=True, logits_indices=last_rows)
-            hidden, logits = out.hidden, out.logits
-        if drafting:
-            states = [run[b][0].state for b in drafting]
+            parts.append((ragged, out.hidden, out.logits, last_rows, drafting))
+        for jobs, hidden, logits, last_rows, drafting in parts:
+            if not drafting:
+                continue
+            states = [jobs[b][0].state for b in drafting]
             tokens, probs = choose_proposals(states, logits)
             last = hidden.index_select(0, last_rows)  # a copy: graph outputs are reused by the next replay
             for i, s in enumerate(states):
                 self._set_proposals(s, tokens[i : i + 1], [probs[i]], last[i])
 
-    def _uniform_fill(self, run) -> int | None:
-        """The query length every job of ``run`` can be padded to, so the fill runs as one
-        captured graph (None: run it ragged and eager). Only when every job drafts now, i.e.
-        fills the rows a verify just accepted (1 .. k + 1 of them): its padding rows then write
-        draft KV at positions from T on — speculative positions, inside the capacity the verify
-        reserved, that the next chain or fill rewrites before anything reads them::
+    def _split_fill(self, run) -> tuple[list, list, int]:
+        """``(padded, ragged, q)``: the jobs whose fill runs as one captured graph of ``q`` rows a
+        job, and the rest (eager and ragged: prompt chunks, plain decoding, ...). A job is padded
+        when it drafts now, i.e. fills the rows a verify just accepted (1 .. k + 1 of them): its
+        padding rows then write draft KV at positions from T on — speculative positions, inside
+        the capacity the verify reserved, that the next chain or fill rewrites before anything
+        reads them::
 
             position:  lo ........ T-1 | T ...... lo+q-1
             rows:      accepted (real) | padding (ids 0, context 0)
         """
         if self.graphs is None or self.mode is not SpecMode.EAGLE3:
-            return None
-        q = max(hi - lo for _, lo, hi, _ in run)
-        if not self.graphs.covers("fill", len(run), q):
-            return None
-        bs = self.backend.geometry.block_size
-        for job, lo, hi, _ in run:
+            return [], run, 0
+        padded, ragged = [], []
+        for item in run:
+            job, lo, hi, _ = item
             s = job.state
-            if not (job.wanted > 0 and hi == s.target_len == s.logical_len - 1):
-                return None
-            if lo + q > min(len(s.block_table) * bs, self.draft.target_config.max_seq_len):
-                return None
-        return q
+            drafting = job.wanted > 0 and hi == s.target_len == s.logical_len - 1
+            (padded if drafting else ragged).append(item)
+        if not padded:
+            return [], run, 0
+        q = max(hi - lo for _, lo, hi, _ in padded)
+        limit = self.draft.target_config.max_seq_len
+        bs = self.backend.geometry.block_size
+        fits = all(lo + q <= min(len(j.state.block_table) * bs, limit) for j, lo, _, _ in padded)
+        if not fits or not self.graphs.covers("fill", len(padded), q):
+            return [], run, 0
+        return padded, ragged, q
 
-    def _fill_padded(self, run, context: torch.Tensor, q: int):
-        """The fill as ``q`` rows per job (see ``_uniform_fill``): returns the layer output of
-        every row, the logits of each job's last real row, those rows and the indices of the
-        drafting jobs (all of them)."""
+    def _fill_padded(self, run, q: int):
+        """The fill of ``run`` as ``q`` rows per job (see ``_split_fill``): returns the layer
+        output of every row, the logits of each job's last real row, those rows and the indices
+        of the drafting jobs (all of them)."""
+        context = torch.cat([rows for _, _, _, rows in run])
         ids: list[int] = []
         dest: list[int] = []
         last: list[int] = []

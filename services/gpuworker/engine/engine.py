@@ -554,9 +554,10 @@ class Engine:
     # -- B + C. target forward and acceptance ----------------------------------------------------
 
     def _run_target(self, work: list[ScheduledWork]):
-        """B: one target forward over every scheduled request (request-major). Returns the logits,
-        the draft conditioning rows (aux / final hidden, all T rows) and, per request that gets
-        logits, ``(first logits row, count)``."""
+        """B: the target over every scheduled request (request-major rows; a graph for the decode
+        and verify rows, an eager forward for prompt chunks). Returns the logits, the draft
+        conditioning rows (aux / final hidden, all T rows) and, per request that gets logits,
+        ``(first logits row, count)``."""
         dev = self.device
         ids: list[torch.Tensor] = []
         logit_rows: list[int] = []
@@ -578,23 +579,26 @@ class Engine:
             self._ledger[s.request_id].written.append((s.target_len, s.target_len + w.num_target_tokens))
             row += w.num_target_tokens
         input_ids = torch.cat(ids) if len(ids) > 1 else ids[0]
-        layout = BatchLayout(
-            block_tables=[w.state.table_array() for w in work],
-            cached_lens=[w.state.target_len for w in work],
-            query_lens=[w.num_target_tokens for w in work],
-        )
-        q = layout.arrays.uniform_q
-        decoding = not any(w.is_prefill for w in work)
         aux = self.drafter.target_aux_layers if self.drafter is not None else ()
-        if decoding and q is not None and self.graphs is not None and self.graphs.covers("target", len(work), q):
-            # every row gets logits in a decode/verify batch: no row selection needed
-            rows, _plan = self.graphs.run("target", layout, {"ids": input_ids})
+        # the scheduler puts decoding requests first: [0, n_dec) decode or verify, the rest prefill
+        n_dec = next((i for i, w in enumerate(work) if w.is_prefill), len(work))
+        decode_layout = self._layout(work[:n_dec]) if n_dec and self.graphs is not None else None
+        q = decode_layout.arrays.uniform_q if decode_layout is not None else None
+        if q is not None and self.graphs is not None and self.graphs.covers("target", n_dec, q):
+            # Decode/verify rows replay a graph (every row gets logits); prompt chunks beside them
+            # run eagerly as a second forward, launched while the device runs the graph. With
+            # requests arriving one by one nearly every step has a prompt chunk: one eager
+            # forward over the whole batch was what made a served step slower than the engine's.
+            decode_rows = n_dec * q
+            rows, _plan = self.graphs.run("target", decode_layout, {"ids": input_ids[:decode_rows]})
             logits, hidden, aux_hidden = rows["logits"], rows["hidden"], rows.get("aux")
+            if n_dec < len(work):
+                out = self._eager_target(work[n_dec:], input_ids[decode_rows:], aux,
+                                         [r - decode_rows for r in logit_rows if r >= decode_rows])
+                logits, hidden = torch.cat([logits, out.logits]), torch.cat([hidden, out.hidden])
+                aux_hidden = torch.cat([aux_hidden, out.aux_hidden]) if aux_hidden is not None else None
         else:
-            kind = AttentionKind.VERIFY if decoding and q is not None and q > 1 else None
-            plan = self.backend.plan(layout, kind)
-            out = self.target(input_ids, plan, self.backend, self.target_pool, aux_layers=aux,
-                              logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=dev))
+            out = self._eager_target(work, input_ids, aux, logit_rows)
             logits, hidden, aux_hidden = out.logits, out.hidden, out.aux_hidden
         cond = None
         if self.drafter is not None:
@@ -610,6 +614,25 @@ class Engine:
                 picks[s.request_id] = (cursor, 1 + w.num_drafts)
                 cursor += 1 + w.num_drafts
         return logits, cond, picks
+
+    @staticmethod
+    def _layout(work: list[ScheduledWork]) -> BatchLayout:
+        return BatchLayout(
+            block_tables=[w.state.table_array() for w in work],
+            cached_lens=[w.state.target_len for w in work],
+            query_lens=[w.num_target_tokens for w in work],
+        )
+
+    def _eager_target(self, work: list[ScheduledWork], input_ids: torch.Tensor, aux, logit_rows: list[int]):
+        """The target over ``work`` without a graph (prompt chunks, ragged or uncovered batches),
+        logits of ``logit_rows`` only."""
+        layout = self._layout(work)
+        q = layout.arrays.uniform_q
+        decoding = not any(w.is_prefill for w in work)
+        kind = AttentionKind.VERIFY if decoding and q is not None and q > 1 else None
+        plan = self.backend.plan(layout, kind)
+        return self.target(input_ids, plan, self.backend, self.target_pool, aux_layers=aux,
+                           logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=self.device))
 
     def _accept(self, work: list[ScheduledWork], logits, cond, picks) -> list[FillJob]:
         """C: first tokens after prompts and verification of drafts (one host sync for every
