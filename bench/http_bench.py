@@ -1,22 +1,29 @@
 """HTTP (OpenAI-compatible) front vs gRPC front of the same router, on the same run (issue 12).
 
 One suite as processes (kvstore, one tiny-model worker on the torch backend, the router serving
-gRPC and ``--http-port``). Both fronts get the same requests: prompts of ``--prompt-len`` random
-printable bytes, unique per request (no prefix reuse, so neither front profits from the other's
-cache), greedy, ``--max-tokens`` tokens each, streamed. Per concurrency level, rounds of
-``concurrency`` simultaneous requests alternate between the fronts in ABBA order, so drifting load
-from other processes hits both alike. Measured from the client:
+gRPC and ``--http-port``, with ``--front-trace``). Every series gets the same kind of request, the
+same token ids (OpenAI completions take a prompt as a list of ints, as gRPC's ``token_ids``):
+``--prompt-len`` random printable bytes, unique per request (no prefix reuse), greedy,
+``--max-tokens`` tokens, streamed. Three series: gRPC (``grpc.aio``); HTTP with ``httpx2``/``httpx``
+(what the ``openai`` package uses underneath) reading the SSE lines; HTTP with a minimal client
+(``RawHttp``: one write per request, the chunked answer parsed off the socket), which tells the
+front's cost from a Python HTTP library's. Per concurrency level, rounds of ``concurrency``
+simultaneous requests cycle through the series in all six orders, so drifting load hits each alike.
 
 * TTFT: request sent → first streamed message carrying a token (gRPC: the first GenerateResponse;
   HTTP: the first SSE ``data:`` event, which the router sends with the first token);
-* tokens/s: completion tokens / wall time of that front's rounds.
-
-The HTTP client is ``httpx2``/``httpx`` (what the ``openai`` package uses underneath) reading the SSE lines;
-the gRPC client ``grpc.aio``; both in this process, one event loop.
+* tokens/s: completion tokens / wall time of that series' rounds;
+* stages, from the router's front trace and the client's times on one monotonic clock: client →
+  front (client library, kernel, server parsing), front → dispatch (body, validation, job),
+  dispatch → first event (dispatcher and worker: the same work for every series), first event →
+  write (the front's first answer bytes), write → client;
+* front overhead: TTFT less dispatch → first event, per request. It leaves the worker's prefill
+  out, so its p50 resolves a fraction of a ms where TTFT's own p50 cannot; Δs come with a 95 %
+  bootstrap interval.
 
     python bench/http_bench.py                                    # ~2-3 min on 2 busy cores
     python bench/http_bench.py --quick                            # smoke (~30 s)
-    python bench/http_bench.py --json http.json --plot docs/img/http_bench.png
+    python bench/http_bench.py --requests 200 --concurrency 1 16 --prompt-len 32 --json http.json --plot docs/img/http_bench.png
 """
 
 from __future__ import annotations
