@@ -168,8 +168,7 @@ class OpenAIFront:
             raise ModelNotFound(asked)
 
     @staticmethod
-    async def _body(receive, schema):
-        raw = await _read_body(receive)
+    def _parse(raw: bytes, schema):
         try:
             body = json.loads(raw)
         except ValueError:
@@ -207,25 +206,27 @@ class OpenAIFront:
         ), seed=req.seed)
 
     async def _generation(self, scope, receive, send, run) -> None:
-        """Serve one generation request: ``run(receive, send, track)`` reads it, registers its
-        disconnect watch and answers. A typed error before the answer started becomes OpenAI's
-        JSON error with its HTTP status; every outcome is counted in the router's metrics (a
-        stream counts its own)."""
+        """Serve one generation request: read its body, watch for a hang-up from then on, and
+        ``run(body, send, track)``. A typed error before the answer started becomes OpenAI's JSON
+        error with its HTTP status; every outcome is counted in the router's metrics (a stream
+        counts its own)."""
         track = _Track(self.metrics)
-        watch: list[_Watch] = []  # run() starts it once the body is read
+        watch: _Watch | None = None
         started = False
 
-        async def sending(message) -> None:
+        async def reply(message) -> None:
             nonlocal started
             started = True
-            if message["type"] == "http.response.body" and not message.get("more_body", False) and watch:
-                watch[0].finished = True  # uvicorn's receive() says "disconnect" once the answer is sent
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                watch.finished = True  # uvicorn's receive() says "disconnect" once the answer is complete
             await send(message)
 
         try:
-            await run(receive, sending, track, watch)
+            body = await _read_body(receive)
+            watch = _Watch(receive)
+            await run(body, reply, track)
         except asyncio.CancelledError:
-            if not (watch and watch[0].gone):
+            if watch is None or not watch.gone:
                 raise
             asyncio.current_task().uncancel()  # our hang-up, not the server's: nothing to answer
             track.end("CANCELLED")
@@ -241,8 +242,8 @@ class OpenAIFront:
             if not started:
                 await _send_json(send, *http_error(exc))
         finally:
-            if watch:
-                watch[0].stop()
+            if watch is not None:
+                watch.stop()
 
     # -------------------------------------------------------------------------------- routes
     async def health(self, request: Request) -> Response:
@@ -262,29 +263,27 @@ class OpenAIFront:
         return _json(200, {"object": "list", "data": data})
 
     async def completions(self, scope, receive, send) -> None:
-        async def run(receive, send, track, watch):
+        async def run(body: bytes, send, track):
             tenant = self._tenant(scope)
-            req: CompletionRequest = await self._body(receive, CompletionRequest)
+            req: CompletionRequest = self._parse(body, CompletionRequest)
             tokenizer, limits, model = self._bound()
             self._check_model(req.model, model)
             text, ids = req.single_prompt()
             jobs = self._jobs(req, limits, tokenizer, text=text, token_ids=ids, max_tokens=req.max_tokens or 16)
-            watch.append(_Watch(receive))
             await self._respond(scope, send, req, jobs, tenant, model, track, chat=False, tokenizer=tokenizer)
 
         await self._generation(scope, receive, send, run)
 
     async def chat_completions(self, scope, receive, send) -> None:
-        async def run(receive, send, track, watch):
+        async def run(body: bytes, send, track):
             tenant = self._tenant(scope)
-            req: ChatCompletionRequest = await self._body(receive, ChatCompletionRequest)
+            req: ChatCompletionRequest = self._parse(body, ChatCompletionRequest)
             tokenizer, limits, model = self._bound()
             self._check_model(req.model, model)
             messages = normalize_messages([m.model_dump() for m in req.messages])
             ids = self._template(model).encode(messages, tokenizer, add_generation_prompt=req.add_generation_prompt)
             max_tokens = req.token_limit() or limits.max_new_tokens
             jobs = self._jobs(req, limits, tokenizer, token_ids=ids, max_tokens=max_tokens)
-            watch.append(_Watch(receive))
             await self._respond(scope, send, req, jobs, tenant, model, track, chat=True, tokenizer=tokenizer)
 
         await self._generation(scope, receive, send, run)
