@@ -227,9 +227,8 @@ class OpenAIFront:
             await run(body, reply, track)
         except asyncio.CancelledError:
             if watch is None or not watch.gone:
-                raise
-            asyncio.current_task().uncancel()  # our hang-up, not the server's: nothing to answer
-            track.end("CANCELLED")
+                raise  # the server's (shutdown), not our hang-up
+            track.end("CANCELLED")  # nothing to answer: nobody listens
         except ClientGone:
             track.end("CANCELLED")
         except TandemError as exc:
@@ -244,6 +243,8 @@ class OpenAIFront:
         finally:
             if watch is not None:
                 watch.stop()
+                if watch.gone:  # our cancellation is handled (also if the dispatcher turned it into an error)
+                    asyncio.current_task().uncancel()
 
     # -------------------------------------------------------------------------------- routes
     async def health(self, request: Request) -> Response:
