@@ -272,6 +272,44 @@ def test_http_generations_count_in_the_router_metrics(suite):
     assert suite.wait_no_live_reservations().live_reservations == 0
 
 
+def test_client_that_hangs_up_before_its_first_token_cancels_the_wait(suite):
+    """No worker yet (the router knows its model): a streamed request waits for one to register.
+    Hanging up then cancels the wait at once (CANCELLED, before the 30 s wait would end), and the
+    worker that registers afterwards never sees the request."""
+    from types import SimpleNamespace
+
+    from test_metrics import scrape, value
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from services.router.server import start_router
+    from services.router.settings import RouterSettings
+
+    settings = RouterSettings(host="127.0.0.1", port=0, kvstore=suite.kv.address, grace_s=0.0, registry_ttl_s=0.0,
+                              http_port=0, metrics_port=port, model="tiny", kvstore_outage_wait_s=30.0)
+    # not add_router: it waits until a worker is registered
+    suite.router = suite.start_service(lambda: start_router(settings, tracer_provider=suite.tracer_provider))
+    body = {"model": MODEL, "prompt": "waiting", "max_tokens": 4, "temperature": 0, "stream": True}
+    sock = _send_raw(suite.router.payload.http_url, body, "any")
+    samples = scrape(SimpleNamespace(port=port))
+    while value(samples, "tandem_router_in_flight_requests") == 0:
+        time.sleep(0.01)
+        samples = scrape(SimpleNamespace(port=port))
+    time.sleep(0.2)  # waiting for a worker
+    sock.close()
+    deadline = time.monotonic() + 10.0
+    while value(samples, "tandem_router_requests_total", outcome="CANCELLED") == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        samples = scrape(SimpleNamespace(port=port))
+    assert value(samples, "tandem_router_requests_total", outcome="CANCELLED") == 1
+    assert value(samples, "tandem_router_in_flight_requests") == 0
+    suite.add_worker("w0")
+    api = client(suite)
+    api.completions.create(model=MODEL, prompt="after", max_tokens=2, temperature=0)  # the worker serves
+    assert suite.stats().reservations_created == 1  # that one only
+
+
 def test_front_trace_stamps_each_request_of_both_fronts_in_order(suite, tmp_path):
     """``--front-trace``: one line per generation of either front, keyed by its prompt's token ids,
     with entry <= dispatch <= first event <= first write; a request refused before dispatch has none."""
