@@ -31,6 +31,7 @@ from services.common.telemetry import ServerTracingInterceptor
 from services.common.tokenizer import Tokenizer, load_tokenizer
 from services.router.directory import WorkerDirectory
 from services.router.dispatcher import DispatchConfig, Dispatcher
+from services.router.front_trace import FrontTrace
 from services.router.jobs import RequestLimits
 from services.router.metrics import RouterMetrics
 from services.router.model_binding import AUTO, ModelBinding
@@ -145,7 +146,9 @@ async def start_router(
         rng=random.Random(settings.policy_seed),
         tracer_provider=tracer_provider,
     )
-    servicer = RouterServicer(dispatcher, tenants, tokenizer, request_limits(settings, tokenizer) if tokenizer else None)
+    front_trace = FrontTrace(settings.front_trace) if settings.front_trace else None
+    servicer = RouterServicer(dispatcher, tenants, tokenizer, request_limits(settings, tokenizer) if tokenizer else None,
+                              trace=front_trace)
 
     def bind(learned: Tokenizer) -> None:
         servicer.tokenizer, servicer.limits = learned, request_limits(settings, learned)
@@ -177,6 +180,8 @@ async def start_router(
         metrics.ready = lambda: server.serving  # /ready follows gRPC health
         metrics.serve(settings.host, settings.metrics_port)  # a taken port fails before gRPC binds
         server.on_stop(metrics.stop)
+    if front_trace is not None:
+        server.on_stop(front_trace.close)
     await server.start()
     if http is not None:
         await http.start()
@@ -193,7 +198,8 @@ def _http_front(settings: RouterSettings, router: Router, metrics: RouterMetrics
 
     servicer = router.servicer
     front = OpenAIFront(router.dispatcher, router.tenants,
-                        lambda: (servicer.tokenizer, servicer.limits, router.model.model), metrics=metrics)
+                        lambda: (servicer.tokenizer, servicer.limits, router.model.model), metrics=metrics,
+                        trace=servicer.trace)
     return HttpFront(front.app(), bind(settings.host, settings.http_port), grace_s=settings.grace_s)
 
 

@@ -16,6 +16,7 @@ from services.common.errors import InvalidArgument, Unavailable
 from services.common.tokenizer import Tokenizer
 from services.common.wire import FINISH_REASONS, logprobs_to_proto, tokens_from_proto
 from services.router.dispatcher import Completion, Dispatcher
+from services.router.front_trace import FrontTrace, prompt_key
 from services.router.jobs import RequestLimits, build_job, sample_jobs
 from services.router.samples import first_events, merged
 from services.router.tenants import Tenant, TenantRegistry
@@ -35,9 +36,11 @@ def _deadline(context, now: float) -> float | None:
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Thin adapter over one :class:`Dispatcher`."""
 
-    def __init__(self, dispatcher: Dispatcher, tenants: TenantRegistry, tokenizer: Tokenizer | None, limits: RequestLimits | None):
+    def __init__(self, dispatcher: Dispatcher, tenants: TenantRegistry, tokenizer: Tokenizer | None, limits: RequestLimits | None,
+                 *, trace: FrontTrace | None = None):
         # tokenizer and limits are None until ``--model auto`` learned the model from a worker
         self.dispatcher = dispatcher
+        self.trace = trace  # debug: per-request timestamps (front_trace); None = off
         self.tenants = tenants
         self.tokenizer = tokenizer
         self.limits = limits
@@ -51,6 +54,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         arrival = time.monotonic()
+        stamps = self.trace.start("grpc") if self.trace is not None else None
         tenant = self._tenant()
         which = request.WhichOneof("prompt")
         if which is None:
@@ -80,16 +84,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             tokenizer=self.tokenizer,
         ), seed=request.seed if request.HasField("seed") else None, request_id=request.request_id)
         deadline = _deadline(context, arrival)
+        if stamps is not None:
+            stamps.key = prompt_key(jobs[0].prompt)
+            stamps.mark("dispatch")
         streams = [self.dispatcher.generate(job, tenant, deadline=deadline, arrival=arrival) for job in jobs]
         if len(streams) == 1:
             events = ((0, e) async for e in streams[0])  # errors before the first token stay gRPC errors anyway
         else:
             events = merged(await first_events(streams), streams)
         async for index, event in events:
+            if stamps is not None:
+                stamps.mark("first_event")
             logprobs = logprobs_to_proto(event.logprobs)
             if isinstance(event, Completion):
                 u = event.usage
-                yield pb.GenerateResponse(
+                response = pb.GenerateResponse(
                     text=event.text,
                     token_ids=event.token_ids,
                     logprobs=logprobs,
@@ -106,7 +115,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     finish_reason=_FINISH_ENUM[u.finish_reason],
                 )
             else:
-                yield pb.GenerateResponse(text=event.text, token_ids=event.token_ids, logprobs=logprobs, index=index)
+                response = pb.GenerateResponse(text=event.text, token_ids=event.token_ids, logprobs=logprobs, index=index)
+            if stamps is not None:
+                stamps.mark("first_write")
+            yield response
 
     async def ListWorkers(self, request, context):
         self._tenant()  # same authentication as Generate

@@ -21,6 +21,7 @@ class RouterSettings(TandemSettings):
     model_id: str = Field("", description="only route to workers registered with this model fingerprint ('' = any)")
     max_concurrent_rpcs: int = Field(1024, ge=1, description="RPCs handled at once; more are refused")
     http_port: int | None = Field(None, ge=0, le=65535, description="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on host:this port (unset = off, 0 = any free port)")
+    front_trace: str = Field("", description="debug: append each request's front timestamps (receive, dispatch, first token, first write; JSON lines, see services/router/front_trace.py) to this file ('' = off)")
 
     # --- request limits
     max_new_tokens: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")

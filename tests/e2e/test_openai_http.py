@@ -255,6 +255,86 @@ def test_http_generations_count_in_the_router_metrics(suite):
     assert value(samples, "tandem_router_requests_total", outcome="INVALID_ARGUMENT") == 1
     assert value(samples, "tandem_router_in_flight_requests") == 0
     assert value(samples, "tandem_router_completion_tokens_total") == 8
+    # a client that hangs up mid-stream, and one that hangs up on a whole answer: CANCELLED, none left in flight
+    body = {"model": MODEL, "prompt": LONG_PREFIX, "max_tokens": 1500, "temperature": 0}
+    _raw_stream_then_drop(suite.router.payload.http_url, body | {"stream": True}, "any", events=2)
+    sock = _send_raw(suite.router.payload.http_url, body, "any")
+    while suite.stats().live_reservations == 0:
+        time.sleep(0.01)
+    sock.close()
+    deadline = time.monotonic() + TIMEOUT
+    while value(samples, "tandem_router_requests_total", outcome="CANCELLED") < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        samples = scrape(SimpleNamespace(port=port))
+    assert value(samples, "tandem_router_requests_total", outcome="CANCELLED") == 2
+    assert value(samples, "tandem_router_requests_total", outcome="OK") == 2
+    assert value(samples, "tandem_router_in_flight_requests") == 0
+    assert suite.wait_no_live_reservations().live_reservations == 0
+
+
+def test_client_that_hangs_up_before_its_first_token_cancels_the_wait(suite):
+    """No worker yet (the router knows its model): a streamed request waits for one to register.
+    Hanging up then cancels the wait at once (CANCELLED, before the 30 s wait would end), and the
+    worker that registers afterwards never sees the request."""
+    from types import SimpleNamespace
+
+    from test_metrics import scrape, value
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from services.router.server import start_router
+    from services.router.settings import RouterSettings
+
+    settings = RouterSettings(host="127.0.0.1", port=0, kvstore=suite.kv.address, grace_s=0.0, registry_ttl_s=0.0,
+                              http_port=0, metrics_port=port, model="tiny", kvstore_outage_wait_s=30.0)
+    # not add_router: it waits until a worker is registered
+    suite.router = suite.start_service(lambda: start_router(settings, tracer_provider=suite.tracer_provider))
+    body = {"model": MODEL, "prompt": "waiting", "max_tokens": 4, "temperature": 0, "stream": True}
+    sock = _send_raw(suite.router.payload.http_url, body, "any")
+    samples = scrape(SimpleNamespace(port=port))
+    while value(samples, "tandem_router_in_flight_requests") == 0:
+        time.sleep(0.01)
+        samples = scrape(SimpleNamespace(port=port))
+    time.sleep(0.2)  # waiting for a worker
+    sock.close()
+    deadline = time.monotonic() + 10.0
+    while value(samples, "tandem_router_requests_total", outcome="CANCELLED") == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        samples = scrape(SimpleNamespace(port=port))
+    assert value(samples, "tandem_router_requests_total", outcome="CANCELLED") == 1
+    assert value(samples, "tandem_router_in_flight_requests") == 0
+    suite.add_worker("w0")
+    api = client(suite)
+    api.completions.create(model=MODEL, prompt="after", max_tokens=2, temperature=0)  # the worker serves
+    assert suite.stats().reservations_created == 1  # that one only
+
+
+def test_front_trace_stamps_each_request_of_both_fronts_in_order(suite, tmp_path):
+    """``--front-trace``: one line per generation of either front, keyed by its prompt's token ids,
+    with entry <= dispatch <= first event <= first write; a request refused before dispatch has none."""
+    from services.common.wire import tokens_to_proto
+    from services.router.front_trace import STAMPS, prompt_key, read_trace
+
+    path = tmp_path / "trace.jsonl"
+    suite.add_worker("w0")
+    suite.add_router(http_port=0, front_trace=str(path))
+    api = client(suite)
+    ids = [[65 + i, 66, 67, 68, 69, 70] for i in range(3)]
+    suite.generate(token_ids=tokens_to_proto(ids[0]), max_new_tokens=3)
+    list(api.completions.create(model=MODEL, prompt=ids[1], max_tokens=3, temperature=0, stream=True))
+    api.completions.create(model=MODEL, prompt=ids[2], max_tokens=3, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(model=MODEL, prompt=ids[0], max_tokens=0)
+    deadline = time.monotonic() + TIMEOUT
+    while (not path.exists() or len(read_trace(path)) < 3) and time.monotonic() < deadline:
+        time.sleep(0.01)  # each line is written just after its first write
+    lines = read_trace(path)
+    assert [(line["front"], line["key"]) for line in lines] == [
+        ("grpc", prompt_key(ids[0])), ("http", prompt_key(ids[1])), ("http", prompt_key(ids[2]))]
+    for line in lines:
+        stamps = [line[s] for s in STAMPS]
+        assert stamps == sorted(stamps) and stamps[-1] - stamps[0] < TIMEOUT
 
 
 def test_n_samples_share_the_prompt_and_arrive_as_indexed_choices(front):

@@ -23,13 +23,14 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from services.common.auth import bearer_token
 from services.common.chat_template import ChatTemplate, load_chat_template, normalize_messages
 from services.common.errors import TandemError, Unavailable
 from services.router.dispatcher import Completion, Dispatcher, TextDelta
+from services.router.front_trace import FrontTrace, Stamps, prompt_key
 from services.router.http.errors import ModelNotFound, RequestError, http_error
 from services.router.http.schema import ChatCompletionRequest, CompletionRequest, parse
 from services.router.jobs import GenerateJob, RequestLimits, build_job, sample_jobs
@@ -58,27 +59,71 @@ def usage_body(usage) -> dict:
 
 
 class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was ready."""
+    """The HTTP client disconnected before its request was read."""
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+class _Watch:
+    """Cancels the request's task when its client disconnects (hang-up cancels generation).
+
+    One watcher task per request, started once the body is read, instead of a task per wait:
+    the first token then reaches the handler, and is written, without any hop between tasks.
+    """
+
+    def __init__(self, receive):
+        self.gone = False  # the client hung up (the task's CancelledError is ours)
+        self.finished = False  # the answer is complete: uvicorn's receive() then says disconnect too
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.finished:
+            self.gone = True
+            self._task.cancel()
+
+    def stop(self) -> None:
+        self.finished = True
+        self._watcher.cancel()
 
 
-async def until_disconnect(request: Request, awaitable):
-    """Await ``awaitable`` unless the client disconnects first (then cancel it: ClientGone)."""
-    work = asyncio.ensure_future(awaitable)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if work.done():
-            return work.result()
-        work.cancel()
-        await asyncio.gather(work, return_exceptions=True)
-        raise ClientGone
-    finally:
-        watch.cancel()
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    data = json.dumps(body, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*_JSON_HEADERS, (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+class _Endpoint:
+    """A raw ASGI endpoint (Starlette routes a non-function endpoint to it as it is)."""
+
+    def __init__(self, handler):
+        self._handler = handler
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self._handler(scope, receive, send)
 
 
 class OpenAIFront:
@@ -86,25 +131,29 @@ class OpenAIFront:
     model name): all None until ``--model auto`` learned the model from a worker."""
 
     def __init__(self, dispatcher: Dispatcher, tenants: TenantRegistry, source: Callable[[], tuple],
-                 *, metrics=None, clock: Callable[[], float] = time.time):
+                 *, metrics=None, clock: Callable[[], float] = time.time, trace: FrontTrace | None = None):
         self.dispatcher = dispatcher
+        self.trace = trace  # debug: per-request timestamps (front_trace); None = off
         self.metrics = metrics  # RouterMetrics: HTTP generations count in the same series as gRPC ones
         self.tenants = tenants
         self._source = source
         self._clock = clock
         self._templates: dict[str, ChatTemplate] = {}
 
-    def app(self) -> Starlette:
-        return Starlette(routes=[
+    def app(self):
+        app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            # the generation routes are raw ASGI: no Request/Response objects, no Starlette
+            # StreamingResponse (its anyio task group costs ~0.5 ms before the first chunk)
+            Route("/v1/completions", _Endpoint(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", _Endpoint(self.chat_completions), methods=["POST"]),
         ])
+        return app if self.trace is None else _traced(app, self.trace)
 
     # ------------------------------------------------------------------------------- helpers
-    def _tenant(self, request: Request) -> Tenant:
-        header = request.headers.get("authorization")
+    def _tenant(self, scope) -> Tenant:
+        header = _header(scope, b"authorization")
         return self.tenants.authenticate(bearer_token([("authorization", header)] if header else []))
 
     def _bound(self) -> tuple:
@@ -118,8 +167,8 @@ class OpenAIFront:
         if asked not in (served, Path(served).name):
             raise ModelNotFound(asked)
 
-    async def _body(self, request: Request, schema):
-        raw = await request.body()
+    @staticmethod
+    def _parse(raw: bytes, schema):
         try:
             body = json.loads(raw)
         except ValueError:
@@ -156,27 +205,46 @@ class OpenAIFront:
             tokenizer=tokenizer,
         ), seed=req.seed)
 
-    async def _handle(self, request: Request, run, *, tracked: bool = True) -> Response:
-        """Run a handler; every typed error becomes OpenAI's JSON error with its HTTP status.
-        ``tracked``: a generation, counted in the router's metrics (a stream counts itself)."""
-        track = _Track(self.metrics if tracked else None)
+    async def _generation(self, scope, receive, send, run) -> None:
+        """Serve one generation request: read its body, watch for a hang-up from then on, and
+        ``run(body, send, track)``. A typed error before the answer started becomes OpenAI's JSON
+        error with its HTTP status; every outcome is counted in the router's metrics (a stream
+        counts its own)."""
+        track = _Track(self.metrics)
+        watch: _Watch | None = None
+        started = False
+
+        async def reply(message) -> None:
+            nonlocal started
+            started = True
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                watch.finished = True  # uvicorn's receive() says "disconnect" once the answer is complete
+            await send(message)
+
         try:
-            response = await run(track)
+            body = await _read_body(receive)
+            watch = _Watch(receive)
+            await run(body, reply, track)
+        except asyncio.CancelledError:
+            if watch is None or not watch.gone:
+                raise  # the server's (shutdown), not our hang-up
+            track.end("CANCELLED")  # nothing to answer: nobody listens
         except ClientGone:
             track.end("CANCELLED")
-            return Response(status_code=499)  # nobody reads it; for the access log
         except TandemError as exc:
             track.end(exc.code.value)
-            status, body = http_error(exc)
-            return _json(status, body)
+            if not started:
+                await _send_json(send, *http_error(exc))
         except Exception as exc:  # a bug: logged with its trace, never shown to the client
             track.end("INTERNAL")
-            log.exception("HTTP %s %s failed", request.method, request.url.path)
-            status, body = http_error(exc)
-            return _json(status, body)
-        if not isinstance(response, StreamingResponse):
-            track.end("OK")
-        return response
+            log.exception("HTTP %s %s failed", scope["method"], scope["path"])
+            if not started:
+                await _send_json(send, *http_error(exc))
+        finally:
+            if watch is not None:
+                watch.stop()
+                if watch.gone:  # our cancellation is handled (also if the dispatcher turned it into an error)
+                    asyncio.current_task().uncancel()
 
     # -------------------------------------------------------------------------------- routes
     async def health(self, request: Request) -> Response:
@@ -187,58 +255,98 @@ class OpenAIFront:
         return Response(status_code=200 if model else 503)
 
     async def models(self, request: Request) -> Response:
-        async def run(_track):
-            self._tenant(request)
-            _tok, _lim, model = self._source()
-            data = [{"id": model, "object": "model", "created": 0, "owned_by": "tandem"}] if model else []
-            return _json(200, {"object": "list", "data": data})
+        try:
+            self._tenant(request.scope)
+        except TandemError as exc:
+            return _json(*http_error(exc))
+        _tok, _lim, model = self._source()
+        data = [{"id": model, "object": "model", "created": 0, "owned_by": "tandem"}] if model else []
+        return _json(200, {"object": "list", "data": data})
 
-        return await self._handle(request, run, tracked=False)
-
-    async def completions(self, request: Request) -> Response:
-        async def run(track):
-            tenant = self._tenant(request)
-            req: CompletionRequest = await self._body(request, CompletionRequest)
+    async def completions(self, scope, receive, send) -> None:
+        async def run(body: bytes, send, track):
+            tenant = self._tenant(scope)
+            req: CompletionRequest = self._parse(body, CompletionRequest)
             tokenizer, limits, model = self._bound()
             self._check_model(req.model, model)
             text, ids = req.single_prompt()
             jobs = self._jobs(req, limits, tokenizer, text=text, token_ids=ids, max_tokens=req.max_tokens or 16)
-            return await self._respond(request, req, jobs, tenant, model, track, chat=False, tokenizer=tokenizer)
+            await self._respond(scope, send, req, jobs, tenant, model, track, chat=False, tokenizer=tokenizer)
 
-        return await self._handle(request, run)
+        await self._generation(scope, receive, send, run)
 
-    async def chat_completions(self, request: Request) -> Response:
-        async def run(track):
-            tenant = self._tenant(request)
-            req: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
+    async def chat_completions(self, scope, receive, send) -> None:
+        async def run(body: bytes, send, track):
+            tenant = self._tenant(scope)
+            req: ChatCompletionRequest = self._parse(body, ChatCompletionRequest)
             tokenizer, limits, model = self._bound()
             self._check_model(req.model, model)
             messages = normalize_messages([m.model_dump() for m in req.messages])
             ids = self._template(model).encode(messages, tokenizer, add_generation_prompt=req.add_generation_prompt)
             max_tokens = req.token_limit() or limits.max_new_tokens
             jobs = self._jobs(req, limits, tokenizer, token_ids=ids, max_tokens=max_tokens)
-            return await self._respond(request, req, jobs, tenant, model, track, chat=True, tokenizer=tokenizer)
+            await self._respond(scope, send, req, jobs, tenant, model, track, chat=True, tokenizer=tokenizer)
 
-        return await self._handle(request, run)
+        await self._generation(scope, receive, send, run)
 
     # ------------------------------------------------------------------------------ responses
-    async def _respond(self, request: Request, req, jobs: list[GenerateJob], tenant: Tenant, model: str,
-                       track: _Track, *, chat: bool, tokenizer) -> Response:
+    async def _respond(self, scope, send, req, jobs: list[GenerateJob], tenant: Tenant, model: str,
+                       track: _Track, *, chat: bool, tokenizer) -> None:
         """Run ``jobs`` (``n`` samples of one prompt) and answer with all of them as choices."""
         arrival = time.monotonic()
+        stamps: Stamps | None = scope.get(_STAMPS)
+        if stamps is not None:
+            stamps.key = prompt_key(jobs[0].prompt)
+            stamps.mark("dispatch")
         streams = [self.dispatcher.generate(j, tenant, deadline=None, arrival=arrival) for j in jobs]
         logprobs = _Logprobs(tokenizer, chat) if req.logprob_count() is not None else None
         shape = _Shape(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(self._clock()), model, chat, track,
                        logprobs)
         # every sample's first event before answering: a request failing before its first token
         # gets its HTTP status, not an SSE error (see ``samples``)
-        firsts = await first_events(streams, lambda aw: until_disconnect(request, aw))
+        firsts = await first_events(streams)
+        if stamps is not None:
+            stamps.mark("first_event")
         events = merged(firsts, streams)
-        if not req.stream:
-            return _json(200, await until_disconnect(request, shape.collect(events, len(jobs))))
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(shape.stream(events, len(jobs), include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        chunks = None
+        try:  # a hang-up cancels this task wherever it waits: closing the events cancels the request
+            if not req.stream:
+                body = await shape.collect(events, len(jobs))
+                await _send_json(send, 200, body)
+                track.end("OK")
+                return
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            chunks = shape.stream(events, len(jobs), include_usage)
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if chunks is not None:
+                await chunks.aclose()
+            await events.aclose()
+            for s in streams:  # no-ops unless the hang-up came before ``merged`` started
+                await s.aclose()
+
+
+_STAMPS = "tandem.front_trace"  # the ASGI scope key of a traced request's Stamps
+
+
+def _traced(app, trace: FrontTrace):
+    """``app`` with front_trace stamps: entry when called, first write at the first body chunk."""
+    async def traced(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        stamps = scope[_STAMPS] = trace.start("http")
+
+        async def stamped_send(message):
+            if message["type"] == "http.response.body" and message.get("body") and stamps.key:
+                stamps.mark("first_write")
+            await send(message)
+
+        await app(scope, receive, stamped_send)
+
+    return traced
 
 
 def summed_usage(usages: list) -> dict:
