@@ -1,4 +1,5 @@
-"""CUDA graphs for the uniform forwards of a step: plain decode, verify and draft chain.
+"""CUDA graphs for the uniform forwards of a step: plain decode, verify, draft chain and the
+EAGLE-3 draft fill after a verify (its rows padded per request, see ``DraftRunner._split_fill``).
 
 A decode step of B requests that each feed the same number q of tokens (q = 1: plain decode or a
 draft-chain position; q = k + 1: verify) has a fixed shape once B is rounded up to a *bucket*
@@ -19,6 +20,11 @@ stable address per plan key: the attention backend keeps its metadata in per-key
 buffers (``graph_max_pages_per_request`` makes FlashInfer's wrappers graph-safe), and the inputs
 live in the static buffers here. Outputs are views of the graph's own memory: valid until the
 next replay of any graph (the engine reads them within the step).
+
+A forward may also take or return one row per *request* (``register(per_request=...)``: the fill
+reads the index of each request's last row and returns logits of those rows only); those are
+padded to the bucket, not to bucket × q. Every graph of a forward reads its inputs from one
+buffer of the largest shape.
 
 Without CUDA (or with capture off) the same padding runs eagerly, so the CPU tests exercise the
 exact layouts a GPU replays; shapes without a captured graph (ragged, prefill, a batch above the
