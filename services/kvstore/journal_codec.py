@@ -173,49 +173,6 @@ def _tokens(value: Any) -> bytes:
         raise _Generic from None
 
 
-def _fixed(verb: str, text_names: tuple[str, ...], blob_names: tuple[str, ...], digest_len: int):
-    """A fast encoder for a verb whose entries always have the same shape (every hot verb
-    but Extend/Trim): one precompiled struct, no loops. Same bytes as ``_compact``."""
-    int_names = _SCHEMAS[verb][0]
-    assert _SCHEMAS[verb][1:] == (text_names, blob_names)
-    handed_out = verb == "reserve"  # its entry ends its strings with the id it handed out
-    shape = (len(int_names), len(text_names) + handed_out, len(blob_names), digest_len)
-    body = _body(shape)
-    code = CODES[verb]
-    defaults = _DEFAULTS[verb]
-    ints_fields = tuple((n, n in defaults, defaults.get(n)) for n in int_names)
-    texts_fields = tuple((n, n in defaults, defaults.get(n)) for n in text_names)
-    blob_fields = tuple((n, n in defaults, defaults.get(n), n in _TOKEN_FIELDS) for n in blob_names)
-
-    def enc(now: float, kw: dict, result: Any) -> bytes:
-        ints = []
-        for n, has_default, default in ints_fields:
-            v = kw[n] if not has_default else kw.get(n, default)
-            if type(v) is not int or v == NONE_INT:
-                if v is not None:
-                    raise _Generic
-                v = NONE_INT
-            ints.append(v)
-        texts = []
-        for n, has_default, default in texts_fields:
-            v = kw[n] if not has_default else kw.get(n, default)
-            texts.append(None if v is None else _text(v))
-        if handed_out:
-            texts.append(_text(result.reservation_id))
-        blobs = []
-        for n, has_default, default, is_tokens in blob_fields:
-            v = kw[n] if not has_default else kw.get(n, default)
-            blobs.append(v if type(v) is bytes else _tokens(v) if is_tokens else _blob(n, v))
-        digest = outcome(result)
-        if len(digest) != digest_len:
-            raise _Generic
-        return b"".join((body.pack(VERSION, code, now, *shape, *ints,
-                                   *[NONE_TEXT if t is None else len(t) for t in texts],
-                                   *[len(b) for b in blobs], *digest), *[t for t in texts if t], *blobs))
-
-    return enc
-
-
 def encode(verb: str, now: float, kw: dict, result: Any) -> bytes:
     """The entry for ``verb`` called with ``kw`` (``bind``) at journal time ``now``, which
     answered ``result``."""
@@ -223,7 +180,7 @@ def encode(verb: str, now: float, kw: dict, result: Any) -> bytes:
     if fast is not None:
         try:
             return fast(now, kw, result)
-        except (_Generic, struct.error):
+        except (_Generic, struct.error, TypeError):
             pass
     schema = _SCHEMAS.get(verb)
     digest = outcome(result)
@@ -275,15 +232,16 @@ def _body(shape: tuple[int, int, int, int]) -> struct.Struct:
     return body
 
 
-# The verbs of every request and every decode step, written out straight (a loop over field
-# names cost as much as the pickle it replaces); the same bytes as ``_fixed`` gives (a test
-# checks), which covers the rest of the fixed-shape verbs.
+# The verbs of every request, written out straight (the loops of ``_compact`` cost as much as
+# the pickle they replace); the same bytes as ``_compact`` gives (a test checks).
 _PUBLISH = _body((3, 2, 1, 5))
 _END = _body((2, 2, 1, 4))
 _RESERVE = _body((2, 3, 2, 4))
 _PUBLISH_KNOWN = _DEFAULTS["publish"]["known_tokens"]
-_END_FINAL = _DEFAULTS["release"]["final_positions"]
-assert _END_FINAL == _DEFAULTS["suspend"]["final_positions"]
+_END_FINAL = _DEFAULTS["release"]["final_positions"]  # Suspend's too (a test checks)
+_RESERVE_HEADROOM = _DEFAULTS["reserve"]["headroom_positions"]
+_RESERVE_SALT = _DEFAULTS["reserve"]["cache_salt"]
+_PUBLISH_CODE, _RESERVE_CODE = CODES["publish"], CODES["reserve"]
 
 
 def _publish(now: float, kw: dict, result: Any) -> bytes:
@@ -295,7 +253,7 @@ def _publish(now: float, kw: dict, result: Any) -> bytes:
     tokens = _tokens(kw.get("new_tokens", b""))
     r = result.reservation
     bt = r.block_table
-    return b"".join((_PUBLISH.pack(VERSION, 8, now, 3, 2, 1, 5, inc, final, known, len(rid),
+    return b"".join((_PUBLISH.pack(VERSION, _PUBLISH_CODE, now, 3, 2, 1, 5, inc, final, known, len(rid),
                                    NONE_TEXT if wid is None else len(wid), len(tokens), len(bt), bt[-1] if bt else -1,
                                    r.published_blocks, result.newly_published, result.deduplicated),
                      rid, wid or b"", tokens))
@@ -321,15 +279,15 @@ def _end(code: int):
 
 
 def _reserve(now: float, kw: dict, result: Any) -> bytes:
-    inc, headroom = kw["incarnation"], kw.get("headroom_positions", 0)
+    inc, headroom = kw["incarnation"], kw.get("headroom_positions", _RESERVE_HEADROOM)
     if type(inc) is not int or type(headroom) is not int or NONE_INT in (inc, headroom):
         raise _Generic
     wid, req, rid = _text(kw["worker_id"]), _text(kw["request_id"]), _text(result.reservation_id)
-    tokens, salt = _tokens(kw["tokens"]), kw.get("cache_salt", b"")
+    tokens, salt = _tokens(kw["tokens"]), kw.get("cache_salt", _RESERVE_SALT)
     if type(salt) is not bytes or wid is None or req is None:
         raise _Generic
     bt = result.block_table
-    return b"".join((_RESERVE.pack(VERSION, 4, now, 2, 3, 2, 4, inc, headroom, len(wid), len(req), len(rid),
+    return b"".join((_RESERVE.pack(VERSION, _RESERVE_CODE, now, 2, 3, 2, 4, inc, headroom, len(wid), len(req), len(rid),
                                    len(tokens), len(salt), len(bt), bt[-1] if bt else -1, result.published_blocks,
                                    result.num_tokens),
                      wid, req, rid, tokens, salt))
@@ -340,12 +298,7 @@ _FAST = {
     "publish": _publish,
     "release": _end(CODES["release"]),
     "suspend": _end(CODES["suspend"]),
-    "abort": _fixed("abort", ("reservation_id", "worker_id"), (), 1),
-    "heartbeat": _fixed("heartbeat", ("worker_id",), (), 0),
 }
-assert CODES["publish"] == 8 and CODES["reserve"] == 4
-assert _DEFAULTS["reserve"]["headroom_positions"] == 0 and _DEFAULTS["reserve"]["cache_salt"] == b""
-assert _DEFAULTS["publish"]["new_tokens"] == () and _DEFAULTS["release"]["new_tokens"] == ()
 
 
 def _portable(kw: dict) -> dict:
