@@ -96,6 +96,14 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+_NAME_PREFIX = "tandem-kv-leader:"
+NODE_NAME_PREFIX = "tandem-kv-node:"
+
+
+def _printable(text: str) -> str:
+    """``text`` as a Redis client name may hold it (no spaces or control characters)."""
+    return "".join(c if "!" <= c <= "~" else "_" for c in text)
+
 _LOAD_CHUNK = 10_000
 
 
@@ -110,13 +118,15 @@ class AppendPipe:
     ``redis.ResponseError`` (script replies) or ``ConnectionError`` (the connection, reopened on
     the next call), as the redis-py path did."""
 
-    def __init__(self, url: str, script: str, *, timeout_s: float = 5.0):
+    def __init__(self, url: str, script: str, *, timeout_s: float = 5.0, name: str | None = None):
         self._pool = redis.ConnectionPool.from_url(url)  # parses host/port/db/password/TLS once
         self._kw = self._pool.connection_kwargs
+        self._name = name  # CLIENT SETNAME: a standby sees the leader's connections (RedisLog.holder_connected)
         self._script = script
         self._sha = hashlib.sha1(script.encode()).hexdigest().encode()
         self._timeout_s = timeout_s
         self._proto: _RespProtocol | None = None
+        self._connecting = asyncio.Lock()
 
     async def _connect(self) -> None:
         kw = self._kw
@@ -141,9 +151,29 @@ class AppendPipe:
         try:
             for cmd in hello:
                 await self._send(_resp(cmd))
+            if self._name:
+                try:
+                    await self._send(_resp([b"CLIENT", b"SETNAME", self._name.encode()]))
+                except redis.ResponseError:
+                    pass  # CLIENT denied by an ACL: standbys then wait for the lease (holder_connected)
         except BaseException:
             self.close()
             raise
+
+    async def ensure_connected(self) -> None:
+        """Open the connection if it is not (the committer's lease keeper calls this, so a
+        leader's named connection is back within a renewal period even without appends)."""
+        if self._proto is None or self._proto.closed:
+            try:
+                await self._reconnect()
+            except (OSError, TimeoutError, redis.ResponseError):
+                self.close()  # the next append or renewal tries again
+
+    async def _reconnect(self) -> None:
+        async with self._connecting:  # one connection, whoever asks first (appends, the keeper)
+            if self._proto is None or self._proto.closed:
+                self.close()
+                await self._connect()
 
     async def call(self, keys: list[str], args: list) -> int:
         """EVALSHA of the script; its integer reply."""
@@ -151,8 +181,7 @@ class AppendPipe:
                        *(a if isinstance(a, bytes) else str(a).encode() for a in args)])
         try:
             if self._proto is None or self._proto.closed:
-                self.close()
-                await self._connect()
+                await self._reconnect()
             return int(await self._send(frame))
         except (OSError, TimeoutError) as exc:
             self.close()
@@ -270,6 +299,7 @@ class RedisLog:
         self.node_id = node_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.lease_ms = int(lease_ms)
         self.client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+        self._named = False
         self.keys = {k: prefix + k for k in ("lease", "epoch", "meta", "snapshot", "base", "journal")}
         self.token: str | None = None
         self._base_seen = 0  # the snapshot seq catch_up last saw
@@ -286,6 +316,14 @@ class RedisLog:
     # -- leadership -------------------------------------------------------------------------------
     def try_acquire(self) -> str | None:
         """Take the lease if nobody holds it; returns the fencing token (or None)."""
+        if not self._named:
+            # CLIENT LIST shows each kvstore process, leader or standby, by its node id (one of
+            # this client's connections; best effort: an ACL may deny CLIENT)
+            self._named = True
+            try:
+                self.client.client_setname(NODE_NAME_PREFIX + _printable(self.node_id))
+            except redis.ResponseError:
+                pass
         token = self._acquire(keys=[self.keys["lease"], self.keys["epoch"]], args=[self.node_id, self.lease_ms])
         self.token = token.decode() if token else None
         return self.token
@@ -306,6 +344,31 @@ class RedisLog:
     def holder(self) -> str | None:
         value = self.client.get(self.keys["lease"])
         return value.decode() if value else None
+
+    def connection_name(self, token: str | None = None) -> str | None:
+        """The CLIENT SETNAME of the connection a leader holding ``token`` (default: ours)
+        keeps open while it lives (its append pipe, reopened by its lease keeper)."""
+        token = token if token is not None else self.token
+        if not token:
+            return None
+        return _NAME_PREFIX + _printable(token)
+
+    def holder_connected(self, token: str) -> bool | None:
+        """Whether Redis has a connection of the leader holding ``token`` open. A SIGKILLed or
+        crashed-but-for-its-kernel process's connections close at once, long before its lease
+        runs out. None if this Redis does not list its clients (CLIENT renamed or denied)."""
+        try:
+            clients = self.client.client_list(_type="normal")
+        except redis.ResponseError:
+            return None
+        name = self.connection_name(token)
+        return any(c.get("name") == name for c in clients)
+
+    def depose(self, token: str) -> bool:
+        """Drop the lease if ``token`` still holds it (its holder is gone: ``holder_connected``).
+        Safe whatever the holder does next: every write it makes is checked against the lease
+        and is refused from now on (fencing)."""
+        return bool(self._resign(keys=[self.keys["lease"]], args=[token]))
 
     # -- journal ----------------------------------------------------------------------------------
     def append_args(self, first_seq: int, entries: list[bytes]) -> tuple[list, list]:
@@ -468,7 +531,9 @@ class Committer:
         self.snapshot_every = snapshot_every
         self.max_batch = max_batch
         self.client = aredis.Redis.from_url(log_.url, socket_timeout=5, socket_connect_timeout=2)
-        self._append = AppendPipe(log_.url, _APPEND)  # the hot path: raw RESP (see AppendPipe)
+        # the hot path, raw RESP (see AppendPipe); its connection carries the name standbys
+        # watch for (RedisLog.holder_connected) and is kept open by the lease keeper
+        self._append = AppendPipe(log_.url, _APPEND, name=log_.connection_name())
         self._snapshot = self.client.register_script(_SNAPSHOT)
         self._renew = self.client.register_script(_RENEW)
         self._queue: list[tuple[int, bytes | None]] = []  # (seq, entry); None = snapshot after seq
@@ -632,6 +697,7 @@ class Committer:
         while not self.lost.is_set():
             started = time.monotonic()
             self._append.check_timeout()
+            await self._append.ensure_connected()
             try:
                 ok = await self._renew(keys=[self.log.keys["lease"]], args=[self.log.token, self.log.lease_ms])
                 if not ok:
