@@ -51,6 +51,7 @@ class Leadership:
         self._warm = None  # a standby's copy of the journal's state, kept current (see _keep_warm)
         self._gone: tuple[str, float] | None = None  # (lease holder, since when it has no connection)
         self._standing_by = False  # the warm copy's loop runs while this holds
+        self._warm_task: asyncio.Task | None = None
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -69,7 +70,7 @@ class Leadership:
         self._standing_by = True
         # The warm copy is kept on its own: building it (snapshot + journal, seconds on a loaded
         # machine) must not hold up noticing that the leader is gone.
-        warm = asyncio.get_running_loop().create_task(self._keep_warm_loop(period))
+        self._warm_task = asyncio.get_running_loop().create_task(self._keep_warm_loop(period))
         try:
             while not self.stop.is_set():
                 try:
@@ -85,10 +86,15 @@ class Leadership:
                     pass
             return False
         finally:
-            # its step in flight finishes (it would be loading what the takeover loads anyway);
-            # then the copy is ours to hand over
-            self._standing_by = False
-            await asyncio.gather(warm, return_exceptions=True)
+            self._standing_by = False  # the warm loop ends after its step in flight
+
+    async def _warm_handed_over(self) -> None:
+        """Wait for the warm loop's step in flight (it loads what the takeover would load
+        anyway); then the copy is ours. Called once the new lease is being renewed: that step
+        can take longer than the lease."""
+        if self._warm_task is not None:
+            await asyncio.gather(self._warm_task, return_exceptions=True)
+            self._warm_task = None
 
     async def _keep_warm_loop(self, period: float) -> None:
         while self._standing_by:
@@ -153,6 +159,7 @@ class Leadership:
             started = time.monotonic()
             committer = Committer(self.log, lambda: self.store, snapshot_every=self.settings.snapshot_every)
             keeper = asyncio.get_running_loop().create_task(committer._keep_lease())
+            await self._warm_handed_over()
             try:
                 store = await asyncio.to_thread(self.log.load, store_args(self.settings), committer.submit,
                                                 previous=previous, previous_epoch=previous_epoch,
@@ -191,6 +198,7 @@ class Leadership:
             await asyncio.gather(keeper, writer, return_exceptions=True)
             await committer.close()
             self.server = None
+        await self._warm_handed_over()  # stopped while standing by
         self.log.close()
 
     async def _drain(self, committer: Committer, timeout_s: float = 5.0) -> None:

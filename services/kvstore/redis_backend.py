@@ -697,13 +697,13 @@ class Committer:
         while not self.lost.is_set():
             started = time.monotonic()
             self._append.check_timeout()
-            await self._append.ensure_connected()
             try:
                 ok = await self._renew(keys=[self.log.keys["lease"]], args=[self.log.token, self.log.lease_ms])
                 if not ok:
-                    self._fail(Fenced("kvstore: the Redis lease was taken over; retry"))
+                    self._fail(Fenced("kvstore: the Redis lease was taken over or ran out; retry"))
                     return
                 self.lease_deadline = started + self.log.lease_ms / 1000
+                await self._append.ensure_connected()
             except (redis.RedisError, OSError) as exc:
                 if time.monotonic() > self.lease_deadline:
                     self._fail(Fenced(f"kvstore: Redis unreachable past the lease ({exc}); retry"))
