@@ -364,3 +364,47 @@ def test_a_warm_standby_copy_catches_up_to_exactly_what_a_load_gives(redis_serve
     assert warm.store.view().reservations() == full.store.view().reservations() == store.store.view().reservations()
     assert warm.stats() == full.stats()
     log.wipe(), log.close(), standby.close()
+
+
+def test_a_takeover_keeps_its_lease_while_the_warm_copy_is_still_loading(redis_server):
+    """The warm copy's step in flight (a replica build: seconds on a loaded machine) may outlast
+    the lease; the new leader renews its lease meanwhile instead of losing it."""
+    import asyncio
+
+    from services.kvstore.leader import Leadership
+    from services.kvstore.server import start_kvstore
+    from services.kvstore.settings import KVStoreSettings
+
+    prefix = unique_prefix()
+    holder = RedisLog(redis_server.url, prefix=prefix, lease_ms=300)
+    settings = KVStoreSettings(backend="redis", redis_url=redis_server.url, redis_prefix=prefix, redis_lease_ms=300,
+                               port=0)
+
+    async def start(settings, store):
+        server, _ = await start_kvstore(settings, store=store)
+        return server
+
+    async def scenario():
+        assert holder.try_acquire()
+        holder.load(ARGS)  # a journal exists: the standby builds a warm copy of it
+        leadership = Leadership(settings, start_server=start)
+        real = leadership._keep_warm
+
+        def slow_warm():
+            real()
+            time.sleep(1.0)  # three leases long
+
+        leadership._keep_warm = slow_warm
+        running = asyncio.ensure_future(leadership.run())
+        await asyncio.sleep(0.2)  # its warm step is in flight
+        holder.resign()
+        await asyncio.wait_for(leadership.leading.wait(), 10)
+        await asyncio.sleep(1.0)  # past three leases
+        assert leadership.leading.is_set() and leadership.log.holder() == leadership.log.token
+        leadership.stop.set()
+        await asyncio.wait_for(running, 10)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        holder.wipe(), holder.close()
