@@ -12,7 +12,7 @@ replay hands the core that id through its ``new_id`` hook.
 
     handler ─▶ JournaledStore.reserve(...) ─▶ clock frozen at t ─▶ KVStore.reserve(...)
                       │ success                                         │
-                      └──▶ sink(seq, entry)  (verb, t, args, digest) ◀──┘
+                      └──▶ sink(seq, entry)  (verb, t, args, digest) ◀──┘   entry: journal_codec bytes
     recovery: snapshot (pickled store at seq S) + entries S+1.. ─▶ replay ─▶ same state
 
 Only successful mutations are journaled: a rejected call changed nothing. Lease lapses happen at
