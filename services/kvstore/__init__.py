@@ -16,8 +16,8 @@ state and ``types`` holds the immutable values that cross the API. The core is p
 Python with no network imports; ``servicer``/``server`` put it behind gRPC.
 
 Durability (``--backend redis``): ``journal`` wraps the core unchanged and records every committed
-transaction (verb, arguments, clock reading, outcome) for deterministic replay, plus pickled
-snapshots; ``redis_backend`` writes them to Redis with fenced Lua scripts (group commit) and
+transaction (verb, arguments, clock reading, outcome; ``journal_codec`` writes each as compact
+bytes) for deterministic replay, plus pickled snapshots; ``redis_backend`` writes them to Redis with fenced Lua scripts (group commit) and
 loads them back; ``leader`` holds the Redis lease, recovers, serves, and stands by otherwise.
 """
 

@@ -12,7 +12,7 @@ replay hands the core that id through its ``new_id`` hook.
 
     handler ─▶ JournaledStore.reserve(...) ─▶ clock frozen at t ─▶ KVStore.reserve(...)
                       │ success                                         │
-                      └──▶ sink(seq, entry)  (verb, t, args, digest) ◀──┘
+                      └──▶ sink(seq, entry)  (verb, t, args, digest) ◀──┘   entry: journal_codec bytes
     recovery: snapshot (pickled store at seq S) + entries S+1.. ─▶ replay ─▶ same state
 
 Only successful mutations are journaled: a rejected call changed nothing. Lease lapses happen at
@@ -38,13 +38,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import numpy as np
-
 from services.common.errors import TandemError
 
-from .keys import token_array
+from .journal_codec import EntryError, bind, decode, encode, outcome, reservation_id
 from .store import KVStore
-from .types import PublishResult, ReleaseResult, Reservation, RestoreResult, WorkerInfo
 
 # Verbs that may change state, with the arguments that describe them. Every public method of
 # KVStore must be in exactly one of MUTATING / READ_ONLY (a test checks), so a verb added to the
@@ -56,11 +53,11 @@ READ_ONLY = frozenset(
     {"list_workers", "match", "get_reservation", "reservation_prompt", "reservation_salt", "ending_for", "stats", "check_invariants",
      "events_since", "view", "subscribe"}
 )
-_TOKEN_ARGS = ("tokens", "new_tokens")
 PICKLE_PROTOCOL = 5
 # Bump when entries or snapshots change meaning: snapshots are the core's object graph, so a
 # kvstore of another format must not load them (RedisLog.load refuses with what to do).
-FORMAT = 1
+# 2: entries in ``journal_codec``'s compact encoding (1 pickled them).
+FORMAT = 2
 
 
 class JournalDiverged(RuntimeError):
@@ -90,41 +87,6 @@ class JournalClock:
 
     def __call__(self) -> float:
         return self._frozen if self._frozen is not None else self.live()
-
-
-def _digest(verb: str, result: Any) -> Any:
-    """A compact, deterministic summary of what a verb answered (compared on replay): cheap to
-    compute on every transaction, yet any divergence of tables, counts or ids shows in it."""
-    t = type(result)
-    if t is Reservation:
-        return (result.reservation_id, len(result.block_table), result.block_table[-1:], result.published_blocks,
-                result.num_tokens)
-    if t is PublishResult:
-        r = result.reservation
-        return (len(r.block_table), r.block_table[-1:], r.published_blocks, result.newly_published, result.deduplicated)
-    if t is ReleaseResult:
-        return (result.newly_published, result.deduplicated, result.freed_blocks, result.unpinned_blocks)
-    if t is WorkerInfo:
-        return (result.incarnation, result.pool)
-    if t is RestoreResult:
-        return (result.worker.incarnation, result.worker.pool, tuple(_digest("", r) for r in result.restored),
-                result.dropped, result.cached_blocks)
-    if t is list:  # Extend / Trim items
-        return tuple((r.error is None, len(r.block_table), r.block_table[-1:]) for r in result)
-    return result  # bool (Abort), float (Heartbeat)
-
-
-def _portable(kwargs: dict) -> dict:
-    """Arguments as plain picklable values (token arrays as packed bytes)."""
-    out = dict(kwargs)
-    for name in _TOKEN_ARGS:
-        value = out.get(name)
-        if isinstance(value, np.ndarray):
-            out[name] = token_array(value).tobytes()
-    for name in ("items", "candidates", "reservations", "cached"):
-        if name in out:
-            out[name] = list(out[name])
-    return out
 
 
 Sink = Callable[[int, bytes], None]  # (seq, encoded entry)
@@ -166,14 +128,14 @@ class JournaledStore:
         now = max(self.clock.live(), self.last_time)  # journal time never runs backwards
         self.clock.freeze(now)
         if self.store.expire_leases():
-            self._log(("expire", now, None, b"", None))
+            self._log("expire", now, {}, None)
         return now
 
-    def _log(self, entry: tuple) -> None:
+    def _log(self, verb: str, now: float, kw: dict, result) -> None:
         self.seq += 1
-        self.last_time = entry[1]
+        self.last_time = now
         if self.sink is not None:
-            self.sink(self.seq, pickle.dumps(entry, protocol=PICKLE_PROTOCOL))
+            self.sink(self.seq, encode(verb, now, kw, result))
 
     def _mutate(self, verb: str, args: tuple, kwargs: dict):
         now = self._begin()
@@ -182,7 +144,7 @@ class JournaledStore:
         finally:
             self.clock.freeze(None)
         # Extend/Trim items that failed are outcomes too: the entry records the whole call.
-        self._log((verb, now, (args, _portable(kwargs)), _digest(verb, result), _reservation_id(result)))
+        self._log(verb, now, bind(verb, args, kwargs), result)
         return result
 
     def _read(self, verb: str, args: tuple, kwargs: dict):
@@ -200,7 +162,7 @@ class JournaledStore:
         finally:
             self.clock.freeze(None)
         if dropped:
-            self._log(("expire", now, None, b"", None))
+            self._log("expire", now, {}, None)
         return dropped
 
     def __getattr__(self, name: str):
@@ -249,7 +211,7 @@ class JournaledStore:
                 continue  # covered by the snapshot
             if entry_seq != journaled.seq + 1:
                 raise JournalDiverged(f"journal gap: entry {entry_seq} follows {journaled.seq}")
-            journaled._replay(pickle.loads(raw))
+            journaled._replay(raw)
         clock.resume(journaled.last_time)
         journaled.sink = sink
         return journaled
@@ -263,21 +225,23 @@ class JournaledStore:
                 continue
             if entry_seq != self.seq + 1:
                 raise JournalDiverged(f"journal gap: entry {entry_seq} follows {self.seq}")
-            self._replay(pickle.loads(raw))
+            self._replay(raw)
             n += 1
         return n
 
-    def _replay(self, entry: tuple) -> None:
-        verb, now, call, digest, rid = entry
+    def _replay(self, raw: bytes) -> None:
+        try:
+            verb, now, kwargs, digest, rid = decode(raw)
+        except EntryError as exc:
+            raise JournalDiverged(f"entry {self.seq + 1}: {exc}") from None
         self.clock.freeze(now)
         try:
             self.store.expire_leases()
             if verb != "expire":
-                args, kwargs = call
                 self._replay_id = rid
-                result = getattr(self.store, verb)(*args, **kwargs)
+                result = getattr(self.store, verb)(**kwargs)
                 self._replay_id = None  # unused when Reserve was an idempotent retry
-                if _reservation_id(result) != rid or _digest(verb, result) != digest:
+                if reservation_id(result) != rid or outcome(result) != digest:
                     raise JournalDiverged(f"replay of {verb} at entry {self.seq + 1} answered differently")
         except TandemError as exc:
             if isinstance(exc, JournalDiverged):
@@ -315,9 +279,3 @@ def _deep_recursion(limit: int = 50_000):
         yield
     finally:
         sys.setrecursionlimit(old)
-
-
-def _reservation_id(result: Any) -> str | None:
-    """The id a Reserve handed out (None for other verbs)."""
-    return getattr(result, "reservation_id", None) if hasattr(result, "block_table") and hasattr(result, "request_id") else None
-

@@ -49,6 +49,9 @@ class Leadership:
         self.terms = 0  # leaderships held so far
         self.recovery_s: float | None = None
         self._warm = None  # a standby's copy of the journal's state, kept current (see _keep_warm)
+        self._gone: tuple[str, float] | None = None  # (lease holder, since when it has no connection)
+        self._standing_by = False  # the warm copy's loop runs while this holds
+        self._warm_task: asyncio.Task | None = None
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -64,19 +67,74 @@ class Leadership:
         # lease/10 after the lease lapsed (a quarter of it was a visible part of the takeover)
         period = self.settings.redis_lease_ms / 10_000
         last_note = 0.0
-        while not self.stop.is_set():
+        self._standing_by = True
+        # The warm copy is kept on its own: building it (snapshot + journal, seconds on a loaded
+        # machine) must not hold up noticing that the leader is gone.
+        self._warm_task = asyncio.get_running_loop().create_task(self._keep_warm_loop(period))
+        try:
+            while not self.stop.is_set():
+                try:
+                    if await asyncio.to_thread(self._poll):
+                        return True
+                except (redis.RedisError, OSError) as exc:
+                    if time.monotonic() - last_note > 5:
+                        log.warning("kvstore standby: Redis at %s unreachable (%s); retrying", self.settings.redis_url, exc)
+                        last_note = time.monotonic()
+                try:
+                    await asyncio.wait_for(self.stop.wait(), period)
+                except TimeoutError:
+                    pass
+            return False
+        finally:
+            self._standing_by = False  # the warm loop ends after its step in flight
+
+    async def _warm_handed_over(self) -> None:
+        """Wait for the warm loop's step in flight (it loads what the takeover would load
+        anyway); then the copy is ours. Called once the new lease is being renewed: that step
+        can take longer than the lease."""
+        if self._warm_task is not None:
+            await asyncio.gather(self._warm_task, return_exceptions=True)
+            self._warm_task = None
+
+    async def _keep_warm_loop(self, period: float) -> None:
+        while self._standing_by:
             try:
-                if await asyncio.to_thread(self.log.try_acquire):
-                    return True
                 await asyncio.to_thread(self._keep_warm)
-            except (redis.RedisError, OSError) as exc:
-                if time.monotonic() - last_note > 5:
-                    log.warning("kvstore standby: Redis at %s unreachable (%s); retrying", self.settings.redis_url, exc)
-                    last_note = time.monotonic()
-            try:
-                await asyncio.wait_for(self.stop.wait(), period)
-            except TimeoutError:
-                pass
+            except Exception as exc:  # noqa: BLE001 - a copy in doubt is dropped, never used
+                log.warning("kvstore standby: warm copy dropped (%s)", exc)
+                self._warm = None
+            if self._standing_by:
+                await asyncio.sleep(period)
+
+    def _poll(self) -> bool:
+        """One standby poll (in a thread): take the lease if it is free or its holder is gone."""
+        return bool(self.log.try_acquire() or (self._holder_gone() and self.log.try_acquire()))
+
+    def _holder_gone(self) -> bool:
+        """Whether the lease holder has had no connection to Redis for a third of the lease
+        (then its lease is dropped): a SIGKILLed leader's sockets close at once, so the standby
+        need not wait out the lease (most of the takeover time). The grace covers a live
+        leader's reconnect (its lease keeper reopens the named connection every third of the
+        lease); a leader deposed anyway only loses its lease, as after a lapse (its writes are
+        fenced). A host that dies without closing its sockets is left to the lease, and so is a
+        Redis whose ACL denies CLIENT."""
+        holder = self.log.holder()
+        alive = self.log.holder_connected(holder) if holder else None
+        if alive is not False:
+            self._gone = None
+            return False
+        now = time.monotonic()
+        if self._gone is None or self._gone[0] != holder:
+            self._gone = (holder, now)
+            return False
+        since = self._gone[1]
+        if now - since < self.settings.redis_lease_ms / 3000:
+            return False
+        self._gone = None
+        if self.log.depose(holder):
+            log.warning("kvstore standby: the leader %s has had no connection to Redis for %.2f s: taking over "
+                        "before its lease runs out", holder, now - since)
+            return True
         return False
 
     def _keep_warm(self) -> None:
@@ -101,6 +159,7 @@ class Leadership:
             started = time.monotonic()
             committer = Committer(self.log, lambda: self.store, snapshot_every=self.settings.snapshot_every)
             keeper = asyncio.get_running_loop().create_task(committer._keep_lease())
+            await self._warm_handed_over()
             try:
                 store = await asyncio.to_thread(self.log.load, store_args(self.settings), committer.submit,
                                                 previous=previous, previous_epoch=previous_epoch,
@@ -139,6 +198,7 @@ class Leadership:
             await asyncio.gather(keeper, writer, return_exceptions=True)
             await committer.close()
             self.server = None
+        await self._warm_handed_over()  # stopped while standing by
         self.log.close()
 
     async def _drain(self, committer: Committer, timeout_s: float = 5.0) -> None:

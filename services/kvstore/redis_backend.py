@@ -25,6 +25,7 @@ while the lease lasts. Reads (Match, Stats) never touch Redis.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import json
 import logging
@@ -95,6 +96,14 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+_NAME_PREFIX = "tandem-kv-leader:"
+NODE_NAME_PREFIX = "tandem-kv-node:"
+
+
+def _printable(text: str) -> str:
+    """``text`` as a Redis client name may hold it (no spaces or control characters)."""
+    return "".join(c if "!" <= c <= "~" else "_" for c in text)
+
 _LOAD_CHUNK = 10_000
 
 
@@ -102,51 +111,79 @@ class AppendPipe:
     """The group-commit append, spoken as raw RESP on one connection of its own: redis-py's
     asyncio client cost more per call than the rest of a batch together (connection-pool
     checkout, encoders, per-argument packing in Python: docs/benchmarks.md). One ``EVALSHA``
-    frame built with one ``join``, one reply line read back (an integer or an error). Scripts
-    are loaded with SCRIPT LOAD by ``RedisLog``'s client; NOSCRIPT (a flushed Redis) loads again.
-    Errors surface as ``redis.ResponseError`` (script replies) or ``OSError`` (the connection,
-    which is reopened on the next call), as the redis-py path did."""
+    frame built with one ``join``; the reply is parsed in the protocol's ``data_received`` and
+    handed to the caller's future (no stream reader, no ``wait_for`` task: each cost more CPU
+    than the Redis call itself on a small VM). Scripts are loaded with SCRIPT LOAD on connect;
+    NOSCRIPT (a flushed Redis) reconnects and loads again. Errors surface as
+    ``redis.ResponseError`` (script replies) or ``ConnectionError`` (the connection, reopened on
+    the next call), as the redis-py path did."""
 
-    def __init__(self, url: str, script: str, *, timeout_s: float = 5.0):
+    def __init__(self, url: str, script: str, *, timeout_s: float = 5.0, name: str | None = None):
         self._pool = redis.ConnectionPool.from_url(url)  # parses host/port/db/password/TLS once
         self._kw = self._pool.connection_kwargs
+        self._name = name  # CLIENT SETNAME: a standby sees the leader's connections (RedisLog.holder_connected)
         self._script = script
         self._sha = hashlib.sha1(script.encode()).hexdigest().encode()
         self._timeout_s = timeout_s
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._proto: _RespProtocol | None = None
+        self._connecting = asyncio.Lock()
 
     async def _connect(self) -> None:
         kw = self._kw
+        loop = asyncio.get_running_loop()
+        proto = _RespProtocol()
         if "path" in kw:
-            self._reader, self._writer = await asyncio.open_unix_connection(kw["path"])
+            await loop.create_unix_connection(lambda: proto, kw["path"])
         else:
             ssl = None
             if self._pool.connection_class is not redis.Connection:  # rediss://: TLS as redis-py
                 import ssl as ssl_
 
                 ssl = ssl_.create_default_context()
-            self._reader, self._writer = await asyncio.open_connection(kw.get("host", "localhost"), kw.get("port", 6379), ssl=ssl)
+            await loop.create_connection(lambda: proto, kw.get("host", "localhost"), kw.get("port", 6379), ssl=ssl)
+        self._proto = proto
         hello = []
         if kw.get("password"):
             hello.append([b"AUTH", *([kw["username"].encode()] if kw.get("username") else []), kw["password"].encode()])
         if kw.get("db"):
             hello.append([b"SELECT", str(kw["db"]).encode()])
         hello.append([b"SCRIPT", b"LOAD", self._script.encode()])
-        for cmd in hello:
-            self._writer.write(_resp(cmd))
-            await self._reply()
+        try:
+            for cmd in hello:
+                await self._send(_resp(cmd))
+            if self._name:
+                try:
+                    await self._send(_resp([b"CLIENT", b"SETNAME", self._name.encode()]))
+                except redis.ResponseError:
+                    pass  # CLIENT denied by an ACL: standbys then wait for the lease (holder_connected)
+        except BaseException:
+            self.close()
+            raise
+
+    async def ensure_connected(self) -> None:
+        """Open the connection if it is not (the committer's lease keeper calls this, so a
+        leader's named connection is back within a renewal period even without appends)."""
+        if self._proto is None or self._proto.closed:
+            try:
+                await self._reconnect()
+            except (OSError, TimeoutError, redis.ResponseError):
+                self.close()  # the next append or renewal tries again
+
+    async def _reconnect(self) -> None:
+        async with self._connecting:  # one connection, whoever asks first (appends, the keeper)
+            if self._proto is None or self._proto.closed:
+                self.close()
+                await self._connect()
 
     async def call(self, keys: list[str], args: list) -> int:
         """EVALSHA of the script; its integer reply."""
-        if self._writer is None:
-            await self._connect()
         frame = _resp([b"EVALSHA", self._sha, str(len(keys)).encode(), *(k.encode() for k in keys),
                        *(a if isinstance(a, bytes) else str(a).encode() for a in args)])
         try:
-            self._writer.write(frame)
-            return int(await self._reply())
-        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+            if self._proto is None or self._proto.closed:
+                await self._reconnect()
+            return int(await self._send(frame))
+        except (OSError, TimeoutError) as exc:
             self.close()
             raise ConnectionError(f"redis append connection: {exc}") from None
         except redis.ResponseError as exc:
@@ -155,22 +192,88 @@ class AppendPipe:
                 raise ConnectionError("redis lost the append script") from None
             raise
 
-    async def _reply(self) -> bytes:
-        line = await asyncio.wait_for(self._reader.readline(), self._timeout_s)
-        if not line:
-            raise ConnectionError("redis closed the connection")
-        kind, body = line[:1], line[1:-2]
-        if kind == b"-":
-            raise redis.ResponseError(body.decode(errors="replace"))
-        if kind == b"$":  # a bulk string (SCRIPT LOAD's sha)
-            n = int(body)
-            return b"" if n < 0 else (await self._reader.readexactly(n + 2))[:-2]
-        return body  # ":" integer or "+" simple string
+    def _send(self, frame: bytes) -> asyncio.Future:
+        proto = self._proto
+        fut = asyncio.get_running_loop().create_future()
+        if not proto.waiters:
+            proto.since = time.monotonic()
+        proto.waiters.append(fut)
+        proto.transport.write(frame)
+        return fut
+
+    def check_timeout(self) -> None:
+        """Fail the connection if its oldest command waits past the timeout (a hung Redis);
+        called by the committer's lease keeper, so a call needs no timer of its own."""
+        proto = self._proto
+        if proto is not None and proto.waiters and time.monotonic() - proto.since > self._timeout_s:
+            proto.timed_out()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        self._reader = self._writer = None
+        if self._proto is not None:
+            self._proto.close()
+        self._proto = None
+
+
+class _RespProtocol(asyncio.Protocol):
+    """Replies in order to the futures of the commands sent, parsed as they arrive: an integer,
+    a simple or bulk string, or an error (``redis.ResponseError``)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._buf = b""
+        self.closed = False
+        self.since = 0.0  # when the oldest command still waiting for its reply was sent (about)
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf + data if self._buf else data
+        pos = 0
+        while self.waiters:
+            end = buf.find(b"\r\n", pos)
+            if end < 0:
+                break
+            kind = buf[pos:pos + 1]
+            body = buf[pos + 1:end]
+            nxt = end + 2
+            if kind == b"$":  # a bulk string (SCRIPT LOAD's sha)
+                n = int(body)
+                if n >= 0:
+                    if len(buf) < nxt + n + 2:
+                        break
+                    body, nxt = buf[nxt:nxt + n], nxt + n + 2
+                else:
+                    body = b""
+            pos = nxt
+            fut = self.waiters.popleft()
+            self.since = time.monotonic()
+            if fut.done():
+                continue
+            if kind == b"-":
+                fut.set_exception(redis.ResponseError(body.decode(errors="replace")))
+            else:
+                fut.set_result(body)  # ":" integer, "+" simple string, "$" bulk
+        self._buf = buf[pos:]
+
+    def timed_out(self) -> None:
+        self._fail(TimeoutError("no reply from redis in time"))
+
+    def connection_lost(self, exc) -> None:
+        self._fail(ConnectionError(f"redis closed the connection ({exc})" if exc else "redis closed the connection"))
+
+    def _fail(self, exc: Exception) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_exception(exc)
+        self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
 
 
 def _resp(parts: list[bytes]) -> bytes:
@@ -196,6 +299,7 @@ class RedisLog:
         self.node_id = node_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.lease_ms = int(lease_ms)
         self.client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+        self._named = False
         self.keys = {k: prefix + k for k in ("lease", "epoch", "meta", "snapshot", "base", "journal")}
         self.token: str | None = None
         self._base_seen = 0  # the snapshot seq catch_up last saw
@@ -212,6 +316,14 @@ class RedisLog:
     # -- leadership -------------------------------------------------------------------------------
     def try_acquire(self) -> str | None:
         """Take the lease if nobody holds it; returns the fencing token (or None)."""
+        if not self._named:
+            # CLIENT LIST shows each kvstore process, leader or standby, by its node id (one of
+            # this client's connections; best effort: an ACL may deny CLIENT)
+            self._named = True
+            try:
+                self.client.client_setname(NODE_NAME_PREFIX + _printable(self.node_id))
+            except redis.ResponseError:
+                pass
         token = self._acquire(keys=[self.keys["lease"], self.keys["epoch"]], args=[self.node_id, self.lease_ms])
         self.token = token.decode() if token else None
         return self.token
@@ -232,6 +344,31 @@ class RedisLog:
     def holder(self) -> str | None:
         value = self.client.get(self.keys["lease"])
         return value.decode() if value else None
+
+    def connection_name(self, token: str | None = None) -> str | None:
+        """The CLIENT SETNAME of the connection a leader holding ``token`` (default: ours)
+        keeps open while it lives (its append pipe, reopened by its lease keeper)."""
+        token = token if token is not None else self.token
+        if not token:
+            return None
+        return _NAME_PREFIX + _printable(token)
+
+    def holder_connected(self, token: str) -> bool | None:
+        """Whether Redis has a connection of the leader holding ``token`` open. A SIGKILLed or
+        crashed-but-for-its-kernel process's connections close at once, long before its lease
+        runs out. None if this Redis does not list its clients (CLIENT renamed or denied)."""
+        try:
+            clients = self.client.client_list(_type="normal")
+        except redis.ResponseError:
+            return None
+        name = self.connection_name(token)
+        return any(c.get("name") == name for c in clients)
+
+    def depose(self, token: str) -> bool:
+        """Drop the lease if ``token`` still holds it (its holder is gone: ``holder_connected``).
+        Safe whatever the holder does next: every write it makes is checked against the lease
+        and is refused from now on (fencing)."""
+        return bool(self._resign(keys=[self.keys["lease"]], args=[token]))
 
     # -- journal ----------------------------------------------------------------------------------
     def append_args(self, first_seq: int, entries: list[bytes]) -> tuple[list, list]:
@@ -394,13 +531,17 @@ class Committer:
         self.snapshot_every = snapshot_every
         self.max_batch = max_batch
         self.client = aredis.Redis.from_url(log_.url, socket_timeout=5, socket_connect_timeout=2)
-        self._append = AppendPipe(log_.url, _APPEND)  # the hot path: raw RESP (see AppendPipe)
+        # the hot path, raw RESP (see AppendPipe); its connection carries the name standbys
+        # watch for (RedisLog.holder_connected) and is kept open by the lease keeper
+        self._append = AppendPipe(log_.url, _APPEND, name=log_.connection_name())
         self._snapshot = self.client.register_script(_SNAPSHOT)
         self._renew = self.client.register_script(_RENEW)
         self._queue: list[tuple[int, bytes | None]] = []  # (seq, entry); None = snapshot after seq
         self._wake = asyncio.Event()
         self.durable_seq = 0
-        self._waiters: dict[int, asyncio.Future] = {}
+        # [the highest seq its waiters need, future]: done once durable_seq reaches it
+        self._waiters: list[list] = []
+        self._taken = 0  # the highest seq taken into a batch (sent or being sent)
         self.lost = asyncio.Event()
         self._error: Exception | None = None
         self.lease_deadline = time.monotonic() + log_.lease_ms / 1000
@@ -422,14 +563,21 @@ class Committer:
         self._wake.set()
 
     def durable(self, seq: int):
-        """An awaitable that is done once entry ``seq`` is in Redis (None if it already is)."""
+        """An awaitable that is done once entry ``seq`` is in Redis (None if it already is).
+        Handlers whose entries are not sent yet share one future, the next batch's: one future
+        and one resolution per group commit, not per verb."""
         if self._error is not None:
             raise self._error
         if seq <= self.durable_seq:
             return None
-        fut = self._waiters.get(seq)
-        if fut is None:
-            fut = self._waiters[seq] = asyncio.get_running_loop().create_future()
+        waiters = self._waiters
+        if waiters and seq > self._taken and waiters[-1][0] > self._taken:
+            last = waiters[-1]  # its entries are not (all) sent yet: share it
+            if seq > last[0]:
+                last[0] = seq
+            return last[1]
+        fut = asyncio.get_running_loop().create_future()
+        waiters.append([seq, fut])
         return fut
 
     # -- background -------------------------------------------------------------------------------
@@ -453,6 +601,8 @@ class Committer:
                     break
                 batch.append(entry)
                 self._queue.pop(0)
+            if batch:
+                self._taken = max(self._taken, first + len(batch) - 1)
             try:
                 if snap:
                     await self._snapshot_now()
@@ -521,31 +671,39 @@ class Committer:
             raise _script_error(exc) from None
 
     def _advance(self, seq: int) -> None:
-        self.durable_seq = max(self.durable_seq, seq)
-        for s in [s for s in self._waiters if s <= self.durable_seq]:
-            fut = self._waiters.pop(s)
-            if not fut.done():
-                fut.set_result(None)
+        self.durable_seq = durable = max(self.durable_seq, seq)
+        self._taken = max(self._taken, durable)
+        if not self._waiters:
+            return
+        keep = []
+        for item in self._waiters:
+            if item[0] > durable:
+                keep.append(item)
+            elif not item[1].done():
+                item[1].set_result(None)
+        self._waiters = keep
 
     def _fail(self, exc: Exception) -> None:
         log.error("kvstore stops leading: %s", exc)
         self._error = exc
-        for fut in self._waiters.values():
+        for _, fut in self._waiters:
             if not fut.done():
                 fut.set_exception(exc)
-        self._waiters.clear()
+        self._waiters = []
         self.lost.set()
 
     async def _keep_lease(self) -> None:
         period = self.log.lease_ms / 3000
         while not self.lost.is_set():
             started = time.monotonic()
+            self._append.check_timeout()
             try:
                 ok = await self._renew(keys=[self.log.keys["lease"]], args=[self.log.token, self.log.lease_ms])
                 if not ok:
-                    self._fail(Fenced("kvstore: the Redis lease was taken over; retry"))
+                    self._fail(Fenced("kvstore: the Redis lease was taken over or ran out; retry"))
                     return
                 self.lease_deadline = started + self.log.lease_ms / 1000
+                await self._append.ensure_connected()
             except (redis.RedisError, OSError) as exc:
                 if time.monotonic() > self.lease_deadline:
                     self._fail(Fenced(f"kvstore: Redis unreachable past the lease ({exc}); retry"))

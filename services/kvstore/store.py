@@ -32,6 +32,7 @@ or a router). Reservation ids are 128 random bits: knowing one is the capability
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -120,6 +121,7 @@ class KVStore:
         self._by_request: dict[str, ReservationRecord] = {}
         self._tombstones: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (worker, incarnation)
         self._last_incarnation = self.epoch
+        self._next_lapse = math.inf  # no lease can lapse before this journal time (expire_leases)
         self.tick = 0
         self._matches = 0
         self._reservations_created = 0
@@ -139,6 +141,7 @@ class KVStore:
         self._last_incarnation += 1
         worker = WorkerRecord(spec, self._last_incarnation, self._clock() + self.lease_ttl_s)
         self._workers[spec.worker_id] = worker
+        self._next_lapse = min(self._next_lapse, worker.lease_deadline)
         self._events.flush()
         return self._info(worker)
 
@@ -289,6 +292,7 @@ class KVStore:
         self.expire_leases()
         worker = self._worker(worker_id, incarnation)
         worker.lease_deadline = self._clock() + self.lease_ttl_s
+        self._next_lapse = min(self._next_lapse, worker.lease_deadline)  # a clock that stepped back
         return self.lease_ttl_s
 
     def expire_leases(self) -> list[str]:
@@ -297,10 +301,15 @@ class KVStore:
         if not self._workers:
             return []
         now = self._clock()
+        if now < self._next_lapse:  # every verb calls this: most calls need not look at anyone
+            return []
         lapsed = [w for w in self._workers.values() if w.lease_deadline <= now]
         for worker in lapsed:
             self._drop_worker(worker)
             del self._workers[worker.worker_id]
+        # deadlines only move later (Heartbeat) or arrive with a registration (which lowers
+        # this), so the earliest one seen now bounds when anyone can lapse next
+        self._next_lapse = min((w.lease_deadline for w in self._workers.values()), default=math.inf)
         if lapsed:
             self._events.flush()
         return [w.worker_id for w in lapsed]

@@ -118,11 +118,11 @@ def test_redis_that_lost_acknowledged_writes_is_repaired_from_memory(redis_serve
 # ------------------------------------------------------------------------------------ failover
 
 
-def _kvstore(url: str, prefix: str, port: int) -> subprocess.Popen:
+def _kvstore(url: str, prefix: str, port: int, lease_ms: int = 600) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
         [sys.executable, "-m", "services.cli", "kvstore", "--backend", "redis", "--redis-url", url,
-         "--redis-prefix", prefix, "--redis-lease-ms", "600", "--port", str(port), "--lease-ttl-s", "30"],
+         "--redis-prefix", prefix, "--redis-lease-ms", str(lease_ms), "--port", str(port), "--lease-ttl-s", "30"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
 
@@ -173,6 +173,82 @@ def test_standby_takes_over_a_sigkilled_leader_with_the_exact_state(redis_server
         assert stub.CheckInvariants(pb.CheckInvariantsRequest(), timeout=2).ok
     finally:
         channel.close()
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_a_standby_deposes_a_leader_whose_connections_closed(redis_server):
+    """The leader names its connections after its lease; once Redis has none of them (a killed
+    process's sockets close at once) a standby may drop the lease without waiting it out, and
+    the deposed leader's writes are fenced from then on."""
+    import redis as redis_py
+
+    prefix = unique_prefix()
+    leader, standby = (RedisLog(redis_server.url, prefix=prefix, lease_ms=60_000) for _ in range(2))
+    try:
+        token = leader.try_acquire()
+        named = redis_py.Redis.from_url(redis_server.url, client_name=leader.connection_name())
+        named.ping()
+        assert standby.holder() == token and standby.holder_connected(token) is True
+        named.close()
+        end = time.monotonic() + 5
+        while standby.holder_connected(token) and time.monotonic() < end:
+            time.sleep(0.02)
+        assert standby.holder_connected(token) is False
+        assert not standby.depose("1:someone-else") and standby.holder() == token  # only the holder seen
+        assert standby.depose(token) and standby.try_acquire().startswith("2:")
+        with pytest.raises(Fenced):
+            leader.append(1, [b"x"])
+    finally:
+        leader.wipe(), leader.close(), standby.close()
+
+
+def test_without_client_list_a_standby_waits_for_the_lease(redis_server):
+    """A Redis whose ACL denies CLIENT LIST gives no answer (None): the lease alone decides."""
+    import redis as redis_py
+
+    admin = redis_py.Redis.from_url(redis_server.url)
+    admin.execute_command("ACL", "SETUSER", "nolist", "on", ">pw", "~*", "&*", "+@all", "-client")
+    host_port = redis_server.url.split("//", 1)[1]
+    log = RedisLog(f"redis://nolist:pw@{host_port}", prefix=unique_prefix(), lease_ms=60_000)
+    try:
+        assert log.try_acquire() and log.holder_connected(log.token) is None
+    finally:
+        log.wipe(), log.close()
+        admin.execute_command("ACL", "DELUSER", "nolist"), admin.close()
+
+
+def test_a_sigkilled_leader_is_replaced_before_its_lease_runs_out(redis_server):
+    import redis as redis_py
+
+    prefix, ports = unique_prefix(), [free_port(), free_port()]
+    procs = [_kvstore(redis_server.url, prefix, p, lease_ms=20_000) for p in ports]
+    channel = grpc.insecure_channel(grpc_target(",".join(f"127.0.0.1:{p}" for p in ports)), options=FAILOVER_OPTIONS)
+    stub = kvstore_pb2_grpc.KVStoreStub(channel)
+    client = redis_py.Redis.from_url(redis_server.url)
+    try:
+        _until(lambda: stub.Stats(pb.StatsRequest(), timeout=2), 60)
+        names = lambda: [c["name"] for c in client.client_list() if c["name"].startswith("tandem-kv-node:")]  # noqa: E731
+        end = time.monotonic() + 60
+        while len(names()) < 2 and time.monotonic() < end:  # the standby is up
+            time.sleep(0.1)
+        leader = next(i for i, p in enumerate(procs) if _listening(ports[i]))
+        lease_left_s = client.pttl(prefix + "lease") / 1000
+        assert lease_left_s > 10
+        killed = time.monotonic()
+        procs[leader].send_signal(signal.SIGKILL)
+        procs[leader].wait(5)
+        _until(lambda: stub.Stats(pb.StatsRequest(), timeout=1), 30)
+        assert time.monotonic() - killed < lease_left_s  # the lease was not waited out
+        assert client.get(prefix + "lease").startswith(b"2:")
+    finally:
+        channel.close(), client.close()
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -288,3 +364,47 @@ def test_a_warm_standby_copy_catches_up_to_exactly_what_a_load_gives(redis_serve
     assert warm.store.view().reservations() == full.store.view().reservations() == store.store.view().reservations()
     assert warm.stats() == full.stats()
     log.wipe(), log.close(), standby.close()
+
+
+def test_a_takeover_keeps_its_lease_while_the_warm_copy_is_still_loading(redis_server):
+    """The warm copy's step in flight (a replica build: seconds on a loaded machine) may outlast
+    the lease; the new leader renews its lease meanwhile instead of losing it."""
+    import asyncio
+
+    from services.kvstore.leader import Leadership
+    from services.kvstore.server import start_kvstore
+    from services.kvstore.settings import KVStoreSettings
+
+    prefix = unique_prefix()
+    holder = RedisLog(redis_server.url, prefix=prefix, lease_ms=300)
+    settings = KVStoreSettings(backend="redis", redis_url=redis_server.url, redis_prefix=prefix, redis_lease_ms=300,
+                               port=0)
+
+    async def start(settings, store):
+        server, _ = await start_kvstore(settings, store=store)
+        return server
+
+    async def scenario():
+        assert holder.try_acquire()
+        holder.load(ARGS)  # a journal exists: the standby builds a warm copy of it
+        leadership = Leadership(settings, start_server=start)
+        real = leadership._keep_warm
+
+        def slow_warm():
+            real()
+            time.sleep(1.0)  # three leases long
+
+        leadership._keep_warm = slow_warm
+        running = asyncio.ensure_future(leadership.run())
+        await asyncio.sleep(0.2)  # its warm step is in flight
+        holder.resign()
+        await asyncio.wait_for(leadership.leading.wait(), 10)
+        await asyncio.sleep(1.0)  # past three leases
+        assert leadership.leading.is_set() and leadership.log.holder() == leadership.log.token
+        leadership.stop.set()
+        await asyncio.wait_for(running, 10)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        holder.wipe(), holder.close()
