@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Protocol
 
 import grpc
 
@@ -232,17 +233,27 @@ class KVStoreLink:
         return list(self._call(self._stub.Trim, kv.TrimRequest(items=items)).results)
 
 
+class ReservationRef(Protocol):
+    """What a binding must have: the reservation's id and its current incarnation."""
+
+    reservation_id: str
+    incarnation: int
+
+
 class ReservationBlockSource:
-    """``BlockSource`` over kvstore Extend/Trim: request id → (reservation id, incarnation).
+    """``BlockSource`` over kvstore Extend/Trim: request id → its reservation.
 
     ``bind``/``unbind`` are called by the engine thread when a request joins or leaves; the engine
-    calls ``extend``/``trim`` at most once each per step.
+    calls ``extend``/``trim`` at most once each per step. A binding is the request's own record
+    (the runner's ``Job``: anything with ``reservation_id`` and ``incarnation``), read when a
+    call is sent, not copied: a reservation re-created under a new incarnation (kvstore restart)
+    is named by its new one in every call queued after the owner updated it.
     """
 
     def __init__(self, link: KVStoreLink, courier: KVStoreCourier, *, step_wait_s: float = 1.0):
         self._link = link
         self._courier = courier
-        self._bound: dict[str, list] = {}  # request id -> [reservation id, incarnation] (mutable)
+        self._bound: dict[str, ReservationRef] = {}  # request id -> its owner's record
         self.step_wait_s = step_wait_s  # longest a step waits for its own Extend
         self.pending: set[str] = set()  # requests whose step Extend answers late (see extend)
         # Set by the runner: every table the kvstore hands out passes through on_table (its own
@@ -250,22 +261,15 @@ class ReservationBlockSource:
         self.on_table = None
         self.on_late = None
 
-    def bind(self, request_id: str, reservation_id: str, incarnation: int) -> None:
-        self._bound[request_id] = [reservation_id, incarnation]
-
-    def rebind(self, request_id: str, incarnation: int) -> None:
-        """The reservation was re-created under a new incarnation (kvstore restart): calls still
-        queued for it are sent with the new one."""
-        binding = self._bound.get(request_id)
-        if binding is not None:
-            binding[1] = incarnation
+    def bind(self, request_id: str, binding: ReservationRef) -> None:
+        self._bound[request_id] = binding
 
     def unbind(self, request_id: str) -> None:
         self._bound.pop(request_id, None)
 
     def reservation(self, request_id: str) -> tuple[str, int]:
-        reservation_id, incarnation = self._bound[request_id]
-        return reservation_id, incarnation
+        binding = self._bound[request_id]
+        return binding.reservation_id, binding.incarnation
 
     def _items(self, wants: dict[str, int]):
         """(request ids, a function building the items when the call is sent): the incarnation
@@ -275,7 +279,7 @@ class ReservationBlockSource:
         caps = [wants[rid] for rid in rids]
 
         def items() -> list[kv.CapacityItem]:
-            return [kv.CapacityItem(reservation_id=b[0], incarnation=b[1], capacity_positions=c)
+            return [kv.CapacityItem(reservation_id=b.reservation_id, incarnation=b.incarnation, capacity_positions=c)
                     for b, c in zip(bindings, caps)]
 
         return rids, items

@@ -354,7 +354,7 @@ class EngineRunner:
                 job.incarnation = 0  # its reservation died with the kvstore's memory: nothing to end
                 # FAILED_PRECONDITION: the router reserves again (this worker is not broken)
                 raise FailedPrecondition("the kvstore restarted after this request was reserved; reserve again")
-            self.source.bind(rid, job.reservation_id, job.incarnation)
+            self.source.bind(rid, job)
             self.engine.add_request(job.spec)
         except Exception as exc:
             self.source.unbind(rid)
@@ -582,8 +582,7 @@ class EngineRunner:
                 job.incarnation = 0
                 self._fail(rid, Unavailable("the kvstore restarted and could not take this request back"))
                 continue
-            job.incarnation = incarnation
-            self.source.rebind(rid, incarnation)
+            job.incarnation = incarnation  # the block source reads it from the job: calls queued now name it
             job.published_blocks = r.published_blocks
             try:  # the kvstore may have deduplicated final blocks, as a Publish does
                 self.engine.remap_blocks(rid, list(r.block_table))
