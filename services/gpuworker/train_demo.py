@@ -19,7 +19,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import sys
 import sysconfig
 import time

@@ -132,6 +132,16 @@ def spawn_worker_process(kv_address: str, worker_id: str, **flags) -> subprocess
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
+def wait_registered(suite, worker_id: str, proc: subprocess.Popen | None = None, timeout_s: float = 60.0) -> None:
+    """Until worker ``worker_id`` is in the kvstore's registry (fails if its process ``proc``,
+    when given, exits first)."""
+    end = time.monotonic() + timeout_s
+    while not any(w.worker_id == worker_id for w in suite.kv.stub.ListWorkers(kv_pb.ListWorkersRequest(), timeout=TIMEOUT).workers):
+        assert proc is None or proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < end, "worker did not register"
+        time.sleep(0.1)
+
+
 def stream_a_few_tokens(suite, tokens: int = 4):
     """A long request, read until ``tokens`` arrived; the call stays open (cancel it)."""
     call = suite.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)

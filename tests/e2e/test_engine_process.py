@@ -14,9 +14,8 @@ import pytest
 from services.common.metrics import ServiceMetrics
 from services.gpuworker.server import start_worker
 from services.gpuworker.settings import WorkerSettings
-from suite_rig import LONG_PREFIX, PROCESS_STARTUP_TIMEOUT, TIMEOUT, spawn_worker_process, stream_a_few_tokens
+from suite_rig import LONG_PREFIX, PROCESS_STARTUP_TIMEOUT, TIMEOUT, spawn_worker_process, stream_a_few_tokens, wait_registered
 from tandem.common.v1 import common_pb2
-from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
 from tandem.router.v1 import router_pb2
 from tandem.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -59,10 +58,7 @@ def test_an_engine_process_answers_exactly_what_an_engine_thread_does(suite):
     suite.workers.remove(threaded)
     separate = suite.add_worker("process", engine_process=True)
     assert _engine(separate).facts is not None  # the process said it was ready before SERVING
-    end = time.monotonic() + TIMEOUT
-    while not [w for w in suite.kv.stub.ListWorkers(kv_pb.ListWorkersRequest(), timeout=TIMEOUT).workers if w.worker_id == "process"]:
-        assert time.monotonic() < end
-        time.sleep(0.05)
+    wait_registered(suite, "process", timeout_s=TIMEOUT)
     for k in (0, 3):
         first, _, u1 = suite.generate(prompt, max_new_tokens=24, num_draft_tokens=k)
         second, _, u2 = suite.generate(prompt, max_new_tokens=24, num_draft_tokens=k)
@@ -160,11 +156,7 @@ def test_a_dead_engine_process_fails_its_streams_and_stops_the_worker(suite):
 def test_the_engine_process_does_not_outlive_a_killed_worker(suite):
     proc = spawn_worker_process(suite.kv.address, "doomed", engine_process=True)
     try:
-        end = time.monotonic() + 60
-        while not any(w.worker_id == "doomed" for w in suite.kv.stub.ListWorkers(kv_pb.ListWorkersRequest(), timeout=TIMEOUT).workers):
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            assert time.monotonic() < end, "worker did not register"
-            time.sleep(0.1)
+        wait_registered(suite, "doomed", proc)
         children = _children(proc.pid)
         assert children, "the worker has no engine process"
         proc.send_signal(signal.SIGKILL)

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import signal
-import time
 
 import grpc
 import pytest
 
-from suite_rig import LONG_PREFIX, TIMEOUT, spawn_worker_process, stream_a_few_tokens
-from tandem.kvstore.v1 import kvstore_pb2 as kv_pb
+from suite_rig import LONG_PREFIX, TIMEOUT, spawn_worker_process, stream_a_few_tokens, wait_registered
 from tandem.router.v1 import router_pb2
 
 
@@ -158,11 +156,7 @@ def test_worker_killed_mid_request(suite):
     killed worker's lease lapses the kvstore holds nothing of it and its invariants hold."""
     proc = spawn_worker_process(suite.kv.address, "doomed")
     try:
-        end = time.monotonic() + 60
-        while not any(w.worker_id == "doomed" for w in suite.kv.stub.ListWorkers(kv_pb.ListWorkersRequest(), timeout=TIMEOUT).workers):
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            assert time.monotonic() < end, "worker did not register"
-            time.sleep(0.1)
+        wait_registered(suite, "doomed", proc)
         suite.add_router()
         call = suite.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text=LONG_PREFIX, max_new_tokens=1500), timeout=TIMEOUT)
         first = next(call)
@@ -190,11 +184,7 @@ def test_worker_killed_before_first_token_is_retried_elsewhere(suite):
     an error: every request lands on the healthy worker, and nothing leaks."""
     proc = spawn_worker_process(suite.kv.address, "dead")
     try:
-        end = time.monotonic() + 60
-        while not any(w.worker_id == "dead" for w in suite.kv.stub.ListWorkers(kv_pb.ListWorkersRequest(), timeout=TIMEOUT).workers):
-            assert proc.poll() is None
-            assert time.monotonic() < end
-            time.sleep(0.1)
+        wait_registered(suite, "dead", proc)
         suite.add_worker("alive")
         # no load or reuse preference: the seeded tie-break sends some requests to "dead" first
         suite.add_router(policy_beta=0.0, policy_gamma=0.0, policy_seed=1, failed_worker_cooldown_s=0.0)
