@@ -16,7 +16,6 @@ _FRAME = re.compile(r"^(.*) \((.*?):\d+\)$")
 
 def summarize(path: Path, top: int, thread: str = "") -> str:
     """``thread``: only stacks whose thread label contains it (e.g. the engine thread's name)."""
-    thread_filter = thread
     threads, selfs, incl = collections.Counter(), collections.Counter(), collections.Counter()
     total = 0
     for line in path.read_text().splitlines():
@@ -25,15 +24,15 @@ def summarize(path: Path, top: int, thread: str = "") -> str:
             continue
         n = int(count)
         frames = stack.split(";")
-        thread = frames[0]
-        if thread_filter and thread_filter not in thread:
+        label = frames[0]
+        if thread and thread not in label:
             continue
         names = []
         for f in frames[1:]:
             m = _FRAME.match(f)
             names.append(f"{m.group(1)} ({m.group(2)})" if m else f)
         total += n
-        threads[thread] += n
+        threads[label] += n
         if names:
             selfs[names[-1]] += n
         for name in set(names):

@@ -174,23 +174,10 @@ class KVStoreLink:
 
     # -- reservation verbs ------------------------------------------------------------------------
 
-    def publish(self, reservation_id: str, incarnation: int, new_tokens, final_positions: int,
-                known_tokens: int = 0) -> kv.PublishResponse:
-        """``known_tokens``: what the kvstore holds before ``new_tokens`` (makes a resend safe)."""
-        return self._call(
-            self._stub.Publish,
-            kv.PublishRequest(
-                reservation_id=reservation_id,
-                incarnation=incarnation,
-                new_tokens=tokens_to_proto(new_tokens),
-                final_positions=final_positions,
-                known_tokens=known_tokens,
-            ),
-        )
-
     def publish_many(self, items: list[tuple[str, int, list[int], int, int]]) -> list[kv.PublishResponse | TandemError]:
         """One PublishMany of ``items`` (reservation id, incarnation, new tokens, final positions,
-        known tokens: the arguments of :meth:`publish`): per item its answer, or its error as a
+        known tokens — ``known_tokens`` is what the kvstore holds before the new ones, which makes a
+        resend safe): per item its answer, or its error as a
         typed domain error. A call
         whose every item failed NOT_FOUND / FAILED_PRECONDITION raises that error instead, as a
         lone Publish would: the courier then asks whether the kvstore forgot this worker (a

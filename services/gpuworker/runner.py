@@ -71,8 +71,7 @@ class Job:
 class _Publish:
     """One request's Publish of a step, waiting to go out in that step's PublishMany."""
 
-    job: Job
-    reservation_id: str
+    job: Job  # its reservation id and incarnation are read when the call is sent
     new_tokens: list[int]
     final: int
     known: int
@@ -398,16 +397,13 @@ class EngineRunner:
         new_tokens = job.tokens[known:]
         job.known_tokens = len(job.tokens)
         job.publish_sent_blocks = blocks
-        rid, res_id, final = job.spec.request_id, job.reservation_id, result.publishable_positions
-        table = self.engine.state(rid).block_table
+        table = self.engine.state(job.spec.request_id).block_table
         self.ledger.published(job.cache_salt, job.tokens, table[:blocks])
         # the blocks this Publish may free (deduplicate): those it publishes that the kvstore
         # has not confirmed yet
         at_risk = table[job.published_blocks : blocks]
         self._publishing.add(at_risk)
-        # a Publish may free our copy of a deduplicated block: after the step that wrote it.
-        # The incarnation is read when it is sent: a kvstore restart may have renewed it.
-        self._step_publishes.append(_Publish(job, res_id, new_tokens, final, known, at_risk))
+        self._step_publishes.append(_Publish(job, new_tokens, result.publishable_positions, known, at_risk))
 
     def _send_publishes(self) -> None:
         """One PublishMany for the Publishes of the step just run (before its ahead-of-need
@@ -422,7 +418,7 @@ class EngineRunner:
             # (0: the reservation died with the kvstore's memory, nothing to publish)
             live = [p for p in batch if p.job.incarnation]
             answers = self.link.publish_many(
-                [(p.reservation_id, p.job.incarnation, p.new_tokens, p.final, p.known) for p in live]) if live else []
+                [(p.job.reservation_id, p.job.incarnation, p.new_tokens, p.final, p.known) for p in live]) if live else []
             by_publish = dict(zip(map(id, live), answers))
             return [by_publish.get(id(p)) for p in batch]
 

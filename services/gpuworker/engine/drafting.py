@@ -198,12 +198,18 @@ class DraftRunner:
             query_lens=[hi - lo for _, lo, hi, _ in run],
         )
 
+    @staticmethod
+    def _drafts_now(job: FillJob, hi: int) -> bool:
+        """The job proposes now: it fills up to the newest token's position (a decoding request
+        right after its verify) and wants proposals."""
+        return job.wanted > 0 and hi == job.state.target_len == job.state.logical_len - 1
+
     def _drafting(self, run) -> tuple[list[int], torch.Tensor]:
         """Indices (into ``run``) of drafting jobs and their last rows in the flattened batch."""
         idx, rows, end = [], [], 0
         for b, (job, lo, hi, _) in enumerate(run):
             end += hi - lo
-            if job.wanted > 0 and hi == job.state.target_len == job.state.logical_len - 1:
+            if self._drafts_now(job, hi):
                 idx.append(b)
                 rows.append(end - 1)
         return idx, torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -248,10 +254,8 @@ class DraftRunner:
             return [], run, 0
         padded, ragged = [], []
         for item in run:
-            job, lo, hi, _ = item
-            s = job.state
-            drafting = job.wanted > 0 and hi == s.target_len == s.logical_len - 1
-            (padded if drafting else ragged).append(item)
+            job, _, hi, _ = item
+            (padded if self._drafts_now(job, hi) else ragged).append(item)
         if not padded:
             return [], run, 0
         q = max(hi - lo for _, lo, hi, _ in padded)
