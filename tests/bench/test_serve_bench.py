@@ -43,6 +43,15 @@ def test_level_stats_counts_each_token_of_a_message_once():
     assert s["tokens_per_msg"] == pytest.approx(3.0) and s["hit_rate"] == pytest.approx(0.5)
 
 
+def test_step_stats_are_the_counters_moved_over_the_level():
+    before = {"steps": 10.0, "step_s": 0.5, "tokens": 100.0}
+    after = {"steps": 30.0, "step_s": 0.9, "tokens": 180.0}
+    s = sb.step_stats(before, after, wall_s=0.5)
+    assert s["steps"] == 20 and s["step_ms_mean"] == pytest.approx(20.0)
+    assert s["tokens_per_step"] == pytest.approx(4.0) and s["in_step_share"] == pytest.approx(0.8)
+    assert sb.step_stats({}, after, wall_s=0.5) == {}  # no metrics endpoint: nothing claimed
+
+
 def test_engine_alone_forced_acceptance_on_a_transformers_model(tmp_path):
     args = sb.parse_args([*QUICK, "--accept", "3"])
     facts = sb.build_model("tiny-cpu", tmp_path, "cpu", seed=0)
@@ -54,3 +63,6 @@ def test_engine_alone_forced_acceptance_on_a_transformers_model(tmp_path):
     assert row["failed"] == 0 and row["tokens"] == 3 * 16
     assert row["tokens_per_msg"] == pytest.approx(15 / 4)  # 1 after prefill, then 4, 4, 4, 3
     assert row["hit_rate"] == pytest.approx(16 / 64)  # 32 shared tokens, span 1: one whole block
+    # the step counters cover every streamed token, and the steps took part of the level's wall
+    assert row["steps"] > 0 and row["tokens_per_step"] * row["steps"] == pytest.approx(row["tokens"])
+    assert 0 < row["in_step_share"] <= 1
