@@ -40,7 +40,7 @@ from typing import Any
 
 from services.common.errors import TandemError
 
-from .journal_codec import EntryError, bind, decode, encode, outcome, reservation_id
+from .journal_codec import PICKLE_PROTOCOL, EntryError, bind, decode, encode, outcome, reservation_id
 from .store import KVStore
 
 # Verbs that may change state, with the arguments that describe them. Every public method of
@@ -53,7 +53,6 @@ READ_ONLY = frozenset(
     {"list_workers", "match", "get_reservation", "reservation_prompt", "reservation_salt", "ending_for", "stats", "check_invariants",
      "events_since", "view", "subscribe"}
 )
-PICKLE_PROTOCOL = 5
 # Bump when entries or snapshots change meaning: snapshots are the core's object graph, so a
 # kvstore of another format must not load them (RedisLog.load refuses with what to do).
 # 2: entries in ``journal_codec``'s compact encoding (1 pickled them).
@@ -206,12 +205,7 @@ class JournaledStore:
         if store is not None:
             store._new_id = journaled._new_id
         journaled.last_time = last_time
-        for entry_seq, raw in entries:
-            if entry_seq <= journaled.seq:
-                continue  # covered by the snapshot
-            if entry_seq != journaled.seq + 1:
-                raise JournalDiverged(f"journal gap: entry {entry_seq} follows {journaled.seq}")
-            journaled._replay(raw)
+        journaled.catch_up(entries)  # entries the snapshot covers are skipped
         clock.resume(journaled.last_time)
         journaled.sink = sink
         return journaled

@@ -362,12 +362,11 @@ def decode(raw: bytes) -> tuple[str, float, dict | None, tuple, str | None]:
     rid = texts.pop() if verb in ("reserve", "reserve_first") else None
     kw = dict(zip(text_names, texts))
     kw.update(zip(blob_names, blobs))
+    ints = [None if v == NONE_INT else v for v in ints]
     if verb == "extend" or verb == "trim":
         kind = _ITEM_TYPES[verb]
-        ints = [None if v == NONE_INT else v for v in ints]
         kw["items"] = [kind(texts[1 + i], ints[2 * i], ints[2 * i + 1]) for i in range(len(texts) - 1)]
     else:
-        ints = [None if v == NONE_INT else v for v in ints]
         kw.update(zip(int_names, ints))
         if verb == "reserve_first":
             kw["candidates"] = list(zip(texts[1:], ints[len(int_names):]))

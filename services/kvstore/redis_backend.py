@@ -477,10 +477,12 @@ class RedisLog:
         stored = pickle.loads(meta) if meta is not None else None
         if not isinstance(stored, dict) or stored.get("format") != FORMAT:
             raise JournalFormatError(f"no kvstore journal of format {FORMAT} under {self.prefix!r}")
-        return JournaledStore.recover(stored["store_args"], snapshot, self._entries(int(base or 0)))
+        self._base_seen = int(base or 0)  # what ``catch_up`` of this copy starts from
+        return JournaledStore.recover(stored["store_args"], snapshot, self._entries(self._base_seen))
 
-    def _entries(self, base: int, start: int = 0):
-        """(seq, entry) of the journal after ``base`` (from list index ``start``), in chunks."""
+    def _entries(self, base: int):
+        """(seq, entry) of the journal after ``base``, in chunks."""
+        start = 0
         while True:
             chunk = self.client.lrange(self.keys["journal"], start, start + _LOAD_CHUNK - 1)
             for i, raw in enumerate(chunk):
