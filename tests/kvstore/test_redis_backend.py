@@ -20,7 +20,7 @@ from services.common.spec import SpecMode
 from services.common.wire import tokens_to_proto
 from services.kvstore import KVStore, WorkerSpec
 from services.kvstore.journal import MUTATING, READ_ONLY, JournalDiverged, JournaledStore
-from services.kvstore.redis_backend import Fenced, RedisLog
+from services.kvstore.redis_backend import NODE_NAME_PREFIX, Fenced, RedisLog
 from tandem.kvstore.v1 import kvstore_pb2 as pb
 from tandem.kvstore.v1 import kvstore_pb2_grpc
 from tests.redis_server import free_port, unique_prefix
@@ -173,14 +173,7 @@ def test_standby_takes_over_a_sigkilled_leader_with_the_exact_state(redis_server
         assert stub.CheckInvariants(pb.CheckInvariantsRequest(), timeout=2).ok
     finally:
         channel.close()
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
 
 
 def test_a_standby_deposes_a_leader_whose_connections_closed(redis_server):
@@ -234,9 +227,9 @@ def test_a_sigkilled_leader_is_replaced_before_its_lease_runs_out(redis_server):
     client = redis_py.Redis.from_url(redis_server.url)
     try:
         _until(lambda: stub.Stats(pb.StatsRequest(), timeout=2), 60)
-        names = lambda: [c["name"] for c in client.client_list() if c["name"].startswith("tandem-kv-node:")]  # noqa: E731
-        end = time.monotonic() + 60
-        while len(names()) < 2 and time.monotonic() < end:  # the standby is up
+        end = time.monotonic() + 60  # the standby is up: both nodes hold their named Redis connection
+        while len([c for c in client.client_list() if c["name"].startswith(NODE_NAME_PREFIX)]) < 2:
+            assert time.monotonic() < end, "the standby never connected to Redis"
             time.sleep(0.1)
         leader = next(i for i, p in enumerate(procs) if _listening(ports[i]))
         lease_left_s = client.pttl(prefix + "lease") / 1000
@@ -249,14 +242,19 @@ def test_a_sigkilled_leader_is_replaced_before_its_lease_runs_out(redis_server):
         assert client.get(prefix + "lease").startswith(b"2:")
     finally:
         channel.close(), client.close()
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
+
+
+def _stop(procs) -> None:
+    """SIGTERM every kvstore process still running, then wait (SIGKILL one that hangs)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def _listening(port: int) -> bool:
