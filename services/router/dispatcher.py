@@ -199,23 +199,20 @@ class AllCoolingDown(Unavailable):
 async def _with_idle_timeout(call, idle_s: float):
     """The messages of a server stream; UNAVAILABLE (as a worker failure) when none comes for
     ``idle_s`` seconds — a frozen worker (SIGSTOP) keeps its connection open, keepalive may not
-    notice, and the client's deadline can be minutes away. One timer per stream, re-armed per
-    message and disarmed while the consumer handles it (``wait_for`` per message made a task per
-    token on Python 3.11: a measurable share of the router's CPU at 64 streams)."""
+    notice, and the client's deadline can be minutes away. A timeout scope around each wait
+    only (not a task: ``wait_for`` made a task per token on Python 3.11), entered by whichever
+    task asks for the next message — with ``n`` samples a stream moves between tasks, and a
+    scope held across ``yield`` would cancel the task that entered it, not the one waiting."""
     it = call.__aiter__()
-    loop = asyncio.get_running_loop()
-    try:
-        async with asyncio.timeout(None) as idle:
-            while True:
-                idle.reschedule(loop.time() + idle_s)
-                try:
-                    msg = await it.__anext__()
-                except StopAsyncIteration:
-                    return
-                idle.reschedule(None)  # only the wait for the worker counts
-                yield msg
-    except TimeoutError:
-        raise _WorkerFailed("UNAVAILABLE", f"the worker sent nothing for {idle_s:g} s (idle timeout)") from None
+    while True:
+        try:
+            async with asyncio.timeout(idle_s):
+                msg = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise _WorkerFailed("UNAVAILABLE", f"the worker sent nothing for {idle_s:g} s (idle timeout)") from None
+        yield msg
 
 
 def _kv_error(verb: str, err: grpc.aio.AioRpcError) -> Exception:

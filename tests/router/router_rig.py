@@ -45,6 +45,7 @@ class Script:
     fail_before_first: bool = False
     fail_after: int | None = None  # UNAVAILABLE after this many tokens
     delay_s: float = 0.0  # before each token
+    stall_after: int | None = None  # after this many tokens, send nothing more (a frozen worker)
     max_draft_tokens: int = 8  # what Info says the worker accepts
 
     def token(self, i: int) -> int:
@@ -100,6 +101,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
                         pass
                 if stop.is_set():
                     await context.abort(grpc.StatusCode.CANCELLED, "aborted by Worker.Abort")
+                if self.script.stall_after is not None and i == self.script.stall_after:
+                    await stop.wait()  # until Worker.Abort or the router cancels the call
                 if self.script.fail_after is not None and i == self.script.fail_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"scripted failure after {i} tokens")
                 generated.append(self.script.token(i))
