@@ -59,19 +59,6 @@ def prompts(seed: int, n: int, length: int) -> list[list[int]]:
     return [[rng.randrange(32, 127) for _ in range(length)] for _ in range(n)]
 
 
-def sse_events(lines) -> list[dict]:
-    """The JSON events of SSE ``lines`` up to ``data: [DONE]`` (pure; for tests)."""
-    out = []
-    for line in lines:
-        if not line.startswith("data: "):
-            continue
-        data = line[len("data: "):]
-        if data == "[DONE]":
-            break
-        out.append(json.loads(data))
-    return out
-
-
 @dataclass
 class Sent:
     """One request as the client saw it: ``time.monotonic()`` when sent and at its first token (the
@@ -241,7 +228,7 @@ def stage_times(sent: list[Sent], trace: dict[str, dict]) -> dict[str, list[floa
         t = line | {"t_sent": s.t_sent, "t_first": s.t_first}
         for name, (start, end) in STAGES.items():
             out[name].append(t[end] - t[start])
-        out["front overhead"].append(s.ttft - (t["first_event"] - t["dispatch"]))
+        out["front overhead"].append(s.ttft - out[WORKER_STAGE][-1])
     return out
 
 

@@ -12,21 +12,18 @@ first token (capacity, no worker, bad prompt) as an error status, not mid-stream
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 from services.router.dispatcher import Completion, TextDelta
 
 
-async def first_events(streams: list[AsyncIterator],
-                       guard: Callable[[Awaitable], Awaitable] | None = None) -> list:
-    """The first event of every stream (see the module docstring); ``guard`` wraps each wait
-    (the HTTP front cancels it when its client disconnects). On any failure every stream is
-    closed and the error raised."""
-    wait = guard or (lambda aw: aw)
+async def first_events(streams: list[AsyncIterator]) -> list:
+    """The first event of every stream (see the module docstring). On any failure every stream
+    is closed and the error raised."""
     try:
-        firsts = [await wait(anext(streams[0]))]
+        firsts = [await anext(streams[0])]
         if len(streams) > 1:
-            rest = await wait(asyncio.gather(*(anext(s) for s in streams[1:]), return_exceptions=True))
+            rest = await asyncio.gather(*(anext(s) for s in streams[1:]), return_exceptions=True)
             for r in rest:
                 if isinstance(r, BaseException):
                     raise r

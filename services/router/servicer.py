@@ -95,7 +95,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         async for index, event in events:
             if stamps is not None:
                 stamps.mark("first_event")
-            logprobs = logprobs_to_proto(event.logprobs)
+            logprobs = logprobs_to_proto(event.logprobs) if event.logprobs else None  # per token: skip when not asked
             if isinstance(event, Completion):
                 u = event.usage
                 response = pb.GenerateResponse(

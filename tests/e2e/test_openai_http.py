@@ -259,7 +259,9 @@ def test_http_generations_count_in_the_router_metrics(suite):
     body = {"model": MODEL, "prompt": LONG_PREFIX, "max_tokens": 1500, "temperature": 0}
     _raw_stream_then_drop(suite.router.payload.http_url, body | {"stream": True}, "any", events=2)
     sock = _send_raw(suite.router.payload.http_url, body, "any")
+    end = time.monotonic() + TIMEOUT
     while suite.stats().live_reservations == 0:
+        assert time.monotonic() < end, "the whole-answer request never got a reservation"
         time.sleep(0.01)
     sock.close()
     deadline = time.monotonic() + TIMEOUT
@@ -293,7 +295,9 @@ def test_client_that_hangs_up_before_its_first_token_cancels_the_wait(suite):
     body = {"model": MODEL, "prompt": "waiting", "max_tokens": 4, "temperature": 0, "stream": True}
     sock = _send_raw(suite.router.payload.http_url, body, "any")
     samples = scrape(SimpleNamespace(port=port))
+    end = time.monotonic() + TIMEOUT
     while value(samples, "tandem_router_in_flight_requests") == 0:
+        assert time.monotonic() < end, "the request never reached the router"
         time.sleep(0.01)
         samples = scrape(SimpleNamespace(port=port))
     time.sleep(0.2)  # waiting for a worker

@@ -29,7 +29,7 @@ from starlette.routing import Route
 from services.common.auth import bearer_token
 from services.common.chat_template import ChatTemplate, load_chat_template, normalize_messages
 from services.common.errors import TandemError, Unavailable
-from services.router.dispatcher import Completion, Dispatcher, TextDelta
+from services.router.dispatcher import Completion, Dispatcher
 from services.router.front_trace import FrontTrace, Stamps, prompt_key
 from services.router.http.errors import ModelNotFound, RequestError, http_error
 from services.router.http.schema import ChatCompletionRequest, CompletionRequest, parse
@@ -40,13 +40,16 @@ from services.router.tenants import Tenant, TenantRegistry
 log = logging.getLogger(__name__)
 
 
+def _dumps(body: dict) -> str:
+    return json.dumps(body, separators=(",", ":"))  # compact: what every answer and event is
+
 
 def _json(status: int, body: dict) -> Response:
-    return Response(json.dumps(body, separators=(",", ":")), status_code=status, media_type="application/json")
+    return Response(_dumps(body), status_code=status, media_type="application/json")
 
 
 def _sse(body: dict) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+    return f"data: {_dumps(body)}\n\n"
 
 
 def usage_body(usage) -> dict:
@@ -110,7 +113,7 @@ _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache
 
 
 async def _send_json(send, status: int, body: dict) -> None:
-    data = json.dumps(body, separators=(",", ":")).encode()
+    data = _dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [*_JSON_HEADERS, (b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data, "more_body": False})
