@@ -356,6 +356,9 @@ class Dispatcher:
                 call.cancel()
             if not streams:
                 del self._streams[key]
+        if self._absent_since:  # forget workers with no stream left to time (a worker gone for good)
+            streaming = {wid for wid, _ in self._streams}
+            self._absent_since = {w: t for w, t in self._absent_since.items() if w in streaming}
 
     # ---------------------------------------------------------------------------------- planning
     async def _match(self, tenant: Tenant, prompt_pb, deadline: float | None) -> list:
