@@ -566,15 +566,19 @@ class Committer:
 
     def durable(self, seq: int):
         """An awaitable that is done once entry ``seq`` is in Redis (None if it already is).
-        Handlers whose entries are not sent yet share one future, the next batch's: one future
-        and one resolution per group commit, not per verb."""
+        Handlers whose entries go out in the same coming batch share one future: one future and
+        one resolution per group commit, not per verb."""
         if self._error is not None:
             raise self._error
         if seq <= self.durable_seq:
             return None
         waiters = self._waiters
-        if waiters and seq > self._taken and waiters[-1][0] > self._taken:
-            last = waiters[-1]  # its entries are not (all) sent yet: share it
+        taken, size = self._taken, self.max_batch
+        # share the last future when its entries are not (all) sent yet and this one goes out in
+        # the same coming batch (batches take max_batch entries from taken + 1 on): under a
+        # backlog a shared future must not keep growing past the batch that answers its first
+        if waiters and seq > taken and waiters[-1][0] > taken and (seq - 1 - taken) // size == (waiters[-1][0] - 1 - taken) // size:
+            last = waiters[-1]
             if seq > last[0]:
                 last[0] = seq
             return last[1]

@@ -406,3 +406,41 @@ def test_a_takeover_keeps_its_lease_while_the_warm_copy_is_still_loading(redis_s
         asyncio.run(scenario())
     finally:
         holder.wipe(), holder.close()
+
+
+def test_a_batch_cut_at_max_batch_answers_its_own_waiters(redis_server):
+    """Group commit under a backlog: an entry that went out in a batch cut at ``max_batch`` is
+    acknowledged with that batch, not held until every entry queued after it is durable (the
+    waiters of a batch share one future; entries beyond the next batch must not join it)."""
+    import asyncio
+
+    from services.kvstore.redis_backend import Committer
+
+    log = RedisLog(redis_server.url, prefix=unique_prefix())
+
+    async def scenario():
+        assert log.try_acquire()
+        holder = {}
+        committer = Committer(log, lambda: holder["s"], max_batch=2)
+        store = holder["s"] = log.load(ARGS, committer.submit)
+        store.waiter = committer.durable
+        seen = []  # (durable seq, was seq 1 acknowledged) at every advance
+        advance = committer._advance
+        committer._advance = lambda seq: (advance(seq), seen.append((seq, first.done())))
+        tasks = committer.start(store.seq)
+        store.register_worker(SPEC)
+        first = store.durable()  # seq 1, not sent yet
+        for _ in range(7):  # queued behind it before the committer runs: 4 batches of 2
+            store.register_worker(SPEC)
+            store.durable()
+        await asyncio.wait_for(store.durable(), 5)
+        for t in tasks:
+            t.cancel()
+        await committer.close()
+        return seen
+
+    try:
+        seen = asyncio.run(scenario())
+    finally:
+        log.wipe(), log.close()
+    assert seen[0] == (2, True), seen  # the first batch (1, 2) answered seq 1
