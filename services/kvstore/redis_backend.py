@@ -175,8 +175,8 @@ class AppendPipe:
                 self.close()
                 await self._connect()
 
-    async def call(self, keys: list[str], args: list) -> int:
-        """EVALSHA of the script; its integer reply."""
+    async def __call__(self, *, keys: list[str], args: list) -> int:
+        """EVALSHA of the script; its integer reply (called as a redis-py ``Script`` is)."""
         frame = _resp([b"EVALSHA", self._sha, str(len(keys)).encode(), *(k.encode() for k in keys),
                        *(a if isinstance(a, bytes) else str(a).encode() for a in args)])
         try:
@@ -670,9 +670,7 @@ class Committer:
 
     async def _call(self, script, keys, args):
         try:
-            if isinstance(script, AppendPipe):
-                return await script.call(keys, args)
-            return await script(keys=keys, args=args)
+            return await script(keys=keys, args=args)  # a redis-py Script or the AppendPipe
         except redis.ResponseError as exc:
             raise _script_error(exc) from None
 
