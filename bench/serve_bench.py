@@ -2,7 +2,8 @@
 
 A random Llama of ``--shape`` is built with transformers (seeded) and saved as a Hugging Face folder
 (with a word-level ``tokenizer.json`` and no end-of-sequence id, so every request runs its full
-``--max-new-tokens``); the worker gets a seeded random EAGLE-3 draft (``--draft-model random``). Then, in one run::
+``--max-new-tokens``); the worker gets a seeded random EAGLE-3 draft (``--draft-model random``, or
+with ``--draft-vocab N`` a random head of N LM-head rows in the public layout). Then, in one run::
 
     served         closed-loop clients ──Router.Generate──▶ router ─▶ kvstore
                    (grpc.aio, token ids)                      └─────▶ worker (tandem worker ...)
@@ -51,6 +52,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -182,6 +184,31 @@ def build_model(shape: str, folder: Path, device: str, seed: int) -> dict:
             "dtype": str(dtype), "build_s": time.perf_counter() - t0}
 
 
+def write_reduced_draft(shape: str, folder: Path, draft_vocab: int, device: str, seed: int) -> dict:
+    """``--draft-vocab N``: a seeded random EAGLE-3 head with an N-row LM head (the published heads
+    of Llama-3 models keep 32,000 of 128,256 ids), written in the public layout to ``folder``;
+    the worker loads it with ``--draft-model folder``. Draft id j is target id j."""
+    import torch
+
+    from services.common.spec import SpecMode
+    from services.gpuworker.model import eagle3_format
+    from services.gpuworker.model.config import DraftConfig
+    from services.gpuworker.model.draft import Eagle3Draft
+    from services.gpuworker.model.layers import init_weights
+    from services.gpuworker.model.llama import TargetModel
+
+    cfg = SHAPES[shape]
+    config = dataclasses.replace(DraftConfig.default_for(cfg, SpecMode.EAGLE3), draft_vocab_size=draft_vocab)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    with torch.device("meta"):
+        target = TargetModel(cfg)  # only its shape: the draft shares nothing it writes
+    draft = Eagle3Draft(target, config).to_empty(device=device)
+    init_weights(draft, torch.Generator(device=device).manual_seed(seed + 1))
+    draft.set_vocab_map(torch.arange(draft_vocab))
+    eagle3_format.save(draft, folder, dtype=dtype)
+    return {"draft_vocab_size": draft_vocab, "draft_dir": str(folder)}
+
+
 def copy_bandwidth_GBps(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth (reads + writes every byte) of a big torch copy."""
     import torch
@@ -200,7 +227,8 @@ def copy_bandwidth_GBps(nbytes: int = 1 << 30) -> float:
 def worker_settings(args, model_dir: Path, a: int | None):
     """The one WorkerSettings both the served worker (as flags) and the engine alone use."""
     gpu = args.device.startswith("cuda")
-    kw = dict(model=str(model_dir), spec_mode="eagle3", draft_model="random", device=args.device,
+    draft = str(model_dir / "eagle3") if args.draft_vocab else "random"
+    kw = dict(model=str(model_dir), spec_mode="eagle3", draft_model=draft, device=args.device,
               backend="flashinfer" if gpu else "torch", dtype="bfloat16" if gpu else "float32",
               num_blocks=kv_blocks(args), forced_acceptance=a)
     for name in ("cuda_graphs", "overlap_steps", "max_batch_tokens", "chunk_size", "gil_switch_interval_ms", "engine_process"):
@@ -657,6 +685,9 @@ def parse_args(argv):
     p.add_argument("--min-requests", type=int, default=4)
     p.add_argument("--level-max-s", type=float, default=6.0,
                    help="no new requests of a level after this (the engine alone then runs as many as were served)")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="a random EAGLE-3 head with this many LM-head rows (public layout, loaded with "
+                        "--draft-model); 0 = the seeded random draft over the whole vocabulary")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="worker setting cuda_graphs (default: the worker's)")
     p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
@@ -712,6 +743,9 @@ def main(argv: list[str] | None = None) -> int:
         model_dir.mkdir(parents=True, exist_ok=True)
         log(f"building a random {args.shape} Llama with transformers into {model_dir} ...")
         res["model"] = build_model(args.shape, model_dir, args.device, args.seed)
+        if args.draft_vocab:
+            res["model"]["draft"] = write_reduced_draft(args.shape, model_dir / "eagle3", args.draft_vocab,
+                                                        args.device, args.seed)
         log(f"model: {res['model']['params'] / 1e6:.1f}M params, {res['model']['weight_bytes'] / 1e6:.1f} MB, "
             f"built and saved in {res['model']['build_s']:.1f} s")
         if args.device.startswith("cuda"):
