@@ -166,6 +166,14 @@ class ServerTracingInterceptor(WrappingInterceptor):
         return wrap_handler(handler, start=start, around=around, end=end)
 
 
+def trace_metadata() -> tuple[tuple[str, str], ...] | None:
+    """The current trace context as call metadata (None without one): for a call on a channel
+    opened with ``intercept_streams=False``, where no interceptor adds it."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items()) or None
+
+
 def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
     """``details`` with the current trace context added to its metadata (a new value)."""
     carrier: dict[str, str] = {}

@@ -41,7 +41,7 @@ from opentelemetry import trace
 
 from services.common.channels import ChannelPool, call_timeout
 from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
-from services.common.telemetry import get_tracer
+from services.common.telemetry import get_tracer, trace_metadata
 from services.common.tokenizer import StreamDecoder, Tokenizer
 from services.common.logprobs import TokenLogprob
 from services.common.wire import FINISH_REASONS, logprobs_from_proto, tokens_to_proto
@@ -146,6 +146,7 @@ class _Progress:
     def __init__(self, tokenizer: Tokenizer, stop_strings: tuple[str, ...] = ()):
         self.acknowledged = False  # any message received: the worker owns the reservation
         self.left_registry = False  # its worker incarnation left the kvstore registry mid-stream
+        self.idle_expired = False  # the worker sent nothing for idle_timeout_s (see Dispatcher._sweep_idle)
         self.tokens: list[int] = []
         self.first_token_at: float | None = None
         # the worker's totals as of its last message (decode steps, accepted drafts)
@@ -194,25 +195,6 @@ class NoWorkerRegistered(Unavailable):
 class AllCoolingDown(Unavailable):
     """Every compatible worker is in its failure cooldown (other requests failed on it, none of
     this request's attempts did): waited for like an outage, not answered at once."""
-
-
-async def _with_idle_timeout(call, idle_s: float):
-    """The messages of a server stream; UNAVAILABLE (as a worker failure) when none comes for
-    ``idle_s`` seconds — a frozen worker (SIGSTOP) keeps its connection open, keepalive may not
-    notice, and the client's deadline can be minutes away. A timeout scope around each wait
-    only (not a task: ``wait_for`` made a task per token on Python 3.11), entered by whichever
-    task asks for the next message — with ``n`` samples a stream moves between tasks, and a
-    scope held across ``yield`` would cancel the task that entered it, not the one waiting."""
-    it = call.__aiter__()
-    while True:
-        try:
-            async with asyncio.timeout(idle_s):
-                msg = await it.__anext__()
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise _WorkerFailed("UNAVAILABLE", f"the worker sent nothing for {idle_s:g} s (idle timeout)") from None
-        yield msg
 
 
 def _kv_error(verb: str, err: grpc.aio.AioRpcError) -> Exception:
@@ -279,6 +261,7 @@ class Dispatcher:
         # (worker id, incarnation) -> the streams running there: ended when it leaves the registry
         self._streams: dict[tuple[str, int], dict[int, tuple[object, _Progress]]] = {}
         self._absent_since: dict[str, float] = {}  # worker id -> first registry read without it
+        self._idle_timer: asyncio.TimerHandle | None = None  # armed while streams run
         # worker id -> (incarnation, most draft tokens it accepts), from its Info answer
         self._draft_limits: dict[str, tuple[int, int]] = {}
 
@@ -359,6 +342,41 @@ class Dispatcher:
         if self._absent_since:  # forget workers with no stream left to time (a worker gone for good)
             streaming = {wid for wid, _ in self._streams}
             self._absent_since = {w: t for w, t in self._absent_since.items() if w in streaming}
+
+    def _arm_idle_sweep(self) -> None:
+        """Arm the idle watchdog if it is not: one timer for every worker stream (a timeout scope
+        per message cost ~5 % of the router's CPU at 64 streams), firing every quarter of the idle
+        timeout while streams run, so a silent stream ends within 1.25 x the timeout."""
+        if self._idle_timer is None:
+            period = max(0.01, self.config.idle_timeout_s / 4)
+            self._idle_timer = asyncio.get_running_loop().call_later(period, self._sweep_idle)
+
+    def _sweep_idle(self) -> None:
+        """Cancel the streams whose worker sent nothing for ``idle_timeout_s`` — a frozen worker
+        (SIGSTOP) keeps its connection open, keepalive may not notice, and the client's deadline
+        can be minutes away; its reader fails UNAVAILABLE (mutates the calls)."""
+        self._idle_timer = None
+        now, idle_s = self._clock(), self.config.idle_timeout_s
+        for key in list(self._streams):
+            streams = self._streams[key]
+            for cid, (call, progress) in list(streams.items()):
+                if progress.last_heard_at is not None and now - progress.last_heard_at >= idle_s:
+                    del streams[cid]
+                    progress.idle_expired = True
+                    call.cancel()
+            if not streams:
+                del self._streams[key]
+        if self._streams:
+            self._arm_idle_sweep()
+
+    def _ended_early(self, entry: WorkerEntry, progress: _Progress) -> _WorkerFailed | None:
+        """Why the router itself cancelled a stream (the worker left the registry, or went
+        silent), or None when it did not."""
+        if progress.idle_expired:
+            return _WorkerFailed("UNAVAILABLE", f"the worker sent nothing for {self.config.idle_timeout_s:g} s (idle timeout)")
+        if progress.left_registry:
+            return _WorkerFailed("UNAVAILABLE", f"worker {entry.worker_id} left the registry")
+        return None
 
     # ---------------------------------------------------------------------------------- planning
     async def _match(self, tenant: Tenant, prompt_pb, deadline: float | None) -> list:
@@ -543,13 +561,14 @@ class Dispatcher:
         # The span only needs to be current while the call is created: that is when the trace
         # context is copied into the call (and its metadata). No span stays current across yields.
         with trace.use_span(span, end_on_exit=False):
-            call = self._worker_stub(entry.address).Generate(
-                request, timeout=self._timeout(deadline, self.config.max_request_s)
+            call = self._worker_stub(entry.address).Generate(  # on a channel without stream interceptors
+                request, timeout=self._timeout(deadline, self.config.max_request_s), metadata=trace_metadata()
             )
         key = (entry.worker_id, entry.incarnation)
         self._streams.setdefault(key, {})[id(call)] = (call, progress)
+        self._arm_idle_sweep()
         try:
-            async for msg in _with_idle_timeout(call, self.config.idle_timeout_s):
+            async for msg in call:
                 progress.acknowledged = True
                 ids = tuple(msg.token_ids)
                 if ids and max(ids) >= self._tokenizer.vocab_size:
@@ -578,13 +597,12 @@ class Dispatcher:
             raise _WorkerFailed("UNAVAILABLE", "the worker ended the stream without a final message")
         except grpc.aio.AioRpcError as err:
             span.set_attribute("rpc.grpc.status_code", err.code().value[0])
-            if progress.left_registry:
-                raise _WorkerFailed("UNAVAILABLE", f"worker {entry.worker_id} left the registry") from None
-            raise _WorkerFailed(err.code().name, err.details() or "") from None
+            raise self._ended_early(entry, progress) or _WorkerFailed(err.code().name, err.details() or "") from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if progress.left_registry and not (task is not None and task.cancelling()):
-                raise _WorkerFailed("UNAVAILABLE", f"worker {entry.worker_id} left the registry") from None
+            failure = self._ended_early(entry, progress)
+            if failure is not None and not (task is not None and task.cancelling()):
+                raise failure from None
             raise
         finally:
             streams = self._streams.get(key)
@@ -756,6 +774,9 @@ class Dispatcher:
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """Let pending settle tasks finish (bounded), then cancel the rest."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         pending = list(self._cleanup)
         if pending:
             _done, still = await asyncio.wait(pending, timeout=timeout_s)

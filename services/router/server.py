@@ -133,8 +133,9 @@ async def start_router(
         settings.kvstore, credentials=upstream, max_message_bytes=settings.max_receive_bytes,
         default_timeout_s=settings.kvstore_timeout_s,
     )
-    channels = ChannelPool(
-        credentials=upstream, max_message_bytes=settings.max_receive_bytes, default_timeout_s=settings.max_request_s
+    channels = ChannelPool(  # Worker.Generate passes its deadline and trace context itself
+        credentials=upstream, max_message_bytes=settings.max_receive_bytes, default_timeout_s=settings.max_request_s,
+        intercept_streams=False,
     )
     dispatcher = Dispatcher(
         kvstore=kv_channel,
