@@ -213,7 +213,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         ids.extend(nxt[1])
                         logprobs.extend(nxt[2] or ())
                         counts = nxt[3]
-                    yield pb.GenerateResponse(token_ids=ids, logprobs=logprobs_to_proto(logprobs),
+                    yield pb.GenerateResponse(token_ids=ids, logprobs=logprobs_to_proto(logprobs) if logprobs else None,
                                               decode_steps=counts.decode_steps, accepted_drafts=counts.accepted_drafts)
                 elif kind == "done":
                     _, reason, usage = event

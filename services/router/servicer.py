@@ -88,11 +88,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             stamps.key = prompt_key(jobs[0].prompt)
             stamps.mark("dispatch")
         streams = [self.dispatcher.generate(job, tenant, deadline=deadline, arrival=arrival) for job in jobs]
-        if len(streams) == 1:
-            events = ((0, e) async for e in streams[0])  # errors before the first token stay gRPC errors anyway
-        else:
-            events = merged(await first_events(streams), streams)
-        async for index, event in events:
+        # one sample: its stream as it is (no generator in between: one step less per message)
+        events = streams[0] if len(streams) == 1 else merged(await first_events(streams), streams)
+        async for item in events:
+            index, event = (0, item) if len(streams) == 1 else item
             if stamps is not None:
                 stamps.mark("first_event")
             logprobs = logprobs_to_proto(event.logprobs) if event.logprobs else None  # per token: skip when not asked
