@@ -71,6 +71,16 @@ def choose_proposals(states: list[RequestState], logits: torch.Tensor) -> tuple[
     return tokens, probs
 
 
+# A deferred row block that is a view of a hidden tensor bigger than this is copied: a view
+# keeps its whole tensor alive (a prompt chunk's); a decode step's (rows x 3H) stays a view.
+_VIEW_LIMIT_BYTES = 16 << 20
+
+
+def _owned(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` to keep across steps: itself, or a copy when it is a view of a big tensor."""
+    return rows.clone() if rows.untyped_storage().nbytes() > _VIEW_LIMIT_BYTES else rows
+
+
 class DraftRunner:
     """Drives one draft model over the draft pool. Mutates the pool and the ``RequestState``s
     it is given (proposals, draft length, pending rows); returns the position ranges it wrote."""
@@ -151,22 +161,24 @@ class DraftRunner:
         for job in jobs:
             s = job.state
             known, T, F = s.known_len, s.target_len, s.draft_len  # a pending token is not known yet
-            parts = [x for x in (s.pending_hidden, job.new_rows) if x is not None and x.shape[0] > 0]
-            rows = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None)
+            new_rows = job.new_rows if job.new_rows is not None and job.new_rows.shape[0] > 0 else None
             drafting = job.wanted > 0 and T == known - 1
             hi = T if drafting else min(T, known - self.span)
             new_f = max(F, min(T, known - self.span))
             if self._deferred(job, F, new_f):
-                # clone: a lone view would keep the whole step's hidden tensor alive
-                s.pending_hidden = rows.clone() if rows is job.new_rows and rows is not None else rows
+                # no concatenation per step: one more row block, read when the block fills up
+                if new_rows is not None:
+                    s.pending_hidden.append(_owned(new_rows))
                 s.drafts, s.draft_probs, s.chain_hidden = None, None, None
                 continue
+            parts = s.pending_hidden + [new_rows] if new_rows is not None else s.pending_hidden
+            rows = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else None)
             if hi > F:
                 run.append((job, F, hi, rows[: hi - F]))
                 written[s.request_id] = (F, hi)
             # clone: a view would keep the whole step's hidden tensor alive until the next fill
             keep = rows is not None and rows.shape[0] > new_f - F
-            s.pending_hidden = rows[new_f - F :].clone() if keep else None
+            s.pending_hidden = [rows[new_f - F :].clone()] if keep else []
             s.draft_len = new_f
             s.drafts, s.draft_probs, s.chain_hidden = None, None, None
         if run:

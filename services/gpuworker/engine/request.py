@@ -104,8 +104,9 @@ class RequestState:
     arrival: int  # admission order, for first-come-first-served scheduling
     # Target conditioning rows for positions [draft_len, target_len): what the first draft layer
     # reads there (fused aux states for EAGLE-3, final hidden for MTP). Kept between steps
-    # because the draft KV of those positions cannot be final yet.
-    pending_hidden: torch.Tensor | None = None
+    # because the draft KV of those positions cannot be final yet. A list of row blocks in order,
+    # concatenated only when a fill reads them (a k = 0 request adds one row a step).
+    pending_hidden: list[torch.Tensor] = dataclasses.field(default_factory=list)
     # Proposals d_1..d_m for t[L..L+m) (int64 [m], on the model's device: no host sync needed
     # to feed them to the target), the draft distributions they were sampled from ([m, V]; None
     # for greedy), and the last draft layer's output hidden at the position before the next
