@@ -203,7 +203,7 @@ def write_reduced_draft(shape: str, folder: Path, draft_vocab: int, device: str,
     with torch.device("meta"):
         target = TargetModel(cfg)  # only its shape: the draft shares nothing it writes
     draft = Eagle3Draft(target, config).to_empty(device=device)
-    init_weights(draft, torch.Generator(device=device).manual_seed(seed + 1))
+    init_weights(draft, torch.Generator().manual_seed(seed + 1))  # CPU draws, as the loader's random drafts
     draft.set_vocab_map(torch.arange(draft_vocab))
     eagle3_format.save(draft, folder, dtype=dtype)
     return {"draft_vocab_size": draft_vocab, "draft_dir": str(folder)}
