@@ -1,7 +1,8 @@
 """Journal entries as compact bytes: the verb's arguments as packed integers, length-prefixed
 UTF-8 strings and raw bytes (token ids packed little-endian, as narrow as the largest id
-allows), and its outcome digest as packed integers. No pickle on the hot verbs: pickling the argument dict cost more per verb
-than the core's own bookkeeping (docs/benchmarks.md, issue 10, third pass).
+allows), and its outcome digest as packed integers. No pickle on the hot verbs: pickling the
+argument dict cost more per verb than the core's own bookkeeping (docs/benchmarks.md, issue 10,
+third pass).
 
 Layout of an entry (little-endian)::
 
