@@ -455,8 +455,10 @@ def plot(result: dict, path: Path) -> None:
     x = range(len(names))
     axes[0].bar([i - 0.2 for i in x], [c[n]["memory_cpu_us"] for n in names], 0.4, label="memory")
     axes[0].bar([i + 0.2 for i in x], [c[n]["redis_cpu_us"] for n in names], 0.4, label="redis (durable)")
-    for i, n in enumerate(names):
-        axes[0].annotate(f"{c[n]['ratio_cpu']:.2f}×", (i + 0.2, c[n]["redis_cpu_us"]), ha="center", va="bottom")
+    for i, n in enumerate(names):  # the goal reads the wall ratio; the CPU one moves less with the load
+        axes[0].annotate(f"CPU {c[n]['ratio_cpu']:.2f}×\nwall {c[n]['ratio']:.2f}×", (i + 0.2, c[n]["redis_cpu_us"]),
+                         ha="center", va="bottom")
+    axes[0].set_ylim(0, 1.25 * max(c[n]["redis_cpu_us"] for n in names))  # room for the labels
     axes[0].set_xticks(list(x), ["1 client", "16 clients"])
     axes[0].set_ylabel("kvstore CPU µs per request cycle")
     axes[0].set_title("in-process cycle cost (appendfsync everysec)")

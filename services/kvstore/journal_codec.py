@@ -1,7 +1,8 @@
 """Journal entries as compact bytes: the verb's arguments as packed integers, length-prefixed
-UTF-8 strings and raw bytes (token ids as packed little-endian uint32), and its outcome digest
-as packed integers. No pickle on the hot verbs: pickling the argument dict cost more per verb
-than the core's own bookkeeping (docs/benchmarks.md, issue 10, third pass).
+UTF-8 strings and raw bytes (token ids packed little-endian, as narrow as the largest id
+allows), and its outcome digest as packed integers. No pickle on the hot verbs: pickling the
+argument dict cost more per verb than the core's own bookkeeping (docs/benchmarks.md, issue 10,
+third pass).
 
 Layout of an entry (little-endian)::
 
@@ -14,6 +15,11 @@ Layout of an entry (little-endian)::
     n_blobs  x I      byte lengths of its byte strings
     n_digest x q      the outcome digest (``outcome``)
     strings, then byte strings
+
+A token list is written as one byte of width (2, 3 or 4) and each id in that many bytes,
+little-endian (an empty list as nothing): a Reserve's prompt is most of the bytes Redis stores,
+copies and logs, and both sides' cost per batch grows with them (docs/benchmarks.md, issue 10,
+fourth pass). Version 2 wrote every id in 4 bytes; its entries still decode.
 
 Extend/Trim items and Reserve-first candidates add one string and their integers per element;
 a Reserve's entry ends its strings with the id it handed out (replay hands the core that id).
@@ -41,7 +47,8 @@ from .keys import token_array
 from .store import KVStore
 from .types import ExtendItem, PublishResult, ReleaseResult, Reservation, RestoreResult, TrimItem, WorkerInfo
 
-VERSION = 2
+VERSION = 3
+_VERSIONS = (2, 3)  # what decode reads: 2 = token ids always 4 bytes wide
 PICKLE_PROTOCOL = 5
 PICKLED = 255
 NONE_INT = -(1 << 63)  # an optional integer that was None (a real value this low goes generic)
@@ -66,6 +73,8 @@ _SCHEMAS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = 
     "abort": (("incarnation",), ("reservation_id", "worker_id"), ()),
 }
 _TOKEN_FIELDS = frozenset({"tokens", "new_tokens"})
+_U8, _U16, _U32 = np.dtype("u1"), np.dtype("<u2"), np.dtype("<u4")
+_nonzero = np.count_nonzero
 _ITEM_TYPES = {"extend": ExtendItem, "trim": TrimItem}
 _HEAD = struct.Struct("<BBd")
 _COUNTS = struct.Struct("<HHHH")
@@ -154,23 +163,47 @@ def _text(value: Any) -> bytes | None:
 
 
 def _blob(name: str, value: Any) -> bytes:
-    if type(value) is bytes:
-        return value
     if name in _TOKEN_FIELDS:
         return _tokens(value)
+    if type(value) is bytes:
+        return value
     raise _Generic
 
 
 def _tokens(value: Any) -> bytes:
-    """Token ids as the core read them: packed little-endian uint32."""
-    if type(value) is bytes:
-        return value
-    if (type(value) is tuple or type(value) is list) and not value:
+    """Token ids as the core read them, narrowed: a width byte, then each id little-endian in
+    2, 3 or 4 bytes (the fewest its largest id fits); nothing for none."""
+    if (type(value) is bytes or type(value) is tuple or type(value) is list) and not value:
         return b""
     try:
-        return token_array(value).tobytes()
+        ids = token_array(value)
     except TandemError:
         raise _Generic from None
+    if not ids.size:
+        return b""
+    ids = np.ascontiguousarray(ids, _U32)
+    # the high halves / high bytes all zero? (count_nonzero: a third of what max() costs here)
+    if not _nonzero(ids.view(_U16)[1::2]):
+        return b"\x02" + ids.astype(_U16).tobytes()
+    if not _nonzero(ids.view(_U8)[3::4]):
+        return b"\x03" + ids.view(_U8).reshape(-1, 4)[:, :3].tobytes()
+    return b"\x04" + ids.tobytes()
+
+
+def _untokens(blob: bytes) -> bytes:
+    """Packed little-endian uint32 ids (what the core reads) of a ``_tokens`` blob."""
+    if not blob:
+        return b""
+    width, n = blob[0], len(blob) - 1
+    if width == 4 and n % 4 == 0:
+        return blob[1:]
+    if width == 2 and n % 2 == 0:
+        return np.frombuffer(blob, _U16, offset=1).astype(_U32).tobytes()
+    if width == 3 and n % 3 == 0:
+        out = np.zeros((n // 3, 4), _U8)
+        out[:, :3] = np.frombuffer(blob, _U8, offset=1).reshape(-1, 3)
+        return out.tobytes()
+    raise EntryError(f"token ids of width {width} in {n} bytes")
 
 
 def encode(verb: str, now: float, kw: dict, result: Any) -> bytes:
@@ -322,8 +355,8 @@ def decode(raw: bytes) -> tuple[str, float, dict | None, tuple, str | None]:
         version, code, now = _HEAD.unpack_from(raw)
     except struct.error:
         raise EntryError(f"a journal entry of {len(raw)} bytes is too short") from None
-    if version != VERSION:
-        raise EntryError(f"journal entry version {version}, this kvstore reads {VERSION}")
+    if version not in _VERSIONS:
+        raise EntryError(f"journal entry version {version}, this kvstore reads {', '.join(map(str, _VERSIONS))}")
     if code == PICKLED:
         verb, kw, digest, rid = pickle.loads(raw[_HEAD.size:])
         return verb, now, kw, digest, rid
@@ -362,6 +395,9 @@ def decode(raw: bytes) -> tuple[str, float, dict | None, tuple, str | None]:
     rid = texts.pop() if verb in ("reserve", "reserve_first") else None
     kw = dict(zip(text_names, texts))
     kw.update(zip(blob_names, blobs))
+    if version != 2:
+        for name in _TOKEN_FIELDS.intersection(blob_names):
+            kw[name] = _untokens(kw[name])
     ints = [None if v == NONE_INT else v for v in ints]
     if verb == "extend" or verb == "trim":
         kind = _ITEM_TYPES[verb]

@@ -26,7 +26,9 @@ ints = st.integers(min_value=-(1 << 63) + 1, max_value=(1 << 63) - 1)
 opt_ints = st.none() | ints
 texts = st.text(max_size=40)  # any code point, lone surrogates included
 opt_texts = st.none() | texts
-token_bytes = st.lists(st.integers(0, (1 << 32) - 1), max_size=40).map(lambda t: np.array(t, "<u4").tobytes())
+# ids below 2**16, 2**24 and 2**32: each width of the narrowed form
+token_bytes = st.sampled_from([(1 << 16) - 1, (1 << 24) - 1, (1 << 32) - 1]).flatmap(
+    lambda top: st.lists(st.integers(0, top), max_size=40)).map(lambda t: np.array(t, "<u4").tobytes())
 tables = st.lists(st.integers(0, 1 << 24), max_size=6).map(tuple)
 now = st.floats(min_value=0, max_value=1e9, allow_nan=False)
 
@@ -111,6 +113,43 @@ def test_token_arrays_and_lists_are_written_packed_and_empty_defaults_as_nothing
     raw = codec.encode("release", 1.0, dict(reservation_id="r-1", incarnation=3), ReleaseResult("r-1", 0, 0, 1, 0))
     assert codec.decode(raw)[2] == dict(reservation_id="r-1", incarnation=3, new_tokens=b"", final_positions=None,
                                         worker_id=None)
+
+
+@pytest.mark.parametrize("top, width", [(0, 2), (65_535, 2), (65_536, 3), ((1 << 24) - 1, 3), (1 << 24, 4),
+                                        ((1 << 32) - 1, 4)])
+def test_token_ids_are_written_as_narrow_as_the_largest_id_allows(top, width):
+    """A 512-token prompt of a 32k vocabulary is 1 KiB in the entry, not 2 (half of what Redis
+    stores, copies and logs per Reserve); the ids come back exactly at every width."""
+    tokens = np.arange(512, dtype="<u4") * (top // 511)
+    tokens[-1] = top
+    r = Reservation("r-1", "q", "w", 3, (4, 5), 0, 8, 0, 6)
+    raw = codec.encode("reserve", 1.0, dict(worker_id="w", incarnation=3, request_id="q", tokens=tokens), r)
+    wide = codec.encode("reserve", 1.0, dict(worker_id="w", incarnation=3, request_id="q", tokens=tokens[:0]), r)
+    assert len(raw) - len(wide) == 1 + 512 * width
+    assert codec.decode(raw)[2]["tokens"] == tokens.tobytes()
+
+
+def test_entries_of_version_2_still_decode(monkeypatch):
+    """Version 2 wrote every token id in 4 bytes and no width byte: a journal written by it
+    replays the same."""
+    r = Reservation("r-1", "q", "w", 3, (4, 5), 0, 8, 0, 6)
+    kw = dict(worker_id="w", incarnation=3, request_id="q", tokens=np.arange(70_000, 70_040, dtype="<u4"))
+    now_v3 = codec.encode("reserve", 1.0, kw, r)
+    monkeypatch.setattr(codec, "VERSION", 2)
+    monkeypatch.setattr(codec, "_tokens", lambda v: np.asarray(v, "<u4").tobytes())
+    old = codec.encode("reserve", 1.0, kw, r)
+    monkeypatch.undo()
+    assert old[0] == 2 and now_v3[0] == codec.VERSION == 3 and len(old) == len(now_v3) + 40 - 1
+    assert codec.decode(old) == codec.decode(now_v3)
+    assert codec.decode(old)[2]["tokens"] == kw["tokens"].tobytes()
+
+
+def test_a_token_list_of_an_unknown_width_is_refused():
+    r = Reservation("r-1", "q", "w", 3, (4, 5), 0, 8, 0, 6)
+    raw = codec.encode("reserve", 1.0, dict(worker_id="w", incarnation=3, request_id="q", tokens=[1, 2, 3]), r)
+    at = raw.index(b"\x02\x01\x00\x02\x00\x03\x00")
+    with pytest.raises(codec.EntryError):
+        codec.decode(raw[:at] + b"\x05" + raw[at + 1:])
 
 
 @pytest.mark.parametrize("kw", [
