@@ -17,7 +17,7 @@ from services.common.errors import InvalidArgument
 from services.common.tokenizer import Tokenizer
 from services.router.stops import validate_stop_strings
 
-MAX_REQUEST_ID_CHARS = 96  # the router adds a tenant scope; ids downstream are at most 128 bytes
+MAX_REQUEST_ID_CHARS = 96  # + tenant scope (13), "#15" (a sample), "~9" (a retry): at most 128 bytes downstream
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit; the worker's too)
 MAX_SAMPLES = 16  # ``n``
 
@@ -87,6 +87,10 @@ def _request_id(request_id: str, new_id: Callable[[], str]) -> str:
     return request_id
 
 
+def _sample_id(validated: str, given: str, sample: int) -> str:
+    return f"{validated}#{sample}" if given and sample else validated
+
+
 def build_job(
     *,
     text: str | None,
@@ -106,6 +110,7 @@ def build_job(
     repetition_penalty: float = 1.0,
     logprobs: int | None = None,
     request_id: str = "",
+    sample: int = 0,
     limits: RequestLimits,
     tokenizer: Tokenizer,
     new_request_id: Callable[[], str] = lambda: uuid.uuid4().hex,
@@ -115,7 +120,8 @@ def build_job(
     Raises InvalidArgument for: no or empty prompt, a prompt longer than the limit, token ids
     (prompt or stop) outside the vocabulary, ``max_new_tokens`` 0 or above the limit, sampling
     values out of range, too many draft tokens, a malformed request id. An empty ``request_id``
-    gets a fresh uuid4. Pure apart from ``new_request_id``.
+    gets a fresh uuid4; a caller's id of sample ``sample`` > 0 gets ``#sample`` after it is
+    validated (the suffix fits the ids downstream). Pure apart from ``new_request_id``.
     """
     if (text is None) == (token_ids is None):
         raise InvalidArgument("exactly one of text and token_ids must be given")
@@ -170,7 +176,7 @@ def build_job(
         stops.extend(sorted(limits.eos_token_ids - set(stops)))  # end-of-sequence stops unless ignore_eos
 
     return GenerateJob(
-        request_id=_request_id(request_id, new_request_id),
+        request_id=_sample_id(_request_id(request_id, new_request_id), request_id, sample),
         prompt=prompt,
         sampling=Sampling(
             temperature=temperature,
@@ -191,10 +197,10 @@ def build_job(
 
 
 def sample_jobs(n: int, build: Callable[..., GenerateJob], *, seed: int | None, request_id: str = "") -> list[GenerateJob]:
-    """``n`` samples of one request (``build(seed=..., request_id=...)`` makes one job): sample i
-    of a seeded request uses seed + i; a caller's request id gets ``#i`` from the second sample
-    on. InvalidArgument for n outside 1..MAX_SAMPLES."""
+    """``n`` samples of one request (``build(seed=..., request_id=..., sample=i)`` makes one job):
+    sample i of a seeded request uses seed + i; a caller's request id gets ``#i`` from the second
+    sample on (``build_job``). InvalidArgument for n outside 1..MAX_SAMPLES."""
     if not 1 <= n <= MAX_SAMPLES:
         raise InvalidArgument(f"n must be in 1..{MAX_SAMPLES}, got {n}")
-    return [build(seed=None if seed is None else (seed + i) % (1 << 64),
-                  request_id=f"{request_id}#{i}" if request_id and i else request_id) for i in range(n)]
+    return [build(seed=None if seed is None else (seed + i) % (1 << 64), request_id=request_id, sample=i)
+            for i in range(n)]

@@ -16,7 +16,7 @@ from services.common.errors import (
 )
 from services.common.tokenizer import ByteTokenizer
 from services.router.directory import WorkerDirectory, WorkerEntry
-from services.router.jobs import RequestLimits, build_job
+from services.router.jobs import MAX_REQUEST_ID_CHARS, MAX_SAMPLES, RequestLimits, build_job, sample_jobs
 from services.router.retry import AttemptState, UpstreamInternal, WaitQueue, backoff_delays, error_for
 
 TOK = ByteTokenizer()
@@ -53,6 +53,22 @@ def test_token_ids_draft_override_and_stops():
 def test_fresh_request_ids_are_uuid4_hex():
     a, b = job().request_id, job().request_id
     assert a != b and len(a) == 32 and int(a, 16) >= 0
+
+
+def test_samples_of_a_longest_caller_id_get_their_suffix_after_validation():
+    """A request id of the longest allowed length works with n samples too: "#i" is added after
+    the caller's id is checked (it was checked with the suffix, so n = 2 refused what n = 1 took),
+    and the longest id the router sends on still fits the 128 bytes allowed downstream."""
+    longest = "r" * MAX_REQUEST_ID_CHARS
+    jobs = sample_jobs(MAX_SAMPLES, lambda **kw: job(**kw), seed=7, request_id=longest)
+    assert [j.request_id for j in jobs] == [longest] + [f"{longest}#{i}" for i in range(1, MAX_SAMPLES)]
+    assert [j.sampling.seed for j in jobs] == [7 + i for i in range(MAX_SAMPLES)]
+    scope = "0123456789ab/"  # a tenant scope (Tenant.scope: 12 hex digits) and its separator
+    assert len(f"{scope}{jobs[-1].request_id}~9".encode()) <= 128
+    with pytest.raises(InvalidArgument, match="longer than"):
+        sample_jobs(2, lambda **kw: job(**kw), seed=None, request_id=longest + "r")
+    fresh = sample_jobs(2, lambda **kw: job(**kw), seed=None)
+    assert len({j.request_id for j in fresh}) == 2 and "#" not in fresh[1].request_id
 
 
 @pytest.mark.parametrize(
