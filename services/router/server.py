@@ -200,7 +200,7 @@ def _http_front(settings: RouterSettings, router: Router, metrics: RouterMetrics
     servicer = router.servicer
     front = OpenAIFront(router.dispatcher, router.tenants,
                         lambda: (servicer.tokenizer, servicer.limits, router.model.model), metrics=metrics,
-                        trace=servicer.trace)
+                        trace=servicer.trace, max_body_bytes=settings.max_receive_bytes)
     return HttpFront(front.app(), bind(settings.host, settings.http_port), grace_s=settings.grace_s)
 
 

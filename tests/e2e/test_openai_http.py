@@ -121,6 +121,41 @@ def test_bad_requests_are_openai_400s_and_change_nothing(front, fields, param):
     assert after.live_reservations == 0 and after.reservations_created == before.reservations_created
 
 
+def test_a_body_over_max_receive_bytes_is_413_and_changes_nothing(suite):
+    """The HTTP front reads at most --max-receive-bytes of a body (the gRPC front's message
+    limit): larger is 413 with OpenAI's error shape, whether the size is declared up front
+    (Content-Length) or only shows while a chunked body streams in; the router serves on."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    suite.add_worker("w0")
+    suite.add_router(http_port=0, tenants="tokA=alice", max_receive_bytes=64 << 10)
+    before = suite.stats()
+    where = urlsplit(suite.router.payload.http_url)
+    headers = {"authorization": "Bearer tokA", "content-type": "application/json"}
+    big = json.dumps({"model": MODEL, "prompt": "x" * (80 << 10), "max_tokens": 2}).encode()
+
+    def chunks():
+        for i in range(0, len(big), 8 << 10):
+            yield big[i : i + (8 << 10)]
+
+    for content in (big, chunks()):  # with a Content-Length, then chunked
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=TIMEOUT)
+        try:
+            conn.request("POST", "/v1/completions", body=content, headers=headers, encode_chunked=not isinstance(content, bytes))
+            r = conn.getresponse()
+            status, text = r.status, r.read()
+        finally:
+            conn.close()
+        assert status == 413, text
+        err = json.loads(text)["error"]
+        assert err["code"] == "request_too_large" and "65536 bytes" in err["message"]
+    after = suite.stats()
+    assert after.live_reservations == 0 and after.reservations_created == before.reservations_created
+    small = client(suite).completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+    assert small.usage.completion_tokens == 2
+
+
 def test_unknown_model_is_404_and_bad_token_is_401(front):
     with pytest.raises(openai.NotFoundError) as info:
         client(front).completions.create(model="gpt-9", prompt="Hi", max_tokens=2)

@@ -31,7 +31,7 @@ from services.common.chat_template import ChatTemplate, load_chat_template, norm
 from services.common.errors import TandemError, Unavailable
 from services.router.dispatcher import Completion, Dispatcher
 from services.router.front_trace import FrontTrace, Stamps, prompt_key
-from services.router.http.errors import ModelNotFound, RequestError, http_error
+from services.router.http.errors import BodyTooLarge, ModelNotFound, RequestError, http_error
 from services.router.http.schema import ChatCompletionRequest, CompletionRequest, parse
 from services.router.jobs import GenerateJob, RequestLimits, build_job, sample_jobs
 from services.router.samples import first_events, merged
@@ -90,13 +90,22 @@ class _Watch:
         self._watcher.cancel()
 
 
-async def _read_body(receive) -> bytes:
-    chunks = []
+async def _read_body(scope, receive, limit: int) -> bytes:
+    """The request body; BodyTooLarge past ``limit`` bytes, by its Content-Length before anything
+    is read, or as the chunks arrive (a chunked body has none): memory stays bounded."""
+    declared = _header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+    chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
@@ -134,8 +143,10 @@ class OpenAIFront:
     model name): all None until ``--model auto`` learned the model from a worker."""
 
     def __init__(self, dispatcher: Dispatcher, tenants: TenantRegistry, source: Callable[[], tuple],
-                 *, metrics=None, clock: Callable[[], float] = time.time, trace: FrontTrace | None = None):
+                 *, metrics=None, clock: Callable[[], float] = time.time, trace: FrontTrace | None = None,
+                 max_body_bytes: int = 16 << 20):
         self.dispatcher = dispatcher
+        self.max_body_bytes = max_body_bytes  # larger bodies are refused (413) before they are read whole
         self.trace = trace  # debug: per-request timestamps (front_trace); None = off
         self.metrics = metrics  # RouterMetrics: HTTP generations count in the same series as gRPC ones
         self.tenants = tenants
@@ -226,7 +237,7 @@ class OpenAIFront:
             await send(message)
 
         try:
-            body = await _read_body(receive)
+            body = await _read_body(scope, receive, self.max_body_bytes)
             watch = _Watch(receive)
             await run(body, reply, track)
         except asyncio.CancelledError:

@@ -23,7 +23,7 @@ HTTP_STATUS: dict[Code, int] = {
 }
 _TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    409: "conflict_error", 429: "rate_limit_error", 499: "cancelled", 503: "service_unavailable", 504: "timeout",
+    409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled", 503: "service_unavailable", 504: "timeout",
 }
 INTERNAL_MESSAGE = "internal error (see the router's log)"
 
@@ -35,6 +35,17 @@ class RequestError(InvalidArgument):
         super().__init__(message)
         self.param = param
         self.error_code = code
+
+
+class BodyTooLarge(InvalidArgument):
+    """A request body over the router's ``max_receive_bytes`` (HTTP 413; gRPC refuses the same
+    size as RESOURCE_EXHAUSTED)."""
+
+    http_status = 413
+
+    def __init__(self, limit: int):
+        super().__init__(f"the request body is larger than {limit} bytes (--max-receive-bytes)")
+        self.error_code = "request_too_large"
 
 
 class ModelNotFound(TandemError):
@@ -55,7 +66,7 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
 def http_error(exc: BaseException) -> tuple[int, dict]:
     """(HTTP status, OpenAI error body) of any exception (pure; internal details never shown)."""
     if isinstance(exc, TandemError):
-        status = HTTP_STATUS.get(exc.code, 500)
+        status = getattr(exc, "http_status", None) or HTTP_STATUS.get(exc.code, 500)
         code = getattr(exc, "error_code", None)
         if code is None:
             code = "invalid_api_key" if exc.code is Code.UNAUTHENTICATED else exc.code.value.lower()
