@@ -65,7 +65,7 @@ class RouterSettings(TandemSettings):
     upstream_cert_file: str = Field("", description="client certificate presented to the kvstore and workers (mTLS)")
     upstream_key_file: str = Field("", description="private key of upstream_cert_file")
     # --- failure detection
-    idle_timeout_s: float = Field(60.0, gt=0, description="a worker stream that sends nothing for this long (prefill included) fails with UNAVAILABLE")
+    idle_timeout_s: float = Field(60.0, gt=0, description="a worker stream that sends nothing for this long (prefill included) fails with UNAVAILABLE (checked every quarter of it)")
 
     @model_validator(mode="after")
     def _consistent(self) -> RouterSettings:
