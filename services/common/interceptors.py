@@ -102,11 +102,13 @@ def wrap_handler(
 class _Call:
     """One call's pass through the layers: their states and active arounds (mutated as it runs)."""
 
-    __slots__ = ("layers", "context", "states", "resets")
+    __slots__ = ("layers", "context", "states", "resets", "_arounds", "_touched")
 
-    def __init__(self, layers: tuple[Hooks, ...], context):
+    def __init__(self, layers: tuple[Hooks, ...], context, steps: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())):
         self.layers = layers
         self.context = context
+        # per message, only the layers with something to do (see _per_message)
+        self._arounds, self._touched = steps
         self.states: list[object] = []
         self.resets: list[Callable[[], None] | None] = []  # index j: layer j's around, while active
 
@@ -123,15 +125,21 @@ class _Call:
 
     def activate(self) -> None:
         """Set every around again (a step after a yield), outermost first."""
-        self.resets = [h.around(st) if h.around is not None else None for h, st in zip(self.layers, self.states)]
+        layers, states, resets = self.layers, self.states, self.resets
+        for j in self._arounds:
+            resets[j] = layers[j].around(states[j])
 
     def deliver(self, item) -> None:
         """A message goes out: each layer, innermost first, resets its around and sees it."""
-        for j in range(len(self.states) - 1, -1, -1):
-            self._reset(j)
-            on_message = self.layers[j].on_message
+        layers, states, resets = self.layers, self.states, self.resets
+        for j in self._touched:
+            reset = resets[j]
+            if reset is not None:
+                resets[j] = None
+                reset()
+            on_message = layers[j].on_message
             if on_message is not None:
-                on_message(self.states[j], item)
+                on_message(states[j], item)
 
     async def unwind(self, exc: BaseException | None, response=_NO_RESPONSE) -> BaseException | None:
         """End the started layers innermost first, each after resetting its own around and
@@ -166,6 +174,15 @@ class _Call:
         return exc
 
 
+def _per_message(layers: tuple[Hooks, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(layers with an around, outermost first; layers with an around or on_message, innermost
+    first): what a streamed message touches, computed once per method, not per message."""
+    arounds = tuple(j for j, h in enumerate(layers) if h.around is not None)
+    touched = tuple(j for j in range(len(layers) - 1, -1, -1)
+                    if layers[j].around is not None or layers[j].on_message is not None)
+    return arounds, touched
+
+
 def _unary_unary(inner, layers: tuple[Hooks, ...]):
     async def unary_unary(request, context):
         call = _Call(layers, context)
@@ -181,8 +198,10 @@ def _unary_unary(inner, layers: tuple[Hooks, ...]):
 
 
 def _unary_stream(inner, layers: tuple[Hooks, ...]):
+    steps = _per_message(layers)
+
     async def unary_stream(request, context):
-        call = _Call(layers, context)
+        call = _Call(layers, context, steps)
         await call.enter(request)
         result = None
         try:

@@ -570,22 +570,24 @@ class Dispatcher:
         try:
             async for msg in call:
                 progress.acknowledged = True
+                now = progress.last_heard_at = self._clock()
                 ids = tuple(msg.token_ids)
                 if ids and max(ids) >= self._tokenizer.vocab_size:
                     raise _WorkerFailed("INTERNAL", f"token id {max(ids)} is outside the router's vocabulary "
                                                     f"({self._tokenizer.vocab_size}): model/tokenizer mismatch")
-                try:
-                    logprobs = logprobs_from_proto(ids, msg.logprobs)
-                except InvalidArgument as exc:
-                    raise _WorkerFailed("INTERNAL", f"the worker sent {exc}") from None
+                logprobs = ()
+                if msg.logprobs:  # per token: skipped when not asked for
+                    try:
+                        logprobs = logprobs_from_proto(ids, msg.logprobs)
+                    except InvalidArgument as exc:
+                        raise _WorkerFailed("INTERNAL", f"the worker sent {exc}") from None
                 if msg.decode_steps:
                     progress.decode_steps, progress.accepted_drafts = msg.decode_steps, msg.accepted_drafts
-                progress.last_heard_at = self._clock()
                 text, cut = progress.text(ids) if ids else ("", None)
                 if ids:
                     if progress.first_token_at is None:
-                        progress.first_token_at = self._clock()
-                    progress.tokens.extend(ids[:cut])
+                        progress.first_token_at = now
+                    progress.tokens.extend(ids if cut is None else ids[:cut])
                 if cut is not None:  # a stop string: the tokens after it are never sent; closing the call aborts the rest
                     yield self._stopped(job, entry, reservation, ids[:cut], text, arrival, progress, logprobs[:cut])
                     return
