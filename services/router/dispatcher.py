@@ -330,15 +330,12 @@ class Dispatcher:
                 continue
             absent_since = self._absent_since.setdefault(key[0], now)
             streams = self._streams[key]
-            for cid, (call, progress) in list(streams.items()):
+            for cid, (_call, progress) in list(streams.items()):
                 heard = progress.last_heard_at
                 if now - absent_since < _DEPARTED_QUIET_S or (heard is not None and now - heard < _DEPARTED_QUIET_S):
                     continue
-                del streams[cid]
                 progress.left_registry = True
-                call.cancel()
-            if not streams:
-                del self._streams[key]
+                self._end_stream(key, cid)
         if self._absent_since:  # forget workers with no stream left to time (a worker gone for good)
             streaming = {wid for wid, _ in self._streams}
             self._absent_since = {w: t for w, t in self._absent_since.items() if w in streaming}
@@ -357,17 +354,22 @@ class Dispatcher:
         can be minutes away; its reader fails UNAVAILABLE (mutates the calls)."""
         self._idle_timer = None
         now, idle_s = self._clock(), self.config.idle_timeout_s
-        for key in list(self._streams):
-            streams = self._streams[key]
-            for cid, (call, progress) in list(streams.items()):
+        for key, streams in list(self._streams.items()):
+            for cid, (_call, progress) in list(streams.items()):
                 if progress.last_heard_at is not None and now - progress.last_heard_at >= idle_s:
-                    del streams[cid]
                     progress.idle_expired = True
-                    call.cancel()
-            if not streams:
-                del self._streams[key]
+                    self._end_stream(key, cid)
         if self._streams:
             self._arm_idle_sweep()
+
+    def _end_stream(self, key: tuple[str, int], cid: int) -> None:
+        """Forget stream ``cid`` of worker incarnation ``key`` and cancel its call (its reader
+        then fails with what its progress flags say: see ``_ended_early``). Mutates."""
+        streams = self._streams[key]
+        call, _progress = streams.pop(cid)
+        if not streams:
+            del self._streams[key]
+        call.cancel()
 
     def _ended_early(self, entry: WorkerEntry, progress: _Progress) -> _WorkerFailed | None:
         """Why the router itself cancelled a stream (the worker left the registry, or went

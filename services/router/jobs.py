@@ -77,18 +77,16 @@ def _finite(name: str, value: float) -> float:
     return float(value)
 
 
-def _request_id(request_id: str, new_id: Callable[[], str]) -> str:
+def _request_id(request_id: str, new_id: Callable[[], str], sample: int = 0) -> str:
+    """The caller's id, validated, with ``#sample`` for samples after the first; a fresh one
+    when the caller gave none."""
     if not request_id:
         return new_id()
     if len(request_id.encode("utf-8", "surrogatepass")) > MAX_REQUEST_ID_CHARS:
         raise InvalidArgument(f"request_id is longer than {MAX_REQUEST_ID_CHARS} bytes")
     if not request_id.isprintable() or any(c.isspace() for c in request_id):
         raise InvalidArgument("request_id must be printable and contain no whitespace")
-    return request_id
-
-
-def _sample_id(validated: str, given: str, sample: int) -> str:
-    return f"{validated}#{sample}" if given and sample else validated
+    return f"{request_id}#{sample}" if sample else request_id
 
 
 def build_job(
@@ -176,7 +174,7 @@ def build_job(
         stops.extend(sorted(limits.eos_token_ids - set(stops)))  # end-of-sequence stops unless ignore_eos
 
     return GenerateJob(
-        request_id=_sample_id(_request_id(request_id, new_request_id), request_id, sample),
+        request_id=_request_id(request_id, new_request_id, sample),
         prompt=prompt,
         sampling=Sampling(
             temperature=temperature,
