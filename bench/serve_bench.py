@@ -309,11 +309,12 @@ async def served_level(stub, level: Level, prompts: Prompts, max_s: float, prefi
     return traces, time.monotonic() - t0
 
 
-def worker_steps(metrics_url: str | None) -> dict[str, float]:
-    """The worker's engine-step counters from its Prometheus endpoint: steps, seconds in steps,
-    tokens generated and (request, verify) pairs — what ``step_stats`` turns into per-step figures."""
-    if not metrics_url:
-        return {}
+NO_STEPS = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0}  # step counters before the first step
+
+
+def worker_steps(metrics_url: str) -> dict[str, float]:
+    """The worker's engine-step counters from its Prometheus endpoint: steps, seconds in steps
+    and tokens generated — what ``step_stats`` turns into per-step figures."""
     import urllib.request
 
     names = {"tandem_worker_step_duration_seconds_count": "steps", "tandem_worker_step_duration_seconds_sum": "step_s",
@@ -369,7 +370,7 @@ def profile_level(args, suite, level: Level, out_dir: Path | None) -> list[subpr
     return procs
 
 
-async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: str | None = None) -> dict:
+async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: str) -> dict:
     """First request right after SERVING, a warm-up per k, then every measured level."""
     import grpc
 
@@ -461,7 +462,7 @@ def engine_level(setup, level: Level, prompts: Prompts, prefix_blocks: list[int]
     if gpu:
         torch.cuda.synchronize()
     t0 = time.monotonic()
-    steps = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0}
+    steps = dict(NO_STEPS)
     # bounded: each step prefills at least one position or emits at least one token of a request
     for _ in range(level.requests * (len(prompts.shared) + prompts.private_len + level.max_new_tokens) + 100):
         while pending and len(engine.request_ids()) < level.concurrency and time.monotonic() - t0 < max_s:
@@ -492,7 +493,7 @@ def engine_level(setup, level: Level, prompts: Prompts, prefix_blocks: list[int]
     if gpu:
         torch.cuda.synchronize()
     wall = time.monotonic() - t0
-    return list(traces.values()), wall, step_stats({"steps": 0.0, "step_s": 0.0, "tokens": 0.0}, steps, wall)
+    return list(traces.values()), wall, step_stats(NO_STEPS, steps, wall)
 
 
 def run_engine_alone(args, model_dir: Path, prompts: Prompts, served: list[dict], log) -> list[dict]:

@@ -159,7 +159,7 @@ class _Call:
         return exc
 
     def _reset(self, j: int) -> None:
-        reset = self.resets[j] if j < len(self.resets) else None
+        reset = self.resets[j]
         if reset is not None:
             self.resets[j] = None
             reset()

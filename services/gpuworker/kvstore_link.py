@@ -50,6 +50,11 @@ _ERRORS = {
 _ITEM_ERRORS = {3: InvalidArgument, 5: NotFound, 7: PermissionDenied, 8: ResourceExhausted, 9: FailedPrecondition}
 
 
+def _item_error(result) -> TandemError:
+    """The typed error of one failed item of a batched call (its status code and message)."""
+    return _ITEM_ERRORS.get(result.code, Unavailable)(f"kvstore: {result.message}")
+
+
 def domain_error(err: grpc.RpcError) -> TandemError:
     """A kvstore RPC failure as a typed domain error (anything unexpected is UNAVAILABLE)."""
     cls = _ERRORS.get(err.code(), Unavailable)
@@ -188,8 +193,7 @@ class KVStoreLink:
         results = self._call(self._stub.PublishMany, request).results
         if len(results) != len(items):
             raise Unavailable(f"kvstore: PublishMany answered {len(results)} results for {len(items)} items")
-        answers = [r.response if r.code == 0 else _ITEM_ERRORS.get(r.code, Unavailable)(f"kvstore: {r.message}")
-                   for r in results]
+        answers = [r.response if r.code == 0 else _item_error(r) for r in results]
         if answers and all(isinstance(a, (NotFound, FailedPrecondition)) for a in answers):
             raise answers[0]
         return answers
@@ -253,10 +257,6 @@ class ReservationBlockSource:
 
     def unbind(self, request_id: str) -> None:
         self._bound.pop(request_id, None)
-
-    def reservation(self, request_id: str) -> tuple[str, int]:
-        binding = self._bound[request_id]
-        return binding.reservation_id, binding.incarnation
 
     def _items(self, wants: dict[str, int]):
         """(request ids, a function building the items when the call is sent): the incarnation
@@ -334,5 +334,5 @@ def capacity_answers(rids: list[str], results) -> dict[str, list[int] | Exceptio
         if result.code == 0:
             out[rid] = list(result.block_table)
         else:
-            out[rid] = _ITEM_ERRORS.get(result.code, Unavailable)(f"kvstore: {result.message}")
+            out[rid] = _item_error(result)
     return out

@@ -416,11 +416,10 @@ class EngineRunner:
         def call():
             # incarnations are read when it is sent: a kvstore restart may have renewed them
             # (0: the reservation died with the kvstore's memory, nothing to publish)
-            live = [p for p in batch if p.job.incarnation]
-            answers = self.link.publish_many(
-                [(p.job.reservation_id, p.job.incarnation, p.new_tokens, p.final, p.known) for p in live]) if live else []
-            by_publish = dict(zip(map(id, live), answers))
-            return [by_publish.get(id(p)) for p in batch]
+            incs = [p.job.incarnation for p in batch]  # read once: the engine thread may renew them
+            items = [(p.job.reservation_id, inc, p.new_tokens, p.final, p.known) for p, inc in zip(batch, incs) if inc]
+            answers = iter(self.link.publish_many(items) if items else ())
+            return [next(answers) if inc else None for inc in incs]
 
         def done(answers) -> None:
             for i, p in enumerate(batch):

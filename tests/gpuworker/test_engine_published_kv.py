@@ -95,6 +95,9 @@ def test_published_blocks_equal_unchunked_prefill(mode, chunk, graphs):
         # it was checked
         assert c.publishable_positions == len(prompt) + len(c.tokens) - span
         assert watch.check(rid, prompt + c.tokens, mode) == c.publishable_positions // BS
+    if graphs == "pad":  # the padded paths ran: what was checked above is what graphs publish
+        ran = setup.engine.graphs.eager_runs
+        assert ran > 0, "no forward went through the padded layouts"
 
 
 @pytest.mark.parametrize("mode", ["eagle3", "mtp2"])

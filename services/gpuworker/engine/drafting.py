@@ -43,7 +43,7 @@ from services.gpuworker.engine.graphs import ForwardGraphs
 from services.gpuworker.engine.request import RequestState
 from services.gpuworker.engine.sampling import draw_uniforms, probs_from_logits, sample_rows
 from services.gpuworker.kv.pool import KVPool
-from services.gpuworker.model.draft import DraftModel, Eagle3Draft, MTPDraft
+from services.gpuworker.model.draft import DraftModel, MTPDraft
 
 
 @dataclasses.dataclass
@@ -105,6 +105,7 @@ class DraftRunner:
         if self.mode not in (SpecMode.EAGLE3, SpecMode.MTP):
             raise ValueError(f"no draft runner for {self.mode}")
         self._chain_fn = self.chain_forward(draft, backend, pool)
+        self._fill_fn = self.fill_forward(draft, backend, pool) if self.mode is SpecMode.EAGLE3 else None
 
     @property
     def target_aux_layers(self) -> tuple[int, ...]:
@@ -203,11 +204,12 @@ class DraftRunner:
         bs = s.block_size
         return new_f > F and new_f // bs == F // bs
 
-    def _layout(self, run) -> BatchLayout:
+    def _layout(self, run, q: int | None = None) -> BatchLayout:
+        """The fill's layout over ``run``: each job's rows ``[lo, hi)``, or ``q`` rows each."""
         return BatchLayout(
             block_tables=[j.state.table_array() for j, _, _, _ in run],
             cached_lens=[lo for _, lo, _, _ in run],
-            query_lens=[hi - lo for _, lo, hi, _ in run],
+            query_lens=[hi - lo for _, lo, hi, _ in run] if q is None else [q] * len(run),
         )
 
     @staticmethod
@@ -227,7 +229,6 @@ class DraftRunner:
         return idx, torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _fill_eagle(self, run) -> None:
-        draft: Eagle3Draft = self.draft  # type: ignore[assignment]
         padded, ragged, q = self._split_fill(run)
         parts = []
         if padded:
@@ -240,8 +241,8 @@ class DraftRunner:
             )
             context = torch.cat([rows for _, _, _, rows in ragged])
             drafting, last_rows = self._drafting(ragged)
-            out = draft(next_ids, context, plan, self.backend, self.pool, context_is_aux=True, logits_indices=last_rows)
-            parts.append((ragged, out.hidden, out.logits, last_rows, drafting))
+            out = self._fill_fn(plan, next_ids, context, last_rows)
+            parts.append((ragged, out["hidden"], out["logits"], last_rows, drafting))
         for jobs, hidden, logits, last_rows, drafting in parts:
             if not drafting:
                 continue
@@ -272,8 +273,7 @@ class DraftRunner:
             return [], run, 0
         q = max(hi - lo for _, lo, hi, _ in padded)
         limit = self.draft.target_config.max_seq_len
-        bs = self.backend.geometry.block_size
-        fits = all(lo + q <= min(len(j.state.block_table) * bs, limit) for j, lo, _, _ in padded)
+        fits = all(lo + q <= min(j.state.capacity, limit) for j, lo, _, _ in padded)
         if not fits or not self.graphs.covers("fill", len(padded), q):
             return [], run, 0
         return padded, ragged, q
@@ -293,11 +293,7 @@ class DraftRunner:
             last.append(b * q + n - 1)
         padded = context.new_zeros((len(run) * q, context.shape[1]))
         padded.index_copy_(0, torch.tensor(dest, dtype=torch.long, device=self.device), context)
-        layout = BatchLayout(
-            block_tables=[j.state.table_array() for j, _, _, _ in run],
-            cached_lens=[lo for _, lo, _, _ in run],
-            query_lens=[q] * len(run),
-        )
+        layout = self._layout(run, q)
         last_rows = torch.tensor(last, dtype=torch.long, device=self.device)
         out, _plan = self.graphs.run("fill", layout, {"ids": torch.tensor(ids, dtype=torch.long, device=self.device),
                                                       "context": padded, "last": last_rows})
