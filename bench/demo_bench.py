@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import time
@@ -113,6 +114,25 @@ def run(args) -> dict:
             "rows": rows, "sample": sample}
 
 
+def profile(suite, k: int, log_dir: Path) -> list:
+    """``--profile K``: py-spy records where the worker's engine process holds the GIL during the
+    first timed repeat of k (collapsed stacks, ``pyspy_k{K}_gil.txt`` beside the suite logs; a
+    summary is printed at the end)."""
+    import os
+    import shutil
+    import subprocess
+
+    pyspy = os.environ.get("PY_SPY") or shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    # the worker's busiest child is its engine process (another child is multiprocessing's
+    # helper); on CPU the engine is a thread of the worker itself
+    cpu, pids = suite.cpu_seconds(), suite.pids()
+    kids = sorted((cpu.get(name, 0.0), pid) for name, pid in pids if name.startswith("worker") and "." in name)
+    engines = [pid for _, pid in reversed(kids)] or [pid for name, pid in pids if name.startswith("worker")]
+    return [subprocess.Popen([pyspy, "record", "--pid", str(pid), "--rate", "500", "--format", "raw", "--threads",
+                              "--nonblocking", "--gil", "-o", str(log_dir / f"pyspy_k{k}_gil.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for pid in engines[:1]]
+
+
 def run_served(args) -> dict:
     """The same measurement through the served path: kvstore + worker + router as processes."""
     import asyncio
@@ -163,9 +183,13 @@ def run_served(args) -> dict:
                 await batch(stub, k, "warm")
             for r in range(args.repeats):  # interleaved repeats: a shared machine drifts
                 for k in ks:
+                    profilers = profile(suite, k, log_dir) if r == 0 and k in args.profile else []
                     start = time.perf_counter()
                     done = await batch(stub, k, f"r{r}")
                     walls[k].append(time.perf_counter() - start)
+                    for p in profilers:
+                        p.send_signal(signal.SIGINT)  # py-spy writes what it has on SIGINT
+                        p.wait(timeout=30)
                     outputs[k] = [t for t, _ in done]
                     steps = sum(u.decode_steps for _, u in done)
                     produced = sum(u.mean_acceptance_length * u.decode_steps for _, u in done)
@@ -177,6 +201,12 @@ def run_served(args) -> dict:
         walls, outputs, stats = asyncio.run(main())
     finally:
         suite.stop()
+    for k in args.profile:
+        path = log_dir / f"pyspy_k{k}_gil.txt"
+        if path.exists():
+            from pyspy_summary import summarize
+
+            print(summarize(path, 45, "engine"), flush=True)
     rows = []
     for k in ks:
         steps, produced, tokens, n, cached, prompt_tokens = stats[k]
@@ -232,6 +262,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every k (medians reported)")
     ap.add_argument("--served", action="store_true", help="through the served path (kvstore + worker + router processes)")
+    ap.add_argument("--profile", type=int, nargs="*", default=[],
+                    help="--served: py-spy the worker's engine (GIL holders) during these k's first timed repeat")
     ap.add_argument("--startup-timeout-s", type=float, default=600.0, help="--served: load + warm-up before SERVING")
     ap.add_argument("--out", default=None)
     ap.add_argument("--png", default=None)

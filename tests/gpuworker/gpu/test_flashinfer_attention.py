@@ -249,6 +249,34 @@ def test_cuda_graph_replays_after_replan(ref, kind, q):
         assert rel_err(static_outs[i], expect) <= REL_TOL
 
 
+@pytest.mark.parametrize("kind,q", [(AttentionKind.DECODE, 1), (AttentionKind.VERIFY, 4)])
+def test_replan_equals_wrapper_plan(kind, q, monkeypatch):
+    """Graph-mode re-plans skip ``wrapper.plan`` (``_replan``): over a run of layouts of one key
+    whose lengths move the split-kv schedule (5 to 500 tokens), the plan info and every output
+    are identical to a backend that plans through ``wrapper.plan`` each time."""
+    fast = FlashInferBackend(DEV, GEOM, graph_max_pages_per_request=40)
+    slow = FlashInferBackend(DEV, GEOM, graph_max_pages_per_request=40)
+    monkeypatch.setattr(slow, "_can_replan", lambda plan, wrapper: False)
+    B, nb = 3, 200
+    rng = random.Random(21)
+    for trial in range(12):
+        cached = [rng.randint(5, 500) for _ in range(B)] if trial % 3 else [rng.randint(4, 20) for _ in range(B)]
+        layout = make_layout(cached, [q] * B, nb, seed=30 + trial)
+        pool, _ = pools_for(layout, nb, seed=40 + trial)
+        q_in, k_in, v_in = qkv(B * q, seed=50 + trial)
+        outs = []
+        for backend in (fast, slow):
+            plan = backend.plan(layout, kind)
+            kv = pool.clone()
+            backend.write_kv(plan, kv, k_in, v_in)
+            outs.append(backend.attend(plan, q_in, kv, scale=0.125))
+        wf, ws = (b._workspaces[(kind, B, q)] for b in (fast, slow))
+        assert wf.state["replan"] is True and ws.state["replan"] is False
+        assert list(wf.state["wrapper"]._plan_info) == list(ws.state["wrapper"]._plan_info), trial
+        assert torch.isfinite(outs[0]).all()
+        assert torch.equal(outs[0], outs[1]), trial
+
+
 def test_flashinfer_is_not_imported_by_cpu_paths():
     code = (
         "import sys, torch\n"
