@@ -652,9 +652,9 @@ class Engine:
             # no row needs a token value now: leave them on the device (see EngineConfig.overlap)
             lagging = _LaggingTokens(argmax)
         sampled_tokens = self._sample_or_verify(sampled, logits, picks)
-        greedy_host, draft_host = self._verdict_to_host(
-            argmax if lagging is None else None,
-            [w for w in work if not w.is_prefill and w.num_drafts and w.state.spec.sampling.greedy])
+        greedy_host = argmax.tolist() if argmax is not None and lagging is None else []
+        draft_host = self._drafts_to_host([w for w in work if not w.is_prefill and w.num_drafts
+                                           and w.state.spec.sampling.greedy])
 
         jobs: list[FillJob] = []
         row = 0
@@ -709,21 +709,17 @@ class Engine:
         return jobs
 
     @staticmethod
-    def _verdict_to_host(argmax: torch.Tensor | None, work: list[ScheduledWork]) -> tuple[list[int], dict[str, list[int]]]:
-        """The target's argmax rows (``[]`` when None) and the verified proposals of ``work``
-        (request id -> list) as host lists, in ONE device-to-host copy: it waits for the
-        verify, the step's only sync (a ``tolist`` per request was a sync per request, 64 of
-        them a step at c = 64; the argmax and the proposals were two)."""
-        parts = ([argmax] if argmax is not None else []) + [w.state.drafts[: w.num_drafts] for w in work]
-        if not parts:
-            return [], {}
-        flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
-        at = 0 if argmax is None else argmax.shape[0]
-        out = {}
+    def _drafts_to_host(work: list[ScheduledWork]) -> dict[str, list[int]]:
+        """The verified proposals of ``work`` as host lists: one device-to-host copy for the
+        batch (a ``tolist`` per request was a sync per request, 64 of them a step at c = 64)."""
+        if not work:
+            return {}
+        flat = torch.cat([w.state.drafts[: w.num_drafts] for w in work]).tolist()
+        out, at = {}, 0
         for w in work:
             out[w.state.request_id] = flat[at : at + w.num_drafts]
             at += w.num_drafts
-        return (flat[: argmax.shape[0]] if argmax is not None else []), out
+        return out
 
     @staticmethod
     def _may_lag(w: ScheduledWork) -> bool:
