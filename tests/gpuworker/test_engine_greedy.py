@@ -94,7 +94,7 @@ def test_bucket_padded_batches_give_the_same_tokens(mode):
     assert graphs.buckets[:3] == (1, 2, 4) and graphs.scratch_block == setup.engine.num_blocks
     scratch_before = setup.engine.target_pool.layer(0)[graphs.scratch_block].clone()
     ran, original = [], graphs.run
-    graphs.run = lambda name, layout, inputs, **kw: (ran.append((name, layout.arrays.uniform_q, inputs)), original(name, layout, inputs, **kw))[1]
+    graphs.run = lambda name, layout, inputs: (ran.append((name, layout.arrays.uniform_q, inputs)), original(name, layout, inputs))[1]
     for i, p in enumerate(ps):
         submit(setup, f"r{i}", p, max_new_tokens=MAX_NEW, k=0 if mode == "none" else 3)
     done = run_until_done(setup)
@@ -104,9 +104,6 @@ def test_bucket_padded_batches_give_the_same_tokens(mode):
     if mode == "eagle3":  # fills after verifies ran padded too, some with rows padded inside a request
         fills = [(q, inputs["last"].tolist()) for name, q, inputs in ran if name == "fill"]
         assert any(last[b] - b * q + 1 < q for q, last in fills for b in range(len(last))), fills
-        # planned while the target ran, before the verdict (preplan_fill), and run on that plan
-        drafter = setup.engine.drafter
-        assert drafter.preplans_used > 0 and drafter.preplanned_fills >= drafter.preplans_used
     # three requests pad to a bucket of 4: the scratch page was written by the padding row
     assert not torch.equal(setup.engine.target_pool.layer(0)[graphs.scratch_block], scratch_before)
 
@@ -124,7 +121,7 @@ def test_prompt_chunks_beside_padded_decodes_give_the_same_tokens(mode):
     engine, k = setup.engine, 0 if mode == "none" else 3
     events: list[str] = []
     graph_run, eager = engine.graphs.run, engine._eager_target
-    engine.graphs.run = lambda name, layout, inputs, **kw: (events.append(name), graph_run(name, layout, inputs, **kw))[1]
+    engine.graphs.run = lambda name, layout, inputs: (events.append(name), graph_run(name, layout, inputs))[1]
     engine._eager_target = lambda *a: (events.append("eager target"), eager(*a))[1]
     steps = []
 
@@ -143,39 +140,3 @@ def test_prompt_chunks_beside_padded_decodes_give_the_same_tokens(mode):
     assert mixed, steps  # decodes replayed (padded) beside an eager prompt chunk in one step
     if mode == "eagle3":
         assert any("fill" in s for s in mixed), mixed
-
-
-@pytest.mark.parametrize("spoil", ["stale", "stop"])
-def test_fill_planned_before_the_verdict_is_dropped_when_it_no_longer_fits(spoil):
-    """A fill planned before its verdict is run only while it is the backend's newest plan of
-    its key and its requests still draft from the same position; otherwise the fill plans again.
-    ``stale``: another plan of the fill's key after every pre-plan; ``stop``: requests end on a
-    stop token mid-run, so the verdict leaves fewer requests drafting than were planned.
-    Tokens equal plain greedy decoding either way."""
-    ps = prompts((5, 13, 22), seed=4)
-    plain = {f"r{i}": plain_greedy(p, MAX_NEW) for i, p in enumerate(ps)}
-    stops = {rid: toks[4] for rid, toks in plain.items()} if spoil == "stop" else {}
-    expected = {rid: toks[: toks.index(stops[rid]) + 1] if rid in stops else toks for rid, toks in plain.items()}
-    scripted = {f"r{i}": p + plain[f"r{i}"] for i, p in enumerate(ps)}
-    setup = make_setup("eagle3", scripted=scripted, chunk_size=64, max_batch_tokens=64, graphs="pad")
-    drafter = setup.engine.drafter
-    if spoil == "stale":
-        preplan = drafter.preplan_fill
-
-        def spoiled(decoding, drafts):
-            preplan(decoding, drafts)
-            if drafter._preplanned is not None:  # the same key planned again: the pre-plan is stale
-                drafter.graphs.plan("fill", drafter._preplanned.layout)
-
-        drafter.preplan_fill = spoiled
-    for i, p in enumerate(ps):
-        submit(setup, f"r{i}", p, max_new_tokens=MAX_NEW, k=3,
-               stop_ids=[stops[f"r{i}"]] if stops else ())
-    done = run_until_done(setup)
-    for rid, toks in expected.items():
-        assert done[rid].tokens == toks, rid
-    assert drafter.preplanned_fills > 0
-    if spoil == "stale":
-        assert drafter.preplans_used == 0
-    else:
-        assert drafter.preplans_used < drafter.preplanned_fills

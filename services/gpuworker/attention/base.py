@@ -373,18 +373,13 @@ class AttentionBackend(abc.ABC):
 
     # -- per-layer calls ----------------------------------------------------------------------
 
-    def is_current(self, plan: AttentionPlan) -> bool:
-        """Whether ``plan`` is this backend's newest plan of its key (no later ``plan()`` of the
-        same key replaced its workspace contents). Read-only."""
-        return plan.owner == id(self) and self._generations.get(plan.key) == plan.generation
-
     def check_plan(self, plan: AttentionPlan, kv_layer: torch.Tensor) -> None:
         """Raise unless ``plan`` is the newest plan of its key on this backend and ``kv_layer``
         (``[num_blocks, 2, block_size, kv_heads, head_dim]``) matches the geometry and holds every
         block id the plan names. Reads only host state."""
         if plan.owner != id(self):
             raise FailedPrecondition("this attention plan was made by another backend")
-        if not self.is_current(plan):
+        if self._generations.get(plan.key) != plan.generation:
             raise FailedPrecondition(
                 f"stale attention plan {plan.key} (generation {plan.generation}); a newer plan "
                 "with the same key replaced it"

@@ -56,17 +56,6 @@ class FillJob:
     wanted: int
 
 
-@dataclasses.dataclass
-class _FillPlan:
-    """A padded fill planned before the verdict (``DraftRunner.preplan_fill``)."""
-
-    request_ids: tuple[str, ...]
-    layout: BatchLayout
-    tables: list  # the table arrays it was planned over (identity: a replaced table voids it)
-    q: int
-    plan: object  # AttentionPlan
-
-
 def choose_proposals(states: list[RequestState], logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """One proposal per row of ``logits`` [B, V] for ``states[b]``: argmax for greedy requests,
     a sample from the transformed draft distribution otherwise (one uniform drawn from that
@@ -116,9 +105,6 @@ class DraftRunner:
         if self.mode not in (SpecMode.EAGLE3, SpecMode.MTP):
             raise ValueError(f"no draft runner for {self.mode}")
         self._chain_fn = self.chain_forward(draft, backend, pool)
-        self._preplanned: _FillPlan | None = None
-        self.preplanned_fills = 0  # fills planned before their verdict (preplan_fill) ...
-        self.preplans_used = 0  # ... and how many of those plans the fill then ran on
         self._fill_fn = self.fill_forward(draft, backend, pool) if self.mode is SpecMode.EAGLE3 else None
 
     @property
@@ -167,47 +153,6 @@ class DraftRunner:
                 prev = self.draft(k, ids, prev, plan, self.backend, self.pool).hidden
 
     # -- fill -----------------------------------------------------------------------------------
-
-    def preplan_fill(self, decoding: list[RequestState], drafts: list[int]) -> None:
-        """Plan the coming padded fill of ``decoding`` (requests verifying ``drafts[i]`` proposals
-        in the step whose target forward the device runs now), before the verdict is read: a
-        request accepts at most all of them, so its fill rows ``[F, T0 + 1 + k]`` are bounded
-        before the verdict and the padded layout (``q`` rows from ``F`` each) does not depend on
-        it. Mutates the backend's workspace of the fill's key (see ``ForwardGraphs.plan``).
-        ``fill`` uses the plan when the verdict leaves exactly these requests drafting, from the
-        same ``F`` over the same tables (a request that stops does not draft: then it plans
-        again)::
-
-            position:  F ... T0 | T0+1 ..... T0+1+n | ........ F+q-1
-            rows:      accepted by the verify (real)  | padding (the verify's capacity)
-        """
-        self._preplanned = None
-        if self.graphs is None or self.mode is not SpecMode.EAGLE3 or not decoding:
-            return
-        limit = self.draft.target_config.max_seq_len
-        q = max(s.target_len + 1 + k - s.draft_len for s, k in zip(decoding, drafts))
-        if any(s.draft_len + q > min(s.capacity, limit) for s in decoding) or not self.graphs.covers("fill", len(decoding), q):
-            return
-        tables = [s.table_array() for s in decoding]
-        layout = BatchLayout(block_tables=tables, cached_lens=[s.draft_len for s in decoding],
-                             query_lens=[q] * len(decoding))
-        self._preplanned = _FillPlan(tuple(s.request_id for s in decoding), layout, tables, q,
-                                     self.graphs.plan("fill", layout))
-        self.preplanned_fills += 1
-
-    def _take_preplanned(self, run) -> "_FillPlan | None":
-        """The pre-made plan if it fits ``run`` (the padded jobs of this fill) exactly, else None;
-        consumed either way."""
-        pre, self._preplanned = self._preplanned, None
-        if pre is None or len(run) != len(pre.request_ids):
-            return None
-        cached = pre.layout.arrays.cached
-        for i, (job, lo, hi, _) in enumerate(run):
-            s = job.state
-            if (s.request_id != pre.request_ids[i] or lo != cached[i] or hi - lo > pre.q
-                    or s.table_array() is not pre.tables[i]):
-                return None
-        return pre if self.backend.is_current(pre.plan) else None
 
     def fill(self, jobs: list[FillJob]) -> dict[str, tuple[int, int]]:
         """Bring every job's draft KV up to date (see the module docstring); make proposals for
@@ -285,12 +230,9 @@ class DraftRunner:
 
     def _fill_eagle(self, run) -> None:
         padded, ragged, q = self._split_fill(run)
-        pre = self._take_preplanned(padded) if padded else None
-        self._preplanned = None
-        self.preplans_used += pre is not None
         parts = []
         if padded:
-            parts.append((padded, *self._fill_padded(padded, q, pre)))
+            parts.append((padded, *self._fill_padded(padded, q)))
         if ragged:
             plan = self.backend.plan(self._layout(ragged))
             next_ids = torch.tensor(
@@ -336,13 +278,10 @@ class DraftRunner:
             return [], run, 0
         return padded, ragged, q
 
-    def _fill_padded(self, run, q: int, pre: "_FillPlan | None" = None):
-        """The fill of ``run`` as ``q`` rows per job (see ``_split_fill``; ``pre.q`` rows over
-        its plan when ``preplan_fill`` planned it): returns the layer output of every row, the
-        logits of each job's last real row, those rows and the indices of the drafting jobs (all
-        of them)."""
-        if pre is not None:
-            q = pre.q
+    def _fill_padded(self, run, q: int):
+        """The fill of ``run`` as ``q`` rows per job (see ``_split_fill``): returns the layer
+        output of every row, the logits of each job's last real row, those rows and the indices
+        of the drafting jobs (all of them)."""
         context = torch.cat([rows for _, _, _, rows in run])
         ids: list[int] = []
         dest: list[int] = []
@@ -354,11 +293,10 @@ class DraftRunner:
             last.append(b * q + n - 1)
         padded = context.new_zeros((len(run) * q, context.shape[1]))
         padded.index_copy_(0, torch.tensor(dest, dtype=torch.long, device=self.device), context)
-        layout = self._layout(run, q) if pre is None else pre.layout
+        layout = self._layout(run, q)
         last_rows = torch.tensor(last, dtype=torch.long, device=self.device)
         out, _plan = self.graphs.run("fill", layout, {"ids": torch.tensor(ids, dtype=torch.long, device=self.device),
-                                                      "context": padded, "last": last_rows},
-                                     plan=None if pre is None else pre.plan)
+                                                      "context": padded, "last": last_rows})
         return out["hidden"], out["logits"], last_rows, list(range(len(run)))
 
     def _fill_mtp(self, run) -> None:

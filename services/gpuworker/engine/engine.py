@@ -457,10 +457,6 @@ class Engine:
         target_tokens = sum(w.num_target_tokens for w in work)
         fill_jobs: list[FillJob] = []
         launched = self._run_target(work) if work else None
-        if launched is not None and self.drafter is not None:
-            # the host plans the fill while the device runs the target (the verdict is read next)
-            decoding = [w for w in work if not w.is_prefill and w.state.spec.k > 0]
-            self.drafter.preplan_fill([w.state for w in decoding], [w.num_drafts for w in decoding])
         # the previous step's tokens, read back while the device runs this step's target forward
         self._resolve_lagging()
         if launched is not None:

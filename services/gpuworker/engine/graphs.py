@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import InvalidArgument
 from services.gpuworker.attention.base import AttentionBackend, AttentionKind, AttentionPlan, BatchLayout
 
 log = logging.getLogger(__name__)
@@ -195,39 +195,23 @@ class ForwardGraphs:
         entry = self._forwards.get(name)
         return entry is not None and q in entry[2] and self.bucket(batch) is not None
 
-    def plan(self, name: str, layout: BatchLayout) -> AttentionPlan:
-        """Plan ``layout`` padded as ``run`` would, ahead of the run (``run(..., plan=)``): the host
-        plans while the device still works on earlier forwards. Mutates the backend's workspace
-        of the plan's key, which a captured graph of an earlier forward may share: its device
-        writes are queued behind that forward, so only later plans of the key make it stale."""
-        q, batch = self._shape(name, layout)
-        return self.backend.plan(self._pad(layout, self.bucket(batch), q), self._kind(q))
-
-    def _shape(self, name: str, layout: BatchLayout) -> tuple[int, int]:
-        q = layout.arrays.uniform_q
-        batch = layout.batch_size
-        if q is None or not self.covers(name, batch, q):
-            raise InvalidArgument(f"{name}: shape (batch {batch}, q {q}) is not covered by the graphs")
-        return q, batch
-
-    def run(self, name: str, layout: BatchLayout, inputs: dict[str, torch.Tensor],
-            plan: AttentionPlan | None = None) -> tuple[dict[str, torch.Tensor], AttentionPlan]:
+    def run(self, name: str, layout: BatchLayout, inputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], AttentionPlan]:
         """Run forward ``name`` over ``layout`` (uniform query length q, covered shape). Returns
         the outputs' first ``B * q`` rows (``B`` for per-request outputs) and the plan of the
-        padded layout. ``plan``: made by :meth:`plan` for this same layout and still the
-        backend's newest of its key (``FailedPrecondition`` otherwise); planned here when None."""
+        padded layout."""
         fn, _specs, _qs = self._forwards[name]
-        q, batch = self._shape(name, layout)
+        q = layout.arrays.uniform_q
+        batch = layout.batch_size
         padded_batch = self.bucket(batch)
+        if q is None or padded_batch is None or not self.covers(name, batch, q):
+            raise InvalidArgument(f"{name}: shape (batch {batch}, q {q}) is not covered by the graphs")
         per_request = self._per_request[name]
 
         def rows(k: str, n: int) -> int:  # rows of input/output k for n requests
             return n if k in per_request else n * q
 
-        if plan is None:
-            plan = self.backend.plan(self._pad(layout, padded_batch, q), self._kind(q))
-        elif not self.backend.is_current(plan) or plan.batch_size != padded_batch or plan.query_len != q:
-            raise FailedPrecondition(f"{name}: the plan given is stale or of another shape")
+        padded = self._pad(layout, padded_batch, q)
+        plan = self.backend.plan(padded, self._kind(q))
         captured = self._graphs.get((name, padded_batch, q))
         if captured is None:  # padding without a graph: the same layouts, run eagerly
             self.eager_runs += 1
