@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -194,11 +194,18 @@ def build_job(
     )
 
 
-def sample_jobs(n: int, build: Callable[..., GenerateJob], *, seed: int | None, request_id: str = "") -> list[GenerateJob]:
-    """``n`` samples of one request (``build(seed=..., request_id=..., sample=i)`` makes one job):
-    sample i of a seeded request uses seed + i; a caller's request id gets ``#i`` from the second
-    sample on (``build_job``). InvalidArgument for n outside 1..MAX_SAMPLES."""
+def sample_jobs(n: int, build: Callable[..., GenerateJob], *, seed: int | None, request_id: str = "",
+                new_request_id: Callable[[], str] = lambda: uuid.uuid4().hex) -> list[GenerateJob]:
+    """``n`` samples of one request: ``build(seed=..., request_id=..., sample=0)`` validates and
+    tokenizes it once; samples i > 0 are that job with seed + i (seeded requests) and the
+    caller's request id + ``#i`` (a fresh id when the caller gave none), so a long prompt is not
+    tokenized n times. InvalidArgument for n outside 1..MAX_SAMPLES."""
     if not 1 <= n <= MAX_SAMPLES:
         raise InvalidArgument(f"n must be in 1..{MAX_SAMPLES}, got {n}")
-    return [build(seed=None if seed is None else (seed + i) % (1 << 64), request_id=request_id, sample=i)
-            for i in range(n)]
+
+    def seed_of(i: int) -> int | None:
+        return None if seed is None else (seed + i) % (1 << 64)
+
+    first = build(seed=seed_of(0), request_id=request_id, sample=0)
+    return [first] + [replace(first, request_id=_request_id(request_id, new_request_id, i),
+                              sampling=replace(first.sampling, seed=seed_of(i))) for i in range(1, n)]

@@ -71,6 +71,27 @@ def test_samples_of_a_longest_caller_id_get_their_suffix_after_validation():
     assert len({j.request_id for j in fresh}) == 2 and "#" not in fresh[1].request_id
 
 
+def test_samples_tokenize_the_prompt_once():
+    """n samples of a text prompt: one tokenization, the same (read-only) prompt in every job,
+    everything else as sample 0 but the seed and the id."""
+    calls = []
+
+    class Counting(ByteTokenizer):
+        def encode(self, text):
+            calls.append(text)
+            return super().encode(text)
+
+    tok = Counting()
+    jobs = sample_jobs(4, lambda **kw: job(tokenizer=tok, text="a long prompt", temperature=0.7, **kw),
+                       seed=3, request_id="r")
+    assert calls == ["a long prompt"]
+    assert all(j.prompt is jobs[0].prompt for j in jobs) and not jobs[0].prompt.flags.writeable
+    assert [j.request_id for j in jobs] == ["r", "r#1", "r#2", "r#3"]
+    assert [j.sampling.seed for j in jobs] == [3, 4, 5, 6]
+    assert {(j.sampling.temperature, j.num_draft_tokens, j.sampling.stop_token_ids) for j in jobs} == {
+        (jobs[0].sampling.temperature, jobs[0].num_draft_tokens, jobs[0].sampling.stop_token_ids)}
+
+
 @pytest.mark.parametrize(
     "kw, fragment",
     [
