@@ -231,7 +231,8 @@ def worker_settings(args, model_dir: Path, a: int | None):
     kw = dict(model=str(model_dir), spec_mode="eagle3", draft_model=draft, device=args.device,
               backend="flashinfer" if gpu else "torch", dtype="bfloat16" if gpu else "float32",
               num_blocks=kv_blocks(args), forced_acceptance=a)
-    for name in ("cuda_graphs", "overlap_steps", "max_batch_tokens", "chunk_size", "gil_switch_interval_ms", "engine_process"):
+    for name in ("cuda_graphs", "overlap_steps", "max_batch_tokens", "chunk_size", "gil_switch_interval_ms", "engine_process",
+                 "prefill_wait_steps", "prefill_batch"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     return WorkerSettings(**kw)
@@ -697,6 +698,9 @@ def parse_args(argv):
                    help="worker setting engine_process (default: the worker's: own process on CUDA)")
     p.add_argument("--max-batch-tokens", type=int, help="worker setting (default: the worker's)")
     p.add_argument("--chunk-size", type=int, help="worker setting (default: the worker's)")
+    p.add_argument("--prefill-wait-steps", type=int,
+                   help="worker setting: hold new prompts up to this many steps to prefill several at once (default: off)")
+    p.add_argument("--prefill-batch", type=int, help="worker setting: release held prompts once this many wait")
     p.add_argument("--gil-switch-interval-ms", type=float, help="worker setting (default: Python's)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0, help="load + warm-up before SERVING")
     p.add_argument("--model-dir", type=Path, help="where to save the model (default: a temporary folder)")

@@ -49,6 +49,8 @@ class WorkerSettings(TandemSettings):
         None, description="run the engine in an OS process of its own, beside the gRPC process (unset: on for CUDA, where the engine and gRPC streaming would share one GIL; off on CPU)"
     )
     max_batch_size: int = Field(64, ge=1, description="requests per step")
+    prefill_wait_steps: int = Field(0, ge=0, le=64, description="hold a new prompt up to this many engine steps while others decode, so one forward prefills several (TGI's max_waiting_tokens; 0: start every prompt at once)")
+    prefill_batch: int = Field(4, ge=1, le=1024, description="with prefill_wait_steps: release the waiting prompts as soon as this many wait")
     max_draft_tokens: int = Field(8, ge=0, le=32, description="largest k a request may ask for")
     max_running: int = Field(256, ge=1, description="requests admitted at once; more get RESOURCE_EXHAUSTED")
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between kvstore heartbeats")

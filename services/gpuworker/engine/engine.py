@@ -82,6 +82,10 @@ class EngineConfig:
       before the host reads them back (one step later), so the host plans step N+1 while the
       device runs step N. Output is token-identical; a stop token is then seen one step late
       (that step's extra token is dropped, never emitted).
+    * ``prefill_wait_steps`` / ``prefill_batch``: new prompts wait up to this many steps while
+      other requests decode, or until ``prefill_batch`` of them wait, so that one forward
+      prefills several (``scheduler.schedule``; 0 = every prompt starts at once). Trades up to
+      that many steps of first-token latency for fewer eager prompt forwards between decodes.
     """
 
     max_batch_tokens: int = 256
@@ -94,9 +98,13 @@ class EngineConfig:
     graphs: str = "off"
     graph_max_batch: int | None = None
     overlap: bool = False
+    prefill_wait_steps: int = 0
+    prefill_batch: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("chunk_size", "max_batch_size"):
+        if not isinstance(self.prefill_wait_steps, int) or self.prefill_wait_steps < 0:
+            raise InvalidArgument(f"prefill_wait_steps must be an integer >= 0, got {self.prefill_wait_steps!r}")
+        for name in ("chunk_size", "max_batch_size", "prefill_batch"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
@@ -163,6 +171,7 @@ class Engine:
         self.max_seq_len = min(config.max_seq_len or model_max, model_max)
         self._states: dict[str, RequestState] = {}
         self._arrivals = 0
+        self._steps = 0  # steps run (prefill batching counts waits in steps)
         # completion of the last step's device work: a block it wrote is freed only after it
         self.last_fence: StepFence = COMPLETE
         self._lagging: _LaggingTokens | None = None  # overlap: the last step's tokens, on their way
@@ -256,6 +265,7 @@ class Engine:
             target_len=r,
             draft_len=r,
             arrival=self._arrivals,
+            admitted_step=self._steps,
             gen_counts=gen_counts,
             prompt_mask=prompt_mask,
         )
@@ -437,7 +447,9 @@ class Engine:
         cfg = self.config
         states = sorted(self._states.values(), key=lambda s: s.arrival)
         work = schedule([s for s in states if not s.last_step], max_batch_tokens=cfg.max_batch_tokens,
-                        max_batch_size=cfg.max_batch_size, chunk_size=cfg.chunk_size, max_seq_len=self.max_seq_len)
+                        max_batch_size=cfg.max_batch_size, chunk_size=cfg.chunk_size, max_seq_len=self.max_seq_len,
+                        step=self._steps, prefill_wait_steps=cfg.prefill_wait_steps, prefill_batch=cfg.prefill_batch)
+        self._steps += 1
         self._in_step = [w.state for w in work]
         ledger = self._ledger = {s.request_id: _Ledger(s, s.capacity) for s in states}
         for w in work:  # a scheduled request reports this step even if it streams nothing

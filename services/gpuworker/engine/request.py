@@ -102,6 +102,7 @@ class RequestState:
     target_len: int
     draft_len: int
     arrival: int  # admission order, for first-come-first-served scheduling
+    admitted_step: int = 0  # the engine's step count when it was admitted (prefill batching)
     # Target conditioning rows for positions [draft_len, target_len): what the first draft layer
     # reads there (fused aux states for EAGLE-3, final hidden for MTP). Kept between steps
     # because the draft KV of those positions cannot be final yet. A list of row blocks in order,

@@ -7,7 +7,16 @@ Policy (first come, first served inside each class):
    ``k_eff`` is its draft count capped by what it may still generate (``draft_budget``) and by the
    budget left; decodes go first so running requests keep streaming;
 2. prefilling requests then fill what is left of ``max_batch_tokens`` with chunks of at most
-   ``chunk_size`` prompt positions each.
+   ``chunk_size`` prompt positions each;
+3. optionally (``prefill_wait_steps`` > 0, TGI's ``max_waiting_tokens``), new prompts wait while
+   others decode, so that several are prefilled by one forward instead of one forward each::
+
+       step:          s0      s0+1    ...   s0+wait            (s0: the oldest new prompt's admission)
+       new prompts:   held    held          released           released at once when
+                                                               ``prefill_batch`` of them wait,
+                                                               or when nothing decodes
+
+   A prompt already partly prefilled is never held (it is not new).
 
 Only target tokens are budgeted; draft-layer work follows from them (a few tokens per request).
 """
@@ -70,11 +79,20 @@ def schedule(
     max_batch_size: int,
     chunk_size: int,
     max_seq_len: int,
+    step: int = 0,
+    prefill_wait_steps: int = 0,
+    prefill_batch: int = 1,
 ) -> list[ScheduledWork]:
-    """Pick the work of one step. ``states`` in arrival order; finished ones are skipped. Pure."""
+    """Pick the work of one step (the engine's ``step``-th). ``states`` in arrival order;
+    finished ones are skipped. Pure."""
     live = [s for s in states if not s.finished]
     decoding = [s for s in live if not s.in_prefill]
     prefilling = [s for s in live if s.in_prefill]
+    if prefill_wait_steps and decoding:
+        new = [s for s in prefilling if s.target_len == s.spec.reused_positions]
+        if new and len(new) < prefill_batch and step - min(s.admitted_step for s in new) < prefill_wait_steps:
+            held = {id(s) for s in new}
+            prefilling = [s for s in prefilling if id(s) not in held]
     budget = max_batch_tokens
     work: list[ScheduledWork] = []
     for s in decoding:

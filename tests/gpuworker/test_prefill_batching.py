@@ -1,0 +1,121 @@
+"""Prefill batching (``EngineConfig.prefill_wait_steps`` / ``prefill_batch``, TGI's
+``max_waiting_tokens``): a new prompt waits while others decode, at most ``wait`` steps or until
+``batch`` prompts wait, so one forward prefills several; output never changes.
+
+    step:        a      a+1    a+2    a+3
+    new prompt:  held   held   held   prefilled         (wait = 3, fewer than ``batch`` waiting)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.gpuworker.engine.engine import EngineConfig
+from services.gpuworker.engine.local import submit
+from test_engine_support import make_setup, plain_greedy, prompts
+
+WAIT = 3
+
+
+def setup_with(wait: int = WAIT, batch: int = 4, mode: str = "none"):
+    return make_setup(mode, chunk_size=64, max_batch_tokens=256, prefill_wait_steps=wait, prefill_batch=batch)
+
+
+def decoding(setup, rid: str, prompt) -> None:
+    """Submit ``rid`` and step until it decodes (its prompt prefilled)."""
+    submit(setup, rid, prompt, max_new_tokens=40)
+    while setup.engine.state(rid).in_prefill:
+        setup.engine.step()
+
+
+def started(setup, rid: str) -> bool:
+    return setup.engine.state(rid).target_len > 0
+
+
+def test_a_new_prompt_waits_while_others_decode_then_starts():
+    setup = setup_with()
+    a, b = prompts((9, 7), seed=1)
+    decoding(setup, "r0", a)
+    submit(setup, "r1", b, max_new_tokens=4)
+    for _ in range(WAIT):
+        setup.engine.step()
+        assert not started(setup, "r1")
+        assert not setup.engine.state("r0").in_prefill  # r0 decodes on meanwhile
+    setup.engine.step()
+    assert started(setup, "r1")
+
+
+def test_enough_waiting_prompts_start_together_at_once():
+    setup = setup_with(batch=3)
+    ps = prompts((9, 5, 6, 7), seed=2)
+    decoding(setup, "r0", ps[0])
+    submit(setup, "r1", ps[1])
+    setup.engine.step()
+    assert not started(setup, "r1")
+    for i in (2, 3):
+        submit(setup, f"r{i}", ps[i])
+    setup.engine.step()  # three wait now: one forward prefills all of them
+    assert all(started(setup, f"r{i}") for i in (1, 2, 3))
+
+
+def test_nothing_decoding_means_no_wait_and_zero_means_off():
+    p = prompts((9,), seed=3)[0]
+    for setup in (setup_with(), setup_with(wait=0)):
+        submit(setup, "r0", p)
+        setup.engine.step()
+        assert started(setup, "r0")
+    off = setup_with(wait=0)
+    a, b = prompts((9, 7), seed=1)
+    decoding(off, "r0", a)
+    submit(off, "r1", b)
+    off.engine.step()
+    assert started(off, "r1")
+
+
+def test_a_partly_prefilled_prompt_is_not_held():
+    """Chunked prefill: once a prompt's first chunk ran it is not new, so it never waits again."""
+    setup = make_setup("none", chunk_size=4, max_batch_tokens=16, prefill_wait_steps=WAIT, prefill_batch=4)
+    a, b = prompts((5, 30), seed=4)
+    decoding(setup, "r0", a)
+    submit(setup, "r1", b, max_new_tokens=4)
+    for _ in range(WAIT + 1):
+        setup.engine.step()
+    assert started(setup, "r1")
+    before = setup.engine.state("r1").target_len
+    setup.engine.step()
+    assert setup.engine.state("r1").target_len > before  # its next chunk ran at once
+
+
+@pytest.mark.parametrize("mode", ["none", "eagle3"])
+def test_outputs_equal_plain_greedy_with_staggered_arrivals(mode):
+    ps = prompts((9, 13, 5, 22, 7), seed=5)
+    setup = setup_with(mode=mode, batch=2)
+    tokens: dict[str, list[int]] = {}
+    held = 0
+
+    def step() -> None:
+        nonlocal held
+        new = [rid for rid in setup.engine.request_ids() if not started(setup, rid)]
+        report = setup.engine.step()
+        held += sum(not started(setup, rid) for rid in new if rid in setup.engine.request_ids())
+        for rid, r in report.results.items():
+            tokens.setdefault(rid, []).extend(r.new_token_ids)
+            if r.finished:
+                setup.source.release(rid)
+
+    for i, p in enumerate(ps):
+        submit(setup, f"r{i}", p, max_new_tokens=12, k=0 if mode == "none" else 3)
+        for _ in range(2):  # arrivals two steps apart, beside running decodes
+            step()
+    while setup.engine.has_work():
+        step()
+    assert held > 0, "no prompt waited: the test did not exercise the batching"
+    for i, p in enumerate(ps):
+        assert tokens[f"r{i}"] == plain_greedy(p, 12), i
+
+
+@pytest.mark.parametrize("kw", [dict(prefill_wait_steps=-1), dict(prefill_batch=0), dict(prefill_wait_steps=1.5)])
+def test_bad_settings_are_refused(kw):
+    with pytest.raises(InvalidArgument):
+        EngineConfig(**kw)
