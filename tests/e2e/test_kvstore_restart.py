@@ -66,6 +66,13 @@ def test_running_streams_survive_a_memory_kvstore_restart(suite, start_kvstore_s
     assert stats.live_reservations == 0 and len(stats.workers) == 2
     assert list(suite.invariants().violations) == []
     # the cache came back from the workers: the seed prompts, which nothing ran during the
-    # restart, hit as much as before it
+    # restart, hit as much as before it, once the workers' re-announcements have landed (they
+    # follow re-registration; issue 10 gives the hit rate 5 s to come back). Nothing else
+    # publishes now, so the trie stops growing when they are all in.
+    end, seen, still = time.monotonic() + 5.0, -1, 0
+    while still < 3 and time.monotonic() < end:
+        nodes = suite.stats().trie_nodes
+        still, seen = (still + 1, seen) if nodes == seen else (0, nodes)
+        time.sleep(0.2)
     cached_after = [suite.generate(seed, max_new_tokens=4)[2].cached_tokens for seed in SEEDS]
     assert cached_after == cached_before
