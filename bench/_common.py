@@ -91,6 +91,14 @@ class Suite:
         self.procs.clear()
 
 
+def pyspy_binary() -> str:
+    """The py-spy to run: ``$PY_SPY``, on PATH, or beside this interpreter (``pip install
+    --target`` puts it in ``bin/``)."""
+    import shutil
+
+    return os.environ.get("PY_SPY") or shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+
+
 def start_suite(log_dir: Path, workers: list[list[str]], router: list[str], *,
                 worker_env: dict | None = None, timeout_s: float = 120.0) -> Suite:
     """kvstore (memory) + one worker per argv in ``workers`` (``tandem worker`` flags besides

@@ -27,6 +27,7 @@ import argparse
 import json
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine  # noqa: E402
+from _common import machine, pyspy_binary  # noqa: E402
 
 
 def _backend(args) -> str:
@@ -114,23 +115,18 @@ def run(args) -> dict:
             "rows": rows, "sample": sample}
 
 
-def profile(suite, k: int, log_dir: Path) -> list:
+def profile(suite, k: int, log_dir: Path) -> subprocess.Popen:
     """``--profile K``: py-spy records where the worker's engine process holds the GIL during the
     first timed repeat of k (collapsed stacks, ``pyspy_k{K}_gil.txt`` beside the suite logs; a
     summary is printed at the end)."""
-    import os
-    import shutil
-    import subprocess
-
-    pyspy = os.environ.get("PY_SPY") or shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     # the worker's busiest child is its engine process (another child is multiprocessing's
     # helper); on CPU the engine is a thread of the worker itself
     cpu, pids = suite.cpu_seconds(), suite.pids()
-    kids = sorted((cpu.get(name, 0.0), pid) for name, pid in pids if name.startswith("worker") and "." in name)
-    engines = [pid for _, pid in reversed(kids)] or [pid for name, pid in pids if name.startswith("worker")]
-    return [subprocess.Popen([pyspy, "record", "--pid", str(pid), "--rate", "500", "--format", "raw", "--threads",
-                              "--nonblocking", "--gil", "-o", str(log_dir / f"pyspy_k{k}_gil.txt")],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for pid in engines[:1]]
+    kids = [(cpu.get(name, 0.0), pid) for name, pid in pids if name.startswith("worker") and "." in name]
+    engine = max(kids)[1] if kids else next(pid for name, pid in pids if name.startswith("worker"))
+    return subprocess.Popen([pyspy_binary(), "record", "--pid", str(engine), "--rate", "500", "--format", "raw",
+                             "--threads", "--nonblocking", "--gil", "-o", str(log_dir / f"pyspy_k{k}_gil.txt")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def run_served(args) -> dict:
@@ -183,13 +179,13 @@ def run_served(args) -> dict:
                 await batch(stub, k, "warm")
             for r in range(args.repeats):  # interleaved repeats: a shared machine drifts
                 for k in ks:
-                    profilers = profile(suite, k, log_dir) if r == 0 and k in args.profile else []
+                    profiler = profile(suite, k, log_dir) if r == 0 and k in args.profile else None
                     start = time.perf_counter()
                     done = await batch(stub, k, f"r{r}")
                     walls[k].append(time.perf_counter() - start)
-                    for p in profilers:
-                        p.send_signal(signal.SIGINT)  # py-spy writes what it has on SIGINT
-                        p.wait(timeout=30)
+                    if profiler is not None:
+                        profiler.send_signal(signal.SIGINT)  # py-spy writes what it has on SIGINT
+                        profiler.wait(timeout=30)
                     outputs[k] = [t for t, _ in done]
                     steps = sum(u.decode_steps for _, u in done)
                     produced = sum(u.mean_acceptance_length * u.decode_steps for _, u in done)

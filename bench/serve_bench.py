@@ -61,7 +61,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _common import free_port, gpu_ms, grouped_bars, machine, start_suite  # noqa: E402
+from _common import free_port, gpu_ms, grouped_bars, machine, pyspy_binary, start_suite  # noqa: E402
 from worker_bench import bench_config  # noqa: E402
 
 from services.gpuworker.model.config import LlamaConfig  # noqa: E402
@@ -354,10 +354,7 @@ def profile_level(args, suite, level: Level, out_dir: Path | None) -> list[subpr
     wanted = {name.replace(" ", "") for name in (args.profile or "").split(",")}
     if level.name.replace(" ", "") not in wanted or out_dir is None:
         return []
-    import shutil
-
-    # the binary: $PY_SPY, on PATH, or beside this interpreter (pip install --target puts it in bin/)
-    pyspy = os.environ.get("PY_SPY") or shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    pyspy = pyspy_binary()
     procs = []
     for name, pid in suite.pids():
         if name.startswith("kvstore"):

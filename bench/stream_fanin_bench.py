@@ -6,23 +6,26 @@ saving a multiplexed worker -> router stream (one message per engine step) would
 
 Server and client run in this process over loopback (grpc.aio, the router's and the worker's
 stack), so the CPU per token is both sides together. Prints the CPU µs per token of each, in
-alternating runs.
+alternating runs (and writes them with the machine to ``--out``).
 
-    python bench/stream_fanin_bench.py [--streams 64] [--steps 300] [--rounds 2]
+    python bench/stream_fanin_bench.py [--streams 64] [--steps 300] [--rounds 2] [--out FILE.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpc  # noqa: E402
 
+from _common import machine  # noqa: E402
 from tandem.worker.v1 import worker_pb2 as pb, worker_pb2_grpc  # noqa: E402
 
 
@@ -69,7 +72,11 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64, help="requests (streams) per step")
     ap.add_argument("--steps", type=int, default=300, help="messages per stream")
     ap.add_argument("--rounds", type=int, default=2, help="alternating runs of both modes")
-    asyncio.run(_run(ap.parse_args()))
+    ap.add_argument("--out", type=Path, help="write the runs and the machine here (JSON)")
+    args = ap.parse_args()
+    rows = asyncio.run(_run(args))
+    if args.out:
+        args.out.write_text(json.dumps({"machine": machine(), "command": " ".join(sys.argv), "runs": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

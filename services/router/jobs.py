@@ -108,7 +108,6 @@ def build_job(
     repetition_penalty: float = 1.0,
     logprobs: int | None = None,
     request_id: str = "",
-    sample: int = 0,
     limits: RequestLimits,
     tokenizer: Tokenizer,
     new_request_id: Callable[[], str] = lambda: uuid.uuid4().hex,
@@ -118,8 +117,7 @@ def build_job(
     Raises InvalidArgument for: no or empty prompt, a prompt longer than the limit, token ids
     (prompt or stop) outside the vocabulary, ``max_new_tokens`` 0 or above the limit, sampling
     values out of range, too many draft tokens, a malformed request id. An empty ``request_id``
-    gets a fresh uuid4; a caller's id of sample ``sample`` > 0 gets ``#sample`` after it is
-    validated (the suffix fits the ids downstream). Pure apart from ``new_request_id``.
+    gets a fresh uuid4 (more samples of it: ``sample_jobs``). Pure apart from ``new_request_id``.
     """
     if (text is None) == (token_ids is None):
         raise InvalidArgument("exactly one of text and token_ids must be given")
@@ -174,7 +172,7 @@ def build_job(
         stops.extend(sorted(limits.eos_token_ids - set(stops)))  # end-of-sequence stops unless ignore_eos
 
     return GenerateJob(
-        request_id=_request_id(request_id, new_request_id, sample),
+        request_id=_request_id(request_id, new_request_id),
         prompt=prompt,
         sampling=Sampling(
             temperature=temperature,
@@ -196,16 +194,16 @@ def build_job(
 
 def sample_jobs(n: int, build: Callable[..., GenerateJob], *, seed: int | None, request_id: str = "",
                 new_request_id: Callable[[], str] = lambda: uuid.uuid4().hex) -> list[GenerateJob]:
-    """``n`` samples of one request: ``build(seed=..., request_id=..., sample=0)`` validates and
-    tokenizes it once; samples i > 0 are that job with seed + i (seeded requests) and the
-    caller's request id + ``#i`` (a fresh id when the caller gave none), so a long prompt is not
-    tokenized n times. InvalidArgument for n outside 1..MAX_SAMPLES."""
+    """``n`` samples of one request: ``build(seed=..., request_id=...)`` validates and tokenizes
+    it once; samples i > 0 are that job with seed + i (seeded requests) and the caller's request
+    id + ``#i``, added after the id was validated (a fresh id when the caller gave none), so a
+    long prompt is not tokenized n times. InvalidArgument for n outside 1..MAX_SAMPLES."""
     if not 1 <= n <= MAX_SAMPLES:
         raise InvalidArgument(f"n must be in 1..{MAX_SAMPLES}, got {n}")
 
     def seed_of(i: int) -> int | None:
         return None if seed is None else (seed + i) % (1 << 64)
 
-    first = build(seed=seed_of(0), request_id=request_id, sample=0)
+    first = build(seed=seed_of(0), request_id=request_id)
     return [first] + [replace(first, request_id=_request_id(request_id, new_request_id, i),
                               sampling=replace(first.sampling, seed=seed_of(i))) for i in range(1, n)]

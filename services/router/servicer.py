@@ -62,7 +62,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if self.tokenizer is None or self.limits is None:
             raise Unavailable("no worker is registered yet, so the router does not know its model (or start it with --model)")
         token_ids = tokens_from_proto(request.token_ids, field="token_ids") if which == "token_ids" else None
-        jobs = sample_jobs(request.n or 1, lambda *, seed, request_id, sample: build_job(
+        jobs = sample_jobs(request.n or 1, lambda *, seed, request_id: build_job(
             text=request.text if which == "text" else None,
             token_ids=token_ids,
             max_new_tokens=request.max_new_tokens,
@@ -80,7 +80,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else 1.0,
             logprobs=request.logprobs if request.HasField("logprobs") else None,
             request_id=request_id,
-            sample=sample,
             limits=self.limits,
             tokenizer=self.tokenizer,
         ), seed=request.seed if request.HasField("seed") else None, request_id=request.request_id)

@@ -184,7 +184,7 @@ class FlashInferBackend(AttentionBackend):
         wrapper = ws.state["wrapper"]
         common = dict(q_data_type=g.dtype, kv_data_type=g.dtype, sm_scale=self._default_scale)
         if ws.state.get("replan"):
-            self._replan(plan, ws, wrapper)
+            self._replan(plan, host, wrapper)
         elif plan.kind is AttentionKind.PREFILL:
             wrapper.plan(
                 host["qo_indptr"],
@@ -241,7 +241,7 @@ class FlashInferBackend(AttentionBackend):
             and hasattr(wrapper._cached_module, "plan")
         )
 
-    def _replan(self, plan: AttentionPlan, ws: Workspace, wrapper) -> None:
+    def _replan(self, plan: AttentionPlan, host: dict, wrapper) -> None:
         """Re-plan a graph-mode DECODE/VERIFY wrapper whose key was planned once by
         ``wrapper.plan`` (mutates the wrapper's fixed buffers and plan info).
 
@@ -253,7 +253,6 @@ class FlashInferBackend(AttentionBackend):
         wrapper's Python: dtype and alignment checks and a Python ``max()`` over the KV-length
         tensor (about a microsecond per request). A GPU test replays graphs planned both ways."""
         g = self.geometry
-        host = ws.state["host"]
         q = plan.query_len
         batch = plan.batch_size
         nnz = plan.kv_page_indices.shape[0]

@@ -89,10 +89,9 @@ def schedule(
     decoding = [s for s in live if not s.in_prefill]
     prefilling = [s for s in live if s.in_prefill]
     if prefill_wait_steps and decoding:
-        new = [s for s in prefilling if s.target_len == s.spec.reused_positions]
+        new = [s for s in prefilling if s.target_len == s.spec.reused_positions]  # no chunk run yet
         if new and len(new) < prefill_batch and step - min(s.admitted_step for s in new) < prefill_wait_steps:
-            held = {id(s) for s in new}
-            prefilling = [s for s in prefilling if id(s) not in held]
+            prefilling = [s for s in prefilling if s.target_len != s.spec.reused_positions]  # new ones wait
     budget = max_batch_tokens
     work: list[ScheduledWork] = []
     for s in decoding:

@@ -197,7 +197,7 @@ class OpenAIFront:
     @staticmethod
     def _jobs(req, limits: RequestLimits, tokenizer, *, text=None, token_ids=None, max_tokens: int) -> list[GenerateJob]:
         """One job per sample (``n``); sample i of a seeded request uses seed + i."""
-        return sample_jobs(req.n, lambda *, seed, request_id, sample: build_job(
+        return sample_jobs(req.n, lambda *, seed, request_id: build_job(
             text=text,
             token_ids=token_ids,
             max_new_tokens=max_tokens,
@@ -215,7 +215,6 @@ class OpenAIFront:
             repetition_penalty=req.repetition_penalty or 1.0,
             logprobs=req.logprob_count(),
             request_id=request_id,
-            sample=sample,
             limits=limits,
             tokenizer=tokenizer,
         ), seed=req.seed)
