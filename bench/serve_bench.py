@@ -28,10 +28,10 @@ worker + router) per a; the first one also runs k = 0 (``--k 0``: only that). Pe
     router CPU µs/tok   CPU seconds of every router process together ÷ tokens (client: the same for this process)
 
 ``--router-procs N`` serves the router as N processes on one port (``tandem router --procs N``);
-the kernel hands each TCP connection to one of them, so the clients then spread over
-``--client-channels`` connections (default: one per client; client j uses channel j mod N). With
-one router process the default stays one channel, the baseline of earlier runs; pass the same
-``--client-channels`` to both sides of a procs comparison. The engine-alone side is unchanged.
+the kernel hands each TCP connection to one of them, so the clients spread over ``--client-channels``
+C connections (client j on channel j mod C; default with several router processes: one per
+client, with one: a single channel, the baseline of earlier runs). Pass the same C to both sides
+of a procs comparison. The engine-alone side is unchanged.
 
 Also: TTFT of the very first request after the worker said SERVING ÷ steady-state TTFT (p50 at
 concurrency 1, k = 0); on CUDA the batch-1 bandwidth bound (weight bytes ÷ device-copy bandwidth

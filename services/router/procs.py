@@ -24,7 +24,8 @@ front-end processes (vLLM's ``--api-server-count``; gRPC Python's multiprocessin
   one tenant's requests would land in N cache namespaces): without ``--salt-secret-file`` /
   ``TANDEM_ROUTER_SALT_SECRET`` the parent draws one random secret for all its children.
   ``--policy-seed S`` gives process *i* seed S + i. Per-process limits (``--max-concurrent-rpcs``,
-  ``--max-queued``) are per process: the router as a whole admits N times as much.
+  ``--max-queued``) are per process: the router as a whole admits N times as much. A
+  ``--front-trace`` file is shared: each process appends whole lines (one write each, O_APPEND).
 * **Health.** A process holds NOT_SERVING until every process of the group is ready (kvstore
   answered, a compatible worker registered): a client never sees SERVING from one process while
   another would still refuse it. Later each process watches its workers itself, as one router does.
@@ -138,7 +139,7 @@ class RouterProcs:
                 log.info("no --salt-secret-file: the %d router processes share one random salt secret "
                          "(routers of one deployment need the same secret to share the cache)", s.procs)
             for i in range(s.procs):
-                reports, theirs = self._ctx.Pipe()  # a pipe, not a multiprocessing.Event: no semaphore, no resource tracker
+                reports, theirs = self._ctx.Pipe()  # reports up, the one "go" down; EOF tells a death
                 process = self._ctx.Process(
                     target=_child_main, name=f"tandem-router-{i}", daemon=True,  # daemon: ended if this process exits
                     args=(child_settings(s, i, self.port, self.http_port, secret), i, self.log_level, theirs),
