@@ -3,10 +3,12 @@ tested against the real suite (kvstore + tiny CPU worker in this process, on loo
 
 * in-process group (``RouterProcs``, port 0 and HTTP port 0): greedy answers equal a single
   router's, clients on several connections reach both processes (their own metrics endpoints
-  count them), the cache is shared across processes (one salt secret), HTTP is served, and a
-  second group cannot take the port;
+  count them), the cache is shared across processes (one salt secret), HTTP is served, no
+  process says SERVING before the parent saw every one ready, and a second group cannot take
+  the port;
 * the CLI parent as a process: SIGTERM stops every child and frees the port, a child that dies
-  makes the parent exit 1 and stop the others, a SIGKILLed parent leaves no orphan;
+  makes the parent exit 1 and stop the others, a child's start-up error is the parent's exit
+  code, a SIGKILLed parent leaves no orphan;
 * bad values (procs < 1) are refused.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,6 +107,52 @@ def test_two_processes_serve_the_same_answers_share_the_cache_and_both_take_traf
                                      headers={"content-type": "application/json"})
     with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
         assert json.loads(response.read())["usage"]["completion_tokens"] == 12
+
+
+def health_on_connections(address: str, n: int = CHANNELS) -> list[int]:
+    """grpc.health.v1 status seen over ``n`` fresh connections (each lands on some process)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    out = []
+    for _ in range(n):
+        with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+            out.append(health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT).status)
+    return out
+
+
+def test_no_process_says_serving_before_the_parent_saw_every_one_ready(suite):
+    from grpc_health.v1 import health_pb2
+
+    suite.add_worker("w0")
+    wait_registered(suite, "w0")
+    group = RouterProcs(group_settings(suite))
+    group.start()
+    try:
+        # read the children's reports here instead of group.poll(), which would answer them
+        end = time.monotonic() + READY_TIMEOUT
+        for child in group.children:
+            while not child.ready:
+                assert time.monotonic() < end and child.process.exitcode is None
+                if child.reports.poll(0.1):
+                    child.ready = bool(child.reports.recv().get("ready"))
+        # both are ready (kvstore answered, worker registered) but nobody told them: NOT_SERVING
+        assert set(health_on_connections(group.address)) == {health_pb2.HealthCheckResponse.NOT_SERVING}
+        assert group.poll() is None and group.serving  # every child ready: the parent says go
+        end = time.monotonic() + TIMEOUT
+        while set(health_on_connections(group.address)) != {health_pb2.HealthCheckResponse.SERVING}:
+            assert time.monotonic() < end
+            time.sleep(0.1)
+    finally:
+        assert all(code == 0 for code in group.stop().values())
+
+
+def test_a_child_that_fails_to_start_ends_the_group_with_its_exit_code(tmp_path):
+    proc = spawn_router("127.0.0.1:1", "--model", str(tmp_path / "missing"), "--port", "0")
+    assert proc.wait(TIMEOUT) == 3  # the environment's code, as one router would exit
+    err = proc.stderr.read()
+    # whichever process failed first said why in one line (the other may be stopped before it does)
+    assert re.search(r"tandem router \(process [01]\): error: cannot load the tokenizer", err), err[-2000:]
+    assert "during start-up" in err
 
 
 def test_a_second_group_cannot_join_the_port(suite, group):
