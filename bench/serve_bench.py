@@ -17,19 +17,28 @@ Levels: concurrency N in ``--concurrency`` (N clients, each sending its next req
 last one finished; max(rounds·N, min-requests) requests, no new ones after ``--level-max-s``),
 for k = 0 and for k = ``--k`` with forced acceptance a in ``--accept`` (the benchmark-only worker
 setting: exactly a drafts accepted per verify, so a + 1 tokens per step). One suite (kvstore +
-worker + router) per a; the first one also runs k = 0. Per level::
+worker + router) per a; the first one also runs k = 0 (``--k 0``: only that). Per level::
 
     tokens/s   generated tokens ÷ wall time of the level (first send to last answer)
     TTFT       send → first streamed message with tokens (client clock)
     ITL        gap between two messages ÷ tokens in the later one, once per token (a message
                carries 1 + accepted drafts under speculation), p50/p99 over tokens
     tok/msg    tokens per streamed message after the first (≈ a + 1: checks forced acceptance)
+    cores      CPU each process used ÷ wall (router.1 .. router.N: its processes under --router-procs)
+    router CPU µs/tok   CPU seconds of every router process together ÷ tokens (client: the same for this process)
+
+``--router-procs N`` serves the router as N processes on one port (``tandem router --procs N``);
+the kernel hands each TCP connection to one of them, so the clients spread over ``--client-channels``
+C connections (client j on channel j mod C; default with several router processes: one per
+client, with one: a single channel, the baseline of earlier runs). Pass the same C to both sides
+of a procs comparison. The engine-alone side is unchanged.
 
 Also: TTFT of the very first request after the worker said SERVING ÷ steady-state TTFT (p50 at
 concurrency 1, k = 0); on CUDA the batch-1 bandwidth bound (weight bytes ÷ device-copy bandwidth
 measured here) and the engine-alone plain decode rate at batch 1 as a fraction of it.
 
     python bench/serve_bench.py --device cpu --shape tiny-cpu --quick     # CPU smoke run, < 2 min
+    python bench/serve_bench.py --device cpu --shape tiny-cpu --concurrency 64 --k 0 --router-procs 2   # the front door on CPU
     python3 bench/serve_bench.py --shape 1b --json serve_1b.json --plot serve_1b.png   # GPU box
     python3 bench/serve_bench.py --shape 8b --json serve_8b.json --plot serve_8b.png
 
@@ -259,7 +268,7 @@ def settings_flags(settings) -> list[str]:
 def levels_of(args, a: int) -> list[Level]:
     """The measured levels a suite with forced acceptance ``a`` runs (the first also k = 0)."""
     out = []
-    combos = ([(0, None)] if a == args.accept[0] else []) + [(args.k, a)]
+    combos = ([(0, None)] if a == args.accept[0] else []) + ([(args.k, a)] if args.k else [])
     for k, acc in combos:
         for c in args.concurrency:
             out.append(Level(c, k, acc, max(args.rounds * c, args.min_requests), args.max_new_tokens))
@@ -293,20 +302,21 @@ async def served_request(stub, prompt: list[int], level: Level, rid: str) -> Tra
     return trace
 
 
-async def served_level(stub, level: Level, prompts: Prompts, max_s: float, prefix: str) -> tuple[list[Trace], float]:
-    """Closed loop: ``concurrency`` clients, each sending its next request when its last ended."""
+async def served_level(stubs: list, level: Level, prompts: Prompts, max_s: float, prefix: str) -> tuple[list[Trace], float]:
+    """Closed loop: ``concurrency`` clients, each sending its next request when its last ended;
+    client j always uses ``stubs[j % len(stubs)]`` (one connection each: see ``open_channels``)."""
     traces: list[Trace] = []
     issued = 0
     t0 = time.monotonic()
 
-    async def client() -> None:
+    async def client(stub) -> None:
         nonlocal issued
         while issued < level.requests and time.monotonic() - t0 < max_s:
             i = issued
             issued += 1
             traces.append(await served_request(stub, prompts.get(level, i), level, f"{prefix}-{level.tag}-{i}"))
 
-    await asyncio.gather(*(client() for _ in range(level.concurrency)))
+    await asyncio.gather(*(client(stubs[j % len(stubs)]) for j in range(level.concurrency)))
     return traces, time.monotonic() - t0
 
 
@@ -342,6 +352,31 @@ def step_stats(before: dict, after: dict, wall_s: float) -> dict:
             "in_step_share": busy / wall_s if wall_s > 0 else float("nan")}
 
 
+def client_channels(args) -> int:
+    """Channels (TCP connections) the served clients spread over: ``--client-channels``, or by
+    default one when one router process serves and one per client of the largest level when
+    several do (the kernel hands each *connection* to one of them, by a hash)."""
+    if args.client_channels:
+        return args.client_channels
+    return 1 if args.router_procs == 1 else max(args.concurrency)
+
+
+def open_channels(address: str, n: int) -> list:
+    """``n`` grpc.aio channels to ``address`` on ``n`` connections: gRPC Python channels with the
+    same target and options share one connection through the global subchannel pool unless each
+    has a local pool (one channel keeps the pool: the single-connection baseline as before)."""
+    import grpc
+
+    options = [("grpc.use_local_subchannel_pool", 1)] if n > 1 else []
+    return [grpc.aio.insecure_channel(address, options=options) for _ in range(n)]
+
+
+def router_cpu(cpu: dict[str, float]) -> float:
+    """CPU seconds of the router: the process itself plus its children (``--router-procs N``:
+    the parent supervises, ``router.1`` .. ``router.N`` serve)."""
+    return sum(v for k, v in cpu.items() if k == "router" or k.startswith("router."))
+
+
 def cpu_now(suite) -> dict[str, float]:
     """CPU seconds used so far by each suite process and by this (client) process."""
     return {**suite.cpu_seconds(), "client": sum(os.times()[:2])}
@@ -370,17 +405,15 @@ def profile_level(args, suite, level: Level, out_dir: Path | None) -> list[subpr
 
 async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: str) -> dict:
     """First request right after SERVING, a warm-up per k, then every measured level."""
-    import grpc
-
     from tandem.router.v1 import router_pb2_grpc
 
     out = {"levels": []}
-    router = suite.router
-    async with grpc.aio.insecure_channel(router) as channel:
-        stub = router_pb2_grpc.RouterStub(channel)
+    channels = open_channels(suite.router, client_channels(args))
+    try:
+        stubs = [router_pb2_grpc.RouterStub(channel) for channel in channels]
         levels = levels_of(args, a)
         first = Level(1, levels[0].k, levels[0].a, 1, args.max_new_tokens, tag=2)
-        (trace,), _ = await served_level(stub, first, prompts, 1e9, f"a{a}")
+        (trace,), _ = await served_level(stubs, first, prompts, 1e9, f"a{a}")
         out["first_ttft_ms"] = (trace.events[0][0] - trace.start) * 1e3 if trace.events else float("nan")
         out["first_error"] = trace.error
         log(f"  first request after SERVING: TTFT {out['first_ttft_ms']:.0f} ms {trace.error}")
@@ -388,31 +421,40 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
         for level in levels:
             if level.k not in warmed:
                 warm = warmup_of(args, level.k, level.a)
-                traces, wall = await served_level(stub, warm, prompts, args.level_max_s, f"a{a}")
+                traces, wall = await served_level(stubs, warm, prompts, args.level_max_s, f"a{a}")
                 log(f"  warm-up {warm.name}: {len(traces)} requests in {wall:.1f} s")
                 warmed.add(level.k)
             cpu0, steps0 = cpu_now(suite), worker_steps(metrics_url)
             profilers = profile_level(args, suite, level, args.json.parent if args.json else None)
-            traces, wall = await served_level(stub, level, prompts, args.level_max_s, f"a{a}")
+            traces, wall = await served_level(stubs, level, prompts, args.level_max_s, f"a{a}")
             cpu1, steps1 = cpu_now(suite), worker_steps(metrics_url)
             for p in profilers:
                 p.wait(timeout=30)
             stats = {**asdict(level), **level_stats(traces, wall), **step_stats(steps0, steps1, wall)}
             # share of one core each process used during the level (1.0 = a core busy)
             stats["cpu_cores"] = {k: round((cpu1[k] - cpu0.get(k, 0.0)) / wall, 2) for k in cpu1} if wall > 0 else {}
+            # router CPU per streamed token, all its processes together (what --router-procs spreads)
+            stats["router_cpu_us_per_token"] = (1e6 * (router_cpu(cpu1) - router_cpu(cpu0)) / stats["tokens"]
+                                                if stats["tokens"] else float("nan"))
+            stats["client_cpu_us_per_token"] = (1e6 * (cpu1["client"] - cpu0["client"]) / stats["tokens"]
+                                                if stats["tokens"] else float("nan"))
             out["levels"].append(stats)
             log(f"  served {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
                 f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms, "
                 f"{stats['tokens_per_msg']:.2f} tok/msg, hit {100 * stats['hit_rate']:.0f} %, cores "
                 + " ".join(f"{k} {v:.2f}" for k, v in stats["cpu_cores"].items())
+                + f", router {stats['router_cpu_us_per_token']:.0f} µs CPU/token, client {stats['client_cpu_us_per_token']:.0f}"
                 + (f", {stats['failed']} failed: {stats['errors']}" if stats["failed"] else "")
                 + (f"; {stats['steps']} steps of {stats['step_ms_mean']:.1f} ms, {stats['tokens_per_step']:.1f} tok/step, "
                    f"{100 * stats['in_step_share']:.0f} % of the wall in steps" if stats.get("steps") else ""))
+    finally:
+        await asyncio.gather(*(channel.close() for channel in channels))
     return out
 
 
 def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log) -> list[dict]:
-    router = ["--model", str(model_dir), "--num-draft-tokens", str(args.k)]
+    router = ["--model", str(model_dir), "--num-draft-tokens", str(args.k),
+              *(["--procs", str(args.router_procs)] if args.router_procs > 1 else [])]
     suites = []
     for a in args.accept:
         settings = worker_settings(args, model_dir, a)
@@ -578,7 +620,7 @@ def headline(res: dict) -> dict:
 
 def table(res: dict) -> str:
     cols = ["conc", "k", "a", "served tok/s", "alone tok/s", "served/alone", "TTFT p50/p99 ms", "ITL p50/p99 ms",
-            "tok/msg", "hit", "reqs"]
+            "tok/msg", "hit", "router CPU µs/tok", "reqs"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---:|" * len(cols)]
     for r in combine(res):
         s, e = r["served"], r["alone"]
@@ -586,7 +628,7 @@ def table(res: dict) -> str:
             str(s["concurrency"]), str(s["k"]), "-" if s["a"] is None else str(s["a"]),
             f"{s['tokens_per_s']:.1f}", f"{e.get('tokens_per_s', float('nan')):.1f}", f"{r['served_over_alone']:.2f}",
             f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f}", f"{s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f}",
-            f"{s['tokens_per_msg']:.2f}", f"{100 * s['hit_rate']:.0f} %",
+            f"{s['tokens_per_msg']:.2f}", f"{100 * s['hit_rate']:.0f} %", f"{s.get('router_cpu_us_per_token', float('nan')):.0f}",
             str(s["requests"]) + (f" ({s['failed']} failed)" if s["failed"] else ""),
         ]) + " |")
     h = headline(res)
@@ -678,7 +720,7 @@ def parse_args(argv):
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--concurrency", default="1,16,64", help="comma-separated levels")
-    p.add_argument("--k", type=int, default=3, help="draft tokens per step of the speculative levels")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per step of the speculative levels (0 = k = 0 levels only)")
     p.add_argument("--accept", default="0,1,2,3", help="forced acceptance values (one suite each)")
     p.add_argument("--rounds", type=int, default=2, help="requests per level = max(rounds x concurrency, min-requests)")
     p.add_argument("--min-requests", type=int, default=4)
@@ -699,6 +741,11 @@ def parse_args(argv):
                    help="worker setting: hold new prompts up to this many steps to prefill several at once (default: off)")
     p.add_argument("--prefill-batch", type=int, help="worker setting: release held prompts once this many wait")
     p.add_argument("--gil-switch-interval-ms", type=float, help="worker setting (default: Python's)")
+    p.add_argument("--router-procs", type=int, default=1,
+                   help="router processes on the router's port (tandem router --procs; the engine alone is unaffected)")
+    p.add_argument("--client-channels", type=int, default=0,
+                   help="connections the served clients spread over, client j on channel j mod N (0 = 1 with one "
+                        "router process, else one per client of the largest level)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0, help="load + warm-up before SERVING")
     p.add_argument("--model-dir", type=Path, help="where to save the model (default: a temporary folder)")
     p.add_argument("--seed", type=int, default=0)
@@ -713,8 +760,12 @@ def parse_args(argv):
         args.rounds, args.min_requests = 2, 4
     args.concurrency = [int(x) for x in str(args.concurrency).split(",")]
     args.accept = [int(x) for x in str(args.accept).split(",")]
-    if args.k < 1 or any(not 0 <= a <= args.k for a in args.accept):
-        p.error("--k must be >= 1 and forced acceptance values in [0, k]")
+    if args.k == 0:
+        args.accept = [0]  # one suite: its k = 0 levels
+    if args.k < 0 or any(not 0 <= a <= args.k for a in args.accept):
+        p.error("--k must be >= 0 and forced acceptance values in [0, k]")
+    if args.router_procs < 1 or args.client_channels < 0:
+        p.error("--router-procs must be >= 1 and --client-channels >= 0")
     return args
 
 

@@ -1,6 +1,7 @@
 """``tandem up``: the whole suite on this machine, without Docker.
 
-Starts one kvstore, N gpuworkers and one router as child processes, waits until every
+Starts one kvstore, N gpuworkers and one router (``--router-procs M``: a router of M processes on
+one port, ``tandem router --procs``) as child processes, waits until every
 ``grpc.health.v1`` check says SERVING, prints the endpoints, optionally runs a demo request, and
 supervises until Ctrl-C/SIGTERM:
 
@@ -66,7 +67,8 @@ class UpSettings(BaseSettings):
     http: bool = Field(True, description="serve the OpenAI-compatible HTTP API (--no-http: gRPC only)")
     kvstore_port: int = Field(50051, ge=0, le=65535, description="kvstore port (0 = any free port)")
     worker_base_port: int = Field(50061, ge=0, le=65535, description="first worker port (0 = any free ports)")
-    metrics_base_port: int = Field(0, ge=0, le=65535, description="kvstore metrics on this port, router +1, worker i +2+i (0 = off)")
+    router_procs: int = Field(1, ge=1, le=256, description="router processes on the router's port (tandem router --procs: SO_REUSEPORT, one event loop each; clients need several connections to use them all)")
+    metrics_base_port: int = Field(0, ge=0, le=65535, description="kvstore metrics on this port, router process j +1+j, worker i +1+router_procs+i (0 = off)")
     demo: bool = Field(False, description="run a demo request twice once everything is up")
     exit_after_demo: bool = Field(False, description="stop the suite after the demo (for scripts)")
     startup_timeout_s: float = Field(300.0, gt=0, description="give up if not SERVING by then")
@@ -193,6 +195,13 @@ def _metrics(s: UpSettings, offset: int) -> list[str]:
     return ["--metrics-port", str(s.metrics_base_port + offset)] if s.metrics_base_port else []
 
 
+def worker_metrics_offset(s: UpSettings, index: int) -> int:
+    """Where worker ``index``'s metrics port lies past ``metrics_base_port`` (pure): after the
+    kvstore's and one per router process (``tandem router --procs N`` serves process j's on its
+    port + j)."""
+    return 1 + s.router_procs + index
+
+
 def check_ports(s: UpSettings, workers: int) -> None:
     """Raise :class:`PortInUse` for the first fixed port something else holds."""
     wanted = [("kvstore port", s.kvstore_port), ("router port", s.router_port)]
@@ -201,7 +210,7 @@ def check_ports(s: UpSettings, workers: int) -> None:
     if s.worker_base_port:
         wanted += [(f"worker{i} port", s.worker_base_port + i) for i in range(workers)]
     if s.metrics_base_port:
-        wanted += [("metrics port", s.metrics_base_port + i) for i in range(2 + workers)]
+        wanted += [("metrics port", s.metrics_base_port + i) for i in range(worker_metrics_offset(s, workers))]
     for what, port in wanted:
         try:
             check_port_free(s.host, port, what)
@@ -217,7 +226,16 @@ def worker_argv(s: UpSettings, plan: WorkerPlan, port: int, kv_addr: str) -> lis
             *(["--revision", s.revision] if s.revision else []),
             *(["--draft-revision", s.draft_revision] if s.draft_revision else []),
             *(["--served-model-name", s.served_model_name] if s.served_model_name else []),
-            *_metrics(s, 2 + plan.index)]
+            *_metrics(s, worker_metrics_offset(s, plan.index))]
+
+
+def router_argv(s: UpSettings, port: int, kv_addr: str, http_port: int | None) -> list[str]:
+    """``tandem router`` flags of the suite's router (pure; ``http_port`` None = no HTTP front)."""
+    return ["router", "--host", s.host, "--port", str(port), "--kvstore", kv_addr, "--model", s.model,
+            *(["--revision", s.revision] if s.revision else []),
+            *(["--http-port", str(http_port)] if http_port is not None else []),
+            *(["--procs", str(s.router_procs)] if s.router_procs > 1 else []),
+            *_metrics(s, 1)]
 
 
 def start_suite(s: UpSettings, plans: list[WorkerPlan], log_level: str = "INFO", certs_dir: str | None = None) -> list[Child]:
@@ -244,10 +262,9 @@ def start_suite(s: UpSettings, plans: list[WorkerPlan], log_level: str = "INFO",
             children.append(_spawn(f"worker{plan.index}", [*flags, *worker_argv(s, plan, port, kv_addr)], f"{host}:{port}",
                                    env(f"worker{plan.index}", "TANDEM_WORKER_", plan.env)))
         r_addr = f"{host}:{s.router_port or _free_port(host)}"
-        http = ["--http-port", str(s.http_port or _free_port(host))] if s.http else []
-        children.append(_spawn("router", [*flags, "router", "--host", host, "--port", r_addr.rsplit(':', 1)[1], "--kvstore", kv_addr,
-                                          "--model", s.model, *(["--revision", s.revision] if s.revision else []), *http,
-                                          *_metrics(s, 1)], r_addr, env("router", "TANDEM_ROUTER_")))
+        http_port = (s.http_port or _free_port(host)) if s.http else None
+        children.append(_spawn("router", [*flags, *router_argv(s, int(r_addr.rsplit(':', 1)[1]), kv_addr, http_port)], r_addr,
+                               env("router", "TANDEM_ROUTER_")))
         for child in children[1:]:
             # the router's client side is plaintext (bearer tokens); the workers need a certificate
             wait_serving(child.address, deadline, child.proc, None if child.name == "router" else probe)

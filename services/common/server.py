@@ -127,18 +127,23 @@ class GrpcServer:
         grace_s: float = 5.0,
         interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
         server_credentials: grpc.ServerCredentials | None = None,
+        reuse_port: bool = False,
     ):
         self._bindings = list(bindings)
         self._address = f"{host}:{port}"
         self._grace_s = grace_s
         self._credentials = server_credentials
+        self._reuse_port = reuse_port
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self._server = grpc.aio.server(
             interceptors=[*interceptors, ErrorMappingInterceptor()],
             options=[
                 ("grpc.max_receive_message_length", max_receive_bytes),
                 ("grpc.max_send_message_length", max_receive_bytes),
-                ("grpc.so_reuseport", 0),
+                # off by default: a second server on a taken port must fail, not share it; on only
+                # for the processes of one group (``tandem router --procs N``: its parent holds
+                # the port, services.common.startup.reserve_shared_port)
+                ("grpc.so_reuseport", 1 if reuse_port else 0),
                 *SERVER_KEEPALIVE_OPTIONS,
             ],
             maximum_concurrent_rpcs=max_concurrent_rpcs,
@@ -166,7 +171,8 @@ class GrpcServer:
             self._server,
         )
         host, _, port = self._address.rpartition(":")
-        check_port_free(host.strip("[]"), int(port))  # a one-line PortInUse instead of "Failed to bind"
+        if not self._reuse_port:  # a shared port is held by the group's parent, which checked it
+            check_port_free(host.strip("[]"), int(port))  # a one-line PortInUse instead of "Failed to bind"
         try:
             if self._credentials is not None:
                 self.port = self._server.add_secure_port(self._address, self._credentials)

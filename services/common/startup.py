@@ -61,6 +61,27 @@ def check_port_free(host: str, port: int, what: str = "port") -> None:
             raise StartupError(f"cannot bind {what} {host}:{port}: {exc.strerror}") from None
 
 
+def reserve_shared_port(host: str, port: int, what: str = "port") -> socket.socket:
+    """Hold ``host:port`` (0 = a free port, chosen now: read it from ``getsockname()``) for
+    processes that bind it with ``SO_REUSEPORT``: a bound socket that never listens, so it takes no
+    connections, but no process without ``SO_REUSEPORT`` can take the port while it is open (gRPC
+    Python's multiprocessing example reserves its port the same way). A port already in use is
+    :class:`PortInUse` (checked without ``SO_REUSEPORT``: another group's listener counts).
+    The caller closes the socket."""
+    check_port_free(host, port, what)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(f"{host}:{port}", what) from None
+        raise StartupError(f"cannot bind {what} {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
 # Codes that mean "not there yet": worth waiting for. Anything else is a real answer.
 RETRYABLE = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED)
 

@@ -1,4 +1,5 @@
-"""``tandem router --kvstore ADDR ...``: run the router gRPC service until SIGTERM/SIGINT."""
+"""``tandem router --kvstore ADDR ...``: run the router gRPC service until SIGTERM/SIGINT
+(``--procs N``: N router processes on one port under a supervising parent, services/router/procs.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ log = logging.getLogger(__name__)
 
 
 async def serve(settings: RouterSettings) -> None:
+    if settings.procs > 1:
+        from services.router.procs import serve_procs
+
+        await serve_procs(settings)
+        return
     from services.common.telemetry import setup_tracing
     from services.router.server import start_router
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -95,12 +96,18 @@ async def start_router(
     *,
     tracer_provider: trace.TracerProvider | None = None,
     metrics: ServiceMetrics | None = None,
+    reuse_port: bool = False,
+    before_serving: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[GrpcServer, Router]:
     """Start serving (health SERVING once the kvstore answers); return (server, parts).
 
     Configuration errors (tenants, TLS files, tokenizer) raise before anything binds. With
     ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
     :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
+    ``reuse_port`` and ``before_serving`` are for the processes of ``--procs N``
+    (services/router/procs.py): bind the gRPC and HTTP ports with ``SO_REUSEPORT`` (the parent
+    holds them), and await ``before_serving()`` once, when this process is first ready, before
+    health says SERVING (there it waits until every process of the group is ready).
     """
     tokenizer = None  # --model auto: learned from the first worker (see ModelBinding)
     if settings.model != AUTO:
@@ -174,9 +181,10 @@ async def start_router(
         grace_s=settings.grace_s,
         interceptors=interceptors,
         server_credentials=server_credentials,
+        reuse_port=reuse_port,
     )
     router = Router(servicer, dispatcher, tenants, asyncio.Event(), binding)
-    http = _http_front(settings, router, router_metrics) if settings.http_port is not None else None  # binds first
+    http = _http_front(settings, router, router_metrics, reuse_port) if settings.http_port is not None else None  # binds first
     if settings.metrics_port is not None:
         metrics.ready = lambda: server.serving  # /ready follows gRPC health
         metrics.serve(settings.host, settings.metrics_port)  # a taken port fails before gRPC binds
@@ -188,11 +196,11 @@ async def start_router(
         await http.start()
         server.run_in_background(http.run())  # cancelled (then drained) when the gRPC server stops
         router.http_url = http.url
-    server.run_in_background(_lifetime(server, router, kv_channel, channels, settings.kvstore))
+    server.run_in_background(_lifetime(server, router, kv_channel, channels, settings.kvstore, before_serving))
     return server, router
 
 
-def _http_front(settings: RouterSettings, router: Router, metrics: RouterMetrics | None):
+def _http_front(settings: RouterSettings, router: Router, metrics: RouterMetrics | None, reuse_port: bool = False):
     """The OpenAI HTTP front over this router's dispatcher, its socket bound (not serving yet)."""
     from services.router.http.app import OpenAIFront  # imported only when served
     from services.router.http.server import HttpFront, bind
@@ -201,12 +209,14 @@ def _http_front(settings: RouterSettings, router: Router, metrics: RouterMetrics
     front = OpenAIFront(router.dispatcher, router.tenants,
                         lambda: (servicer.tokenizer, servicer.limits, router.model.model), metrics=metrics,
                         trace=servicer.trace, max_body_bytes=settings.max_receive_bytes)
-    return HttpFront(front.app(), bind(settings.host, settings.http_port), grace_s=settings.grace_s)
+    return HttpFront(front.app(), bind(settings.host, settings.http_port, reuse_port=reuse_port), grace_s=settings.grace_s)
 
 
-async def _lifetime(server: GrpcServer, router: Router, kv_channel, channels: ChannelPool, kvstore: str) -> None:
+async def _lifetime(server: GrpcServer, router: Router, kv_channel, channels: ChannelPool, kvstore: str,
+                    before_serving: Callable[[], Awaitable[None]] | None = None) -> None:
     """SERVING while the kvstore answers and lists at least one worker (a router without workers
-    can only fail requests); on shutdown (cancelled) close every channel."""
+    can only fail requests), the first time only after ``before_serving()``; on shutdown
+    (cancelled) close every channel."""
     dispatcher = router.dispatcher
 
     async def compatible_workers() -> list:
@@ -221,6 +231,9 @@ async def _lifetime(server: GrpcServer, router: Router, kv_channel, channels: Ch
     try:
         while True:
             await wait_for(compatible_workers, what=f"a worker registered with the kvstore at {kvstore}", logger=log)
+            if before_serving is not None:
+                await before_serving()
+                before_serving = None
             await server.set_serving()
             router.ready.set()
             while True:  # watch: NOT_SERVING again when the last worker is gone

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -21,6 +22,7 @@ class RouterSettings(TandemSettings):
     model_id: str = Field("", description="only route to workers registered with this model fingerprint ('' = any)")
     max_concurrent_rpcs: int = Field(1024, ge=1, description="RPCs handled at once; more are refused")
     http_port: int | None = Field(None, ge=0, le=65535, description="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on host:this port (unset = off, 0 = any free port)")
+    procs: int = Field(1, ge=1, le=256, description="router processes serving the same gRPC (and HTTP) port through SO_REUSEPORT, each with its own event loop, kvstore channel and worker directory; the kernel spreads client *connections* over them (see services/router/procs.py); metrics of process i on metrics_port + i")
     front_trace: str = Field("", description="debug: append each request's front timestamps (receive, dispatch, first token, first write; JSON lines, see services/router/front_trace.py) to this file ('' = off)")
 
     # --- request limits
@@ -79,6 +81,10 @@ class RouterSettings(TandemSettings):
             raise ValueError("upstream_cert_file needs upstream_ca_file (TLS to the kvstore and workers)")
         if self.num_draft_tokens > self.max_draft_tokens:
             raise ValueError(f"num_draft_tokens ({self.num_draft_tokens}) exceeds max_draft_tokens ({self.max_draft_tokens})")
+        if self.procs > 1 and not hasattr(socket, "SO_REUSEPORT"):
+            raise ValueError("procs > 1 needs SO_REUSEPORT (Linux), which this platform lacks")
+        if self.metrics_port and self.metrics_port + self.procs - 1 > 65535:
+            raise ValueError("metrics_port + procs - 1 (process i serves metrics on metrics_port + i) exceeds 65535")
         if self.queue_retry_s > self.queue_retry_max_s:
             raise ValueError("queue_retry_s must not exceed queue_retry_max_s")
         return self

@@ -66,3 +66,18 @@ def test_engine_alone_forced_acceptance_on_a_transformers_model(tmp_path):
     # the step counters cover every streamed token, and the steps took part of the level's wall
     assert row["steps"] > 0 and row["tokens_per_step"] * row["steps"] == pytest.approx(row["tokens"])
     assert 0 < row["in_step_share"] <= 1
+
+
+def test_router_procs_spread_the_clients_over_connections_and_k0_runs_only_plain_levels():
+    CPU = ["--device", "cpu", "--shape", "tiny-cpu"]  # not --quick: it sets its own levels
+    one = sb.parse_args([*CPU, "--concurrency", "64"])
+    assert sb.client_channels(one) == 1  # the single-connection baseline of earlier runs
+    two = sb.parse_args([*CPU, "--concurrency", "16,64", "--router-procs", "2"])
+    assert sb.client_channels(two) == 64  # one connection per client of the largest level
+    assert sb.client_channels(sb.parse_args([*CPU, "--router-procs", "2", "--client-channels", "8"])) == 8
+    # every router process counts: the parent, its serving children (router.1 ...), not the others
+    assert sb.router_cpu({"router": 0.1, "router.1": 2.0, "router.2": 3.0, "worker0": 9.0, "client": 1.0}) == pytest.approx(5.1)
+    plain = sb.parse_args([*CPU, "--k", "0", "--concurrency", "64"])
+    assert plain.accept == [0] and [lv.name for lv in sb.levels_of(plain, 0)] == ["c64 k0"]
+    with pytest.raises(SystemExit):
+        sb.parse_args([*CPU, "--router-procs", "0"])

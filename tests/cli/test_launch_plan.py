@@ -113,6 +113,20 @@ def test_worker_command_line_carries_the_plan_and_the_passthrough_flags():
     assert "--draft-revision abc" in joined and "--served-model-name m-prod" in joined
 
 
+def test_router_processes_pass_through_and_shift_the_workers_metrics_ports():
+    from services.launcher import UpSettings, router_argv, worker_argv
+
+    one = UpSettings(metrics_base_port=9100)
+    assert "--procs" not in router_argv(one, 50050, "x:1", 8000)
+    assert " ".join(router_argv(one, 50050, "x:1", None)).endswith("--metrics-port 9101")
+    three = UpSettings(metrics_base_port=9100, router_procs=3)
+    joined = " ".join(router_argv(three, 50050, "x:1", 8000))
+    assert "--http-port 8000 --procs 3 --metrics-port 9101" in joined  # router process j: 9101 + j
+    cpu_plan = plan_workers(device="cpu", gpus=[], workers=2)[0][1]
+    assert worker_argv(one, cpu_plan, 0, "x:1")[-2:] == ["--metrics-port", "9103"]  # the layout of one router process
+    assert worker_argv(three, cpu_plan, 0, "x:1")[-2:] == ["--metrics-port", "9105"]  # after 9101..9103
+
+
 @pytest.mark.parametrize("head_dim,backend", [(128, "flashinfer"), (64, "flashinfer"), (32, "torch"), (16, "torch")])
 def test_a_head_size_without_flashinfer_kernels_runs_the_torch_backend_on_the_gpus(head_dim, backend):
     # tiny (16) and the first demo model (32) must still start on a GPU box

@@ -26,15 +26,20 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (0 = any free port); StartupError when it cannot bind."""
-    check_port_free(host, port, "router HTTP port")
+def bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A listening socket on host:port (0 = any free port); StartupError when it cannot bind.
+    ``reuse_port``: one of a group of processes on one port (``tandem router --procs N``; the
+    group's parent holds and checked the port), so ``SO_REUSEPORT`` and no check here."""
+    if not reuse_port:
+        check_port_free(host, port, "router HTTP port")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose proto says
     # TCP. Without it Nagle holds an SSE event written right after the headers until the client's
     # delayed ACK (~40 ms on Linux): that was most of the HTTP front's TTFT overhead.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets (Linux)
     try:
         sock.bind((host, port))
