@@ -483,6 +483,10 @@ class Dispatcher:
         delays = backoff_delays(self.config.queue_retry_s, self.config.queue_retry_max_s)
         queued_until: float | None = None
         outage = _Outage(self, deadline)
+        # Once a Reserve's answer was lost it may have happened, and its retry must be identical
+        # (the kvstore refuses another headroom under a live request id): the headroom is then
+        # pinned, and later candidates' k capped by it, even if the ranking changed meanwhile.
+        pinned_headroom: int | None = None
         try:
             while True:
                 try:
@@ -492,16 +496,18 @@ class Dispatcher:
                     continue
                 # One Reserve for the whole preference order: the kvstore takes the first worker
                 # with room, so a full first choice costs no extra round trip. Each candidate's k
-                # is fixed here, before it, and the one headroom covers the largest of them (at
-                # most a block more on a worker that drafts less): the k sent to whichever worker
+                # is fixed here, before it, and the one headroom covers the largest of them (a few
+                # positions more on a worker that drafts less): the k sent to whichever worker
                 # took it can never exceed what was reserved, even if its Info changes meanwhile.
                 ks = {e.worker_id: self.draft_tokens_for(e, job.num_draft_tokens) for e in ranked}
+                headroom = pinned_headroom if pinned_headroom is not None else headroom_positions(max(ks.values()))
+                ks = {w: min(k, headroom - 1) for w, k in ks.items()}
                 request = kv_pb.ReserveRequest(
                     candidates=[kv_pb.WorkerRef(worker_id=e.worker_id, incarnation=e.incarnation) for e in ranked],
                     request_id=state.reservation_request_id(),
                     tokens=prompt_pb,
                     cache_salt=tenant.cache_salt,
-                    headroom_positions=headroom_positions(max(ks.values())),
+                    headroom_positions=headroom,
                 )
                 try:
                     resp = await self._kv.Reserve(request, timeout=self._timeout(deadline, self.config.kvstore_timeout_s))
@@ -511,6 +517,8 @@ class Dispatcher:
                     self._reclaim_later(request)  # the kvstore may have reserved all the same
                     raise
                 except grpc.aio.AioRpcError as err:
+                    if err.code() in _NO_ANSWER:
+                        pinned_headroom = headroom
                     if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                         # The kvstore is down or failing over. The identical Reserve is sent again
                         # (idempotent per request id: a lost one that happened comes back); only
