@@ -84,7 +84,7 @@ def _request(prompt: str | Sequence[int], *, max_tokens: int, temperature: float
     for name, value in (("temperature", temperature), ("top_p", top_p), ("seed", seed),
                         ("num_draft_tokens", num_draft_tokens), ("repetition_penalty", repetition_penalty),
                         ("logprobs", logprobs)):
-        if value is not None:  # unset stays unset: the router's default applies
+        if value is not None:  # unset stays unset: the router's default applies (k: the router's, else the worker's)
             setattr(req, name, value)
     return req
 
@@ -271,7 +271,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=_number(int, 0), default=0, help="keep the k most likely tokens (0 = all; default)")
     parser.add_argument("--seed", type=_number(int, 0), default=None, help="seed for reproducible sampling (default: unseeded)")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable); the text ends before it")
-    parser.add_argument("--draft-tokens", type=_number(int, 0), default=None, help="draft tokens per step (0 = off; default: router's)")
+    parser.add_argument("--draft-tokens", type=_number(int, 0), default=None, help="draft tokens per step (0 = off; default: the router's --num-draft-tokens, else the worker's default)")
     # never a flag with the token itself: argv is visible to every user of the machine (ps)
     parser.add_argument("--token-file", default="", help="file holding the bearer token (tenant); default: $TANDEM_TOKEN")
     parser.add_argument("--token", action=_RefuseToken, help=argparse.SUPPRESS)

@@ -37,6 +37,7 @@ class EngineFacts:
     vocab_size: int
     max_seq_len: int
     max_draft_tokens: int  # 0 without a draft
+    num_draft_tokens: int  # the default k advertised to routers (WorkerSettings.default_draft_tokens)
     device: str
     graphs: int  # CUDA graphs captured at warm-up
 
@@ -82,6 +83,8 @@ def build_runtime(
         vocab_size=target.config.vocab_size,
         max_seq_len=engine.max_seq_len,
         max_draft_tokens=settings.max_draft_tokens if draft is not None else 0,
+        num_draft_tokens=settings.default_draft_tokens(
+            draft.config.num_draft_tokens if draft is not None else None, has_draft=draft is not None),
         device=str(engine.device),
         graphs=graphs,
     )

@@ -51,6 +51,7 @@ class WorkerIdentity:
     device: str
     link: KVStoreLink
     model_name: str = ""  # the --model it was started with (Info reports it to routers)
+    num_draft_tokens: int = 0  # the k routers ask for when the request and their settings do not say
 
     @property
     def has_draft(self) -> bool:
@@ -132,6 +133,7 @@ async def start_worker(
         vocab_size=facts.vocab_size,
         max_seq_len=facts.max_seq_len,
         max_draft_tokens=facts.max_draft_tokens,
+        num_draft_tokens=facts.num_draft_tokens,
         backend=settings.backend,
         device=facts.device,
         link=link,
@@ -158,8 +160,9 @@ async def start_worker(
     await asyncio.to_thread(runner.adopt_registration, link.incarnation, settings.worker_id)
     server.run_in_background(_heartbeat(identity, runner, servicer, settings.heartbeat_s))
     await server.set_serving()
-    log.info("worker %s serving on %s (incarnation %d, %d blocks, engine %s)", identity.worker_id, identity.address,
-             link.incarnation, facts.num_blocks, "in its own process" if settings.separate_engine_process else "on a thread")
+    log.info("worker %s serving on %s (incarnation %d, %d blocks, default k %d, engine %s)", identity.worker_id,
+             identity.address, link.incarnation, facts.num_blocks, facts.num_draft_tokens,
+             "in its own process" if settings.separate_engine_process else "on a thread")
     return server, runner, identity
 
 

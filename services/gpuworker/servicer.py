@@ -259,6 +259,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             incarnation=i.link.incarnation,
             max_seq_len=i.max_seq_len,
             max_draft_tokens=i.max_draft_tokens,
+            num_draft_tokens=i.num_draft_tokens,
             running=self.runner.running,
             model_name=i.model_name,
         )

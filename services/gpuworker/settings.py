@@ -10,6 +10,12 @@ from pydantic_settings import SettingsConfigDict
 from services.common.settings import TandemSettings
 
 
+# k when neither --num-draft-tokens nor the draft says. Short chains: a longer one costs a draft
+# forward and more planning per step for ever less likely tokens (docs/benchmarks.md, demo model:
+# k = 3 is 1.60x plain decoding on CPU; on an H200 k = 2 was the fastest, k = 3 at parity)
+DEFAULT_DRAFT_TOKENS = 3
+
+
 class WorkerSettings(TandemSettings):
     model_config = SettingsConfigDict(env_prefix="TANDEM_WORKER_")
 
@@ -52,6 +58,9 @@ class WorkerSettings(TandemSettings):
     prefill_wait_steps: int = Field(0, ge=0, le=64, description="hold a new prompt up to this many engine steps while others decode, so one forward prefills several (TGI's max_waiting_tokens; 0: start every prompt at once)")
     prefill_batch: int = Field(4, ge=1, le=1024, description="with prefill_wait_steps: release the waiting prompts as soon as this many wait")
     max_draft_tokens: int = Field(8, ge=0, le=32, description="largest k a request may ask for")
+    num_draft_tokens: int | None = Field(
+        None, ge=0, le=32, description="draft tokens per step (k) a router asks for when neither the request nor the router's own --num-draft-tokens says; advertised in Info (unset: the draft's recommendation (its config's num_draft_tokens, docs/drafts.md) capped by max_draft_tokens, else 3; 0 without a draft)"
+    )
     max_running: int = Field(256, ge=1, description="requests admitted at once; more get RESOURCE_EXHAUSTED")
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between kvstore heartbeats")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of each kvstore call")
@@ -84,6 +93,17 @@ class WorkerSettings(TandemSettings):
             return self.chunk_size
         return self.step_tokens if self.on_cuda else 64
 
+    def default_draft_tokens(self, draft_recommends: int | None, has_draft: bool) -> int:
+        """The k this worker advertises (pure): 0 without a draft; ``num_draft_tokens`` when
+        set; else the draft folder's recommendation, else ``DEFAULT_DRAFT_TOKENS``; never above
+        ``max_draft_tokens`` (a folder may recommend more than this worker allows: capped, not refused)."""
+        if not has_draft:
+            return 0
+        if self.num_draft_tokens is not None:
+            return self.num_draft_tokens  # checked against max_draft_tokens at start
+        k = DEFAULT_DRAFT_TOKENS if draft_recommends is None else draft_recommends
+        return min(k, self.max_draft_tokens)
+
     @model_validator(mode="after")
     def _check(self) -> "WorkerSettings":
         if self.block_size & (self.block_size - 1):
@@ -96,6 +116,10 @@ class WorkerSettings(TandemSettings):
             raise ValueError("--draft-model needs --spec-mode eagle3 or mtp")
         if self.mtp_depth != 1 and self.spec_mode != "mtp":
             raise ValueError(f"--mtp-depth {self.mtp_depth} needs --spec-mode mtp")
+        if self.num_draft_tokens is not None and self.num_draft_tokens > self.max_draft_tokens:
+            raise ValueError(f"num_draft_tokens ({self.num_draft_tokens}) exceeds max_draft_tokens ({self.max_draft_tokens})")
+        if self.num_draft_tokens and self.spec_mode == "none":
+            raise ValueError("--num-draft-tokens above 0 needs a draft (--spec-mode eagle3 or mtp)")
         if self.forced_acceptance is not None and self.spec_mode == "none":
             raise ValueError("--forced-acceptance needs a draft (--spec-mode eagle3 or mtp)")
         return self

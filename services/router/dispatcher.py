@@ -46,7 +46,7 @@ from services.common.tokenizer import StreamDecoder, Tokenizer
 from services.common.logprobs import TokenLogprob
 from services.common.wire import FINISH_REASONS, logprobs_from_proto, tokens_to_proto
 from services.router.directory import WorkerDirectory, WorkerEntry
-from services.router.jobs import GenerateJob
+from services.router.jobs import GenerateJob, headroom_positions
 from services.router.policy import PolicyWeights, RoutingPolicy, WorkerCandidate, rank_workers, rotate_workers
 from services.router.retry import AttemptState, WaitQueue, backoff_delays, error_for
 from services.router.stops import StopScanner
@@ -65,6 +65,9 @@ _NO_ANSWER = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVA
 # Stop waiting for capacity this long before the client's deadline, so it gets
 # RESOURCE_EXHAUSTED ("no capacity before the deadline") rather than a bare DEADLINE_EXCEEDED.
 _QUEUE_DEADLINE_MARGIN_S = 0.05
+# k for a request that names none, on a router without a setting, sent to a worker that advertises
+# no default (Info.num_draft_tokens unset: a worker older than that field): the worker's own fallback
+FALLBACK_DRAFT_TOKENS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,8 +265,8 @@ class Dispatcher:
         self._streams: dict[tuple[str, int], dict[int, tuple[object, _Progress]]] = {}
         self._absent_since: dict[str, float] = {}  # worker id -> first registry read without it
         self._idle_timer: asyncio.TimerHandle | None = None  # armed while streams run
-        # worker id -> (incarnation, most draft tokens it accepts), from its Info answer
-        self._draft_limits: dict[str, tuple[int, int]] = {}
+        # worker id -> (incarnation, most draft tokens it accepts, its default k or None), from its Info answer
+        self._draft_limits: dict[str, tuple[int, int, int | None]] = {}
 
     # --------------------------------------------------------------------------------- helpers
     def _timeout(self, deadline: float | None, cap_s: float) -> float:
@@ -288,16 +291,23 @@ class Dispatcher:
             raise Unavailable(f"worker {entry.worker_id} Info: {err.code().name}") from None
         if len(self._draft_limits) > 4096:  # bounded: workers come and go
             self._draft_limits.clear()
-        self._draft_limits[entry.worker_id] = (entry.incarnation, info.max_draft_tokens)
+        default = info.num_draft_tokens if info.HasField("num_draft_tokens") else None
+        self._draft_limits[entry.worker_id] = (entry.incarnation, info.max_draft_tokens, default)
         return info.model_name
 
-    def draft_tokens_for(self, entry: WorkerEntry, wanted: int) -> int:
-        """``wanted`` draft tokens capped by what the worker said it accepts (read-only): the
-        router's own limit may be larger than a worker's, and such a request must not fail."""
-        limit = self._draft_limits.get(entry.worker_id)
-        if limit is None or limit[0] != entry.incarnation:
-            return wanted
-        return min(wanted, limit[1])
+    def draft_tokens_for(self, entry: WorkerEntry, wanted: int | None) -> int:
+        """The k a request runs with on ``entry`` (read-only): ``wanted`` (the request's own, or
+        the router's setting), or when None the worker's advertised default (only the worker knows
+        which k its model, draft and device run best at; ``FALLBACK_DRAFT_TOKENS`` if it
+        advertises none); capped by what the worker said it accepts: the router's own limit may
+        be larger than a worker's, and such a request must not fail."""
+        info = self._draft_limits.get(entry.worker_id)
+        if info is None or info[0] != entry.incarnation:
+            return FALLBACK_DRAFT_TOKENS if wanted is None else wanted
+        _incarnation, limit, default = info
+        if wanted is None:
+            wanted = FALLBACK_DRAFT_TOKENS if default is None else default
+        return min(wanted, limit)
 
     def _worker_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
         return worker_pb2_grpc.WorkerStub(self._channels.get(address))
@@ -407,12 +417,13 @@ class Dispatcher:
         if not matches:
             raise self._why_no_match(job)
 
-        n, headroom = job.prompt_tokens, job.headroom_positions
+        n = job.prompt_tokens
         candidates, entries, too_small = [], {}, []
         for m in matches:
             entry = self.directory.get(m.worker_id)
             if entry is None or entry.incarnation != m.incarnation:
                 continue  # re-registered since the Match: the next plan sees it
+            headroom = headroom_positions(self.draft_tokens_for(entry, job.num_draft_tokens))
             need = -(-min(n + headroom, entry.max_seq_len) // entry.block_size)
             if need > entry.num_blocks:
                 too_small.append(f"{entry.worker_id} has {entry.num_blocks} blocks, needs {need}")
@@ -465,12 +476,17 @@ class Dispatcher:
         return InvalidArgument("no worker's vocabulary covers every prompt token id")
 
     async def _reserve(self, job: GenerateJob, tenant: Tenant, prompt_pb, state: AttemptState,
-                       deadline: float | None) -> tuple[WorkerEntry, kv_pb.Reservation]:
+                       deadline: float | None) -> tuple[WorkerEntry, kv_pb.Reservation, int]:
         """Reserve on the best worker that has room; wait in the queue while none has (mutates
-        the kvstore: one reservation on success, nothing otherwise)."""
+        the kvstore: one reservation on success, nothing otherwise). Returns the worker, the
+        reservation and the k to ask that worker for, which the reservation's headroom covers."""
         delays = backoff_delays(self.config.queue_retry_s, self.config.queue_retry_max_s)
         queued_until: float | None = None
         outage = _Outage(self, deadline)
+        # Once a Reserve's answer was lost it may have happened, and its retry must be identical
+        # (the kvstore refuses another headroom under a live request id): the headroom is then
+        # pinned, and later candidates' k capped by it, even if the ranking changed meanwhile.
+        pinned_headroom: int | None = None
         try:
             while True:
                 try:
@@ -479,22 +495,30 @@ class Dispatcher:
                     await outage.wait(exc)
                     continue
                 # One Reserve for the whole preference order: the kvstore takes the first worker
-                # with room, so a full first choice costs no extra round trip.
+                # with room, so a full first choice costs no extra round trip. Each candidate's k
+                # is fixed here, before it, and the one headroom covers the largest of them (a few
+                # positions more on a worker that drafts less): the k sent to whichever worker
+                # took it can never exceed what was reserved, even if its Info changes meanwhile.
+                ks = {e.worker_id: self.draft_tokens_for(e, job.num_draft_tokens) for e in ranked}
+                headroom = pinned_headroom if pinned_headroom is not None else headroom_positions(max(ks.values()))
+                ks = {w: min(k, headroom - 1) for w, k in ks.items()}
                 request = kv_pb.ReserveRequest(
                     candidates=[kv_pb.WorkerRef(worker_id=e.worker_id, incarnation=e.incarnation) for e in ranked],
                     request_id=state.reservation_request_id(),
                     tokens=prompt_pb,
                     cache_salt=tenant.cache_salt,
-                    headroom_positions=job.headroom_positions,
+                    headroom_positions=headroom,
                 )
                 try:
                     resp = await self._kv.Reserve(request, timeout=self._timeout(deadline, self.config.kvstore_timeout_s))
                     entry = next(e for e in ranked if e.worker_id == resp.reservation.worker_id)
-                    return entry, resp.reservation
+                    return entry, resp.reservation, ks[entry.worker_id]
                 except asyncio.CancelledError:
                     self._reclaim_later(request)  # the kvstore may have reserved all the same
                     raise
                 except grpc.aio.AioRpcError as err:
+                    if err.code() in _NO_ANSWER:
+                        pinned_headroom = headroom
                     if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                         # The kvstore is down or failing over. The identical Reserve is sent again
                         # (idempotent per request id: a lost one that happened comes back); only
@@ -529,11 +553,12 @@ class Dispatcher:
                 self.queue.leave()
 
     # --------------------------------------------------------------------------------- streaming
-    async def _stream(self, job: GenerateJob, entry: WorkerEntry, reservation: kv_pb.Reservation,
+    async def _stream(self, job: GenerateJob, entry: WorkerEntry, reservation: kv_pb.Reservation, num_draft_tokens: int,
                       worker_request_id: str, deadline: float | None, arrival: float,
                       progress: _Progress) -> AsyncIterator[TextDelta | Completion]:
-        """Run Worker.Generate and translate its messages; raises _WorkerFailed on a worker error.
-        The call is cancelled whenever this generator stops early."""
+        """Run Worker.Generate with ``num_draft_tokens`` (resolved by ``_reserve``) and translate its
+        messages; raises _WorkerFailed on a worker error. The call is cancelled whenever this
+        generator stops early."""
         request = worker_pb.GenerateRequest(
             request_id=worker_request_id,
             prompt=tokens_to_proto(job.prompt),
@@ -550,7 +575,7 @@ class Dispatcher:
                 repetition_penalty=job.sampling.repetition_penalty,
                 logprobs=job.sampling.logprobs,  # None = unset
             ),
-            spec=worker_pb.SpecParams(num_draft_tokens=self.draft_tokens_for(entry, job.num_draft_tokens)),
+            spec=worker_pb.SpecParams(num_draft_tokens=num_draft_tokens),
             # only its name: the worker reads blocks and reused prefix from the kvstore
             reservation=worker_pb.ReservationRef(
                 reservation_id=reservation.reservation_id,
@@ -724,14 +749,15 @@ class Dispatcher:
             state = AttemptState(scoped, self.config.max_attempts)
             while True:
                 with self._tracer.start_as_current_span("reserve") as span:
-                    entry, reservation = await self._reserve(job, tenant, prompt_pb, state, deadline)
+                    entry, reservation, num_draft_tokens = await self._reserve(job, tenant, prompt_pb, state, deadline)
                     span.set_attribute("tandem.worker_id", entry.worker_id)
                     span.set_attribute("tandem.reused_positions", reservation.reused_positions)
+                    span.set_attribute("tandem.num_draft_tokens", num_draft_tokens)
                 worker_request_id = state.reservation_request_id()
                 progress = _Progress(self._tokenizer, job.sampling.stop_strings)
                 progress.last_heard_at = self._clock()  # a stream that just began counts as heard
                 finished = False
-                stream = self._stream(job, entry, reservation, worker_request_id, deadline, arrival, progress)
+                stream = self._stream(job, entry, reservation, num_draft_tokens, worker_request_id, deadline, arrival, progress)
                 self.directory.begin(entry.worker_id)
                 try:
                     try:

@@ -29,7 +29,7 @@ class RequestLimits:
     vocab_size: int
     max_new_tokens: int
     max_prompt_tokens: int
-    default_draft_tokens: int
+    default_draft_tokens: int | None  # None: the chosen worker's default (resolved by the dispatcher)
     max_draft_tokens: int
     eos_token_ids: frozenset[int] = frozenset()  # always stops, whatever the request says
 
@@ -59,16 +59,19 @@ class GenerateJob:
     request_id: str
     prompt: np.ndarray
     sampling: Sampling
-    num_draft_tokens: int
-
-    @property
-    def headroom_positions(self) -> int:
-        """Capacity to reserve past the prompt: the first step's draft tokens plus its bonus token."""
-        return self.num_draft_tokens + 1
+    # the request's own k, else the router's setting; None: the chosen worker's default, which
+    # only the dispatcher knows (Worker.Info) and resolves before it reserves
+    num_draft_tokens: int | None
 
     @property
     def prompt_tokens(self) -> int:
         return int(self.prompt.size)
+
+
+def headroom_positions(num_draft_tokens: int) -> int:
+    """Capacity to reserve past the prompt for a first step of ``num_draft_tokens`` drafts: the
+    drafts plus the step's bonus token."""
+    return num_draft_tokens + 1
 
 
 def _finite(name: str, value: float) -> float:
@@ -161,7 +164,7 @@ def build_job(
         raise InvalidArgument(f"logprobs must be in 0..{MAX_LOGPROBS}, got {logprobs}")
 
     draft = limits.default_draft_tokens if num_draft_tokens is None else num_draft_tokens
-    if not 0 <= draft <= limits.max_draft_tokens:
+    if draft is not None and not 0 <= draft <= limits.max_draft_tokens:
         raise InvalidArgument(f"num_draft_tokens must be in 0..{limits.max_draft_tokens}, got {draft}")
 
     stops = list(dict.fromkeys(int(t) for t in stop_token_ids))  # de-duplicated, order kept
@@ -188,7 +191,7 @@ def build_job(
             repetition_penalty=repetition_penalty,
             logprobs=None if logprobs is None else int(logprobs),
         ),
-        num_draft_tokens=int(draft),
+        num_draft_tokens=None if draft is None else int(draft),
     )
 
 

@@ -28,7 +28,9 @@ class RouterSettings(TandemSettings):
     # --- request limits
     max_new_tokens: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
     max_prompt_tokens: int = Field(1 << 17, ge=1, description="longest prompt accepted, in tokens")
-    num_draft_tokens: int = Field(4, ge=0, description="draft tokens per step when a request does not say")
+    num_draft_tokens: int | None = Field(
+        None, ge=0, description="draft tokens per step (k) when a request does not say (unset: the chosen worker's default, its Info.num_draft_tokens, which knows its model, draft and device; 3 for a worker that advertises none); capped by each worker's own maximum"
+    )
     max_draft_tokens: int = Field(16, ge=0, description="largest num_draft_tokens a request may ask for")
 
     # --- tenants
@@ -79,7 +81,7 @@ class RouterSettings(TandemSettings):
             raise ValueError("upstream_cert_file and upstream_key_file go together")
         if (self.upstream_cert_file or self.upstream_key_file) and not self.upstream_ca_file:
             raise ValueError("upstream_cert_file needs upstream_ca_file (TLS to the kvstore and workers)")
-        if self.num_draft_tokens > self.max_draft_tokens:
+        if self.num_draft_tokens is not None and self.num_draft_tokens > self.max_draft_tokens:
             raise ValueError(f"num_draft_tokens ({self.num_draft_tokens}) exceeds max_draft_tokens ({self.max_draft_tokens})")
         if self.procs > 1 and not hasattr(socket, "SO_REUSEPORT"):
             raise ValueError("procs > 1 needs SO_REUSEPORT (Linux), which this platform lacks")

@@ -64,12 +64,14 @@ def test_async_client_matches_the_sync_one(served):
 
 
 def test_tandem_generate_passes_the_sampling_flags(served):
+    # A seeded sample depends on k (rejection sampling draws per verify step): k = 4, the router's
+    # old default, is the sample that runs to max tokens (the worker's default 3 meets EOS at 3).
     out = io.StringIO()
     code = generate_and_print(served.router.address, LONG_PREFIX, max_new_tokens=8, temperature=0.7, top_p=0.8,
-                              top_k=20, seed=0, stop=["\x00"], token="tokA", out=out)
+                              top_k=20, seed=0, stop=["\x00"], token="tokA", out=out, draft_tokens=4)
     again = io.StringIO()
     generate_and_print(served.router.address, LONG_PREFIX, max_new_tokens=8, temperature=0.7, top_p=0.8,
-                       top_k=20, seed=0, stop=["\x00"], token="tokA", out=again)
+                       top_k=20, seed=0, stop=["\x00"], token="tokA", out=again, draft_tokens=4)
     text, usage = out.getvalue().rsplit("\n[worker", 1)
     text2, _ = again.getvalue().rsplit("\n[worker", 1)
     assert code == 0 and text == text2  # seeded: the same sample twice

@@ -252,3 +252,30 @@ def test_public_drafts_that_do_not_fit_are_refused(tmp_path, hf_target):
         load_model(folder, spec_mode=SpecMode.MTP, draft_model=tmp_path / "far")
     with pytest.raises(InvalidArgument, match="has no EAGLE3 draft"):
         load_model(folder, spec_mode=SpecMode.EAGLE3)  # never a silent random draft
+
+
+def test_a_draft_config_may_record_its_best_k(tmp_path, hf_target):
+    """``num_draft_tokens`` in a draft's config (EAGLE-3 ``config.json``, MTP ``tandem_draft.json``)
+    is read from configuration alone, survives a re-save, and a bad one is refused; the shipped
+    demo draft records 3."""
+    from services.gpuworker.model.config import DraftConfig
+    from services.gpuworker.model.loader import plan_model
+
+    assert plan_model("demo", spec_mode=SpecMode.EAGLE3).draft_config.num_draft_tokens == 3
+    folder, _ = hf_target
+    _public_checkpoint(tmp_path / "d", seed=2, theta=10000.0, eps=1e-5, norm_before_residual=False,
+                       aux_key="eagle_config", aux_ids=[0, 1, 2])
+    assert plan_model(folder, spec_mode=SpecMode.EAGLE3, draft_model=tmp_path / "d").draft_config.num_draft_tokens is None
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    (tmp_path / "d" / "config.json").write_text(json.dumps({**cfg, "num_draft_tokens": 2}))
+    target, draft, _ = load_model(folder, spec_mode=SpecMode.EAGLE3, draft_model=tmp_path / "d")
+    assert draft.config.num_draft_tokens == 2
+    save_draft(draft, tmp_path / "again", own_folder=True)
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["num_draft_tokens"] == 2
+    for bad in (-1, 2.5, "3", True):
+        (tmp_path / "d" / "config.json").write_text(json.dumps({**cfg, "num_draft_tokens": bad}))
+        with pytest.raises(InvalidArgument, match="num_draft_tokens must be an integer >= 0"):
+            plan_model(folder, spec_mode=SpecMode.EAGLE3, draft_model=tmp_path / "d")
+    mtp = DraftConfig(SpecMode.MTP, 2, 64, num_draft_tokens=4)
+    assert DraftConfig.from_json(mtp.to_json()) == mtp
+    assert "num_draft_tokens" not in DraftConfig(SpecMode.MTP, 2, 64).to_json()  # unrecorded: left out

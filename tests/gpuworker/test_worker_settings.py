@@ -69,3 +69,54 @@ def test_dtype_auto_follows_the_device():
     assert WorkerSettings(device="cpu", dtype="bfloat16").torch_dtype_name == "bfloat16"  # explicit wins
     with pytest.raises(ValidationError, match="flashinfer backend runs bfloat16 or float16"):
         WorkerSettings(device="cuda:0", backend="flashinfer", dtype="float32")
+
+
+# ------------------------------------------------------------------------- default draft tokens k
+def test_default_draft_tokens_come_from_the_flag_then_the_draft_then_three():
+    from services.gpuworker.settings import DEFAULT_DRAFT_TOKENS
+
+    s = WorkerSettings()  # no --num-draft-tokens
+    assert s.num_draft_tokens is None
+    assert s.default_draft_tokens(None, has_draft=True) == DEFAULT_DRAFT_TOKENS == 3
+    assert s.default_draft_tokens(5, has_draft=True) == 5  # the draft folder's recommendation
+    assert s.default_draft_tokens(0, has_draft=True) == 0  # a draft may recommend plain decoding
+    assert s.default_draft_tokens(20, has_draft=True) == s.max_draft_tokens == 8  # capped, not refused
+    assert WorkerSettings(max_draft_tokens=2).default_draft_tokens(None, has_draft=True) == 2
+    flag = WorkerSettings(num_draft_tokens=2)
+    assert flag.default_draft_tokens(5, has_draft=True) == 2  # the flag wins over the draft
+    assert flag.default_draft_tokens(None, has_draft=False) == 0  # nothing to draft with
+    assert WorkerSettings(spec_mode="none").default_draft_tokens(None, has_draft=False) == 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"num_draft_tokens": -1}, "greater than or equal to 0"),
+    ({"num_draft_tokens": 9}, r"num_draft_tokens \(9\) exceeds max_draft_tokens \(8\)"),
+    ({"num_draft_tokens": 3, "max_draft_tokens": 2}, r"exceeds max_draft_tokens \(2\)"),
+    ({"num_draft_tokens": 1, "spec_mode": "none"}, "needs a draft"),
+])
+def test_bad_num_draft_tokens_are_refused(bad, match):
+    with pytest.raises(ValidationError, match=match):
+        WorkerSettings(**bad)
+    WorkerSettings(num_draft_tokens=0, spec_mode="none")  # 0 without a draft is what it gets anyway
+
+
+def test_num_draft_tokens_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TANDEM_WORKER_NUM_DRAFT_TOKENS", "2")
+    assert WorkerSettings().num_draft_tokens == 2
+
+
+def test_a_bad_num_draft_tokens_stops_the_worker_with_one_line():
+    """Refused at start, before any model is loaded: exit 2 and one ``error:`` line."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update(PYTHONPATH=str(root), TANDEM_WORKER_NUM_DRAFT_TOKENS="9")
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "worker", "--model", "tiny"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "num_draft_tokens (9) exceeds max_draft_tokens (8)" in lines[0], proc.stderr

@@ -47,6 +47,7 @@ class Script:
     delay_s: float = 0.0  # before each token
     stall_after: int | None = None  # after this many tokens, send nothing more (a frozen worker)
     max_draft_tokens: int = 8  # what Info says the worker accepts
+    num_draft_tokens: int | None = None  # the default k Info advertises (None: unset, as from an older worker)
 
     def token(self, i: int) -> int:
         data = self.text.encode("utf-8")
@@ -152,7 +153,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Info(self, request, context):
         return wpb.InfoResponse(worker_id=self.worker_id, running=len(self.running),
-                                max_draft_tokens=self.script.max_draft_tokens)
+                                max_draft_tokens=self.script.max_draft_tokens,
+                                num_draft_tokens=self.script.num_draft_tokens)  # None leaves it unset
 
 
 @dataclass

@@ -252,6 +252,53 @@ def test_a_reserve_whose_answer_was_lost_is_reclaimed(start_kvstore, start_servi
     rig.wait_no_live_reservations()
 
 
+def test_a_lost_reserve_is_retried_with_the_same_headroom_when_the_candidates_change(start_kvstore, start_service,
+                                                                                    service_loop):
+    """Headroom covers the largest default k among the candidates of one Reserve. When that
+    Reserve's answer is lost and the retry has other candidates (here "large", k = 7, drops out
+    of Match), the retry still sends the first headroom: the kvstore refuses another one under
+    a live request id, so a recomputed one would turn a served request into INVALID_ARGUMENT."""
+    import asyncio
+
+    from router_rig import Rig
+    from services.kvstore.servicer import KVStoreServicer
+
+    class LostAnswerThenFewerCandidates(KVStoreServicer):
+        slow = True
+        hidden: set[str] = set()
+
+        async def Reserve(self, request, context):
+            resp = await super().Reserve(request, context)  # the reservation exists from here on
+            if LostAnswerThenFewerCandidates.slow and len(request.candidates) > 1:
+                LostAnswerThenFewerCandidates.slow = False
+                LostAnswerThenFewerCandidates.hidden.add("large")
+                await asyncio.sleep(0.6)
+            return resp
+
+        async def Match(self, request, context):
+            resp = await super().Match(request, context)
+            kept = [w for w in resp.workers if w.worker_id not in LostAnswerThenFewerCandidates.hidden]
+            del resp.workers[:]
+            resp.workers.extend(kept)
+            return resp
+
+    kv = start_kvstore(LostAnswerThenFewerCandidates)
+    rig = Rig(kv=kv, start_service=start_service, service_loop=service_loop)
+    small = rig.worker("small", Script(num_draft_tokens=1))
+    rig.worker("large", Script(num_draft_tokens=7))
+    held = rig.occupy("large", 64)  # full: the first Reserve lands on "small", headroom 7 + 1
+    router = rig.router(kvstore_timeout_s=0.3, kvstore_outage_wait_s=5.0)
+    prompt = "a lost answer, then fewer workers"
+    _, err = collect(router, text=prompt, max_new_tokens=2)
+    assert err is None, err
+    assert rig.stats().reservations_created == 2  # the occupier's and this request's, reserved once
+    (req,) = small.requests
+    assert req.spec.num_draft_tokens == 1
+    assert len(small.reservations[0].block_table) * 16 >= len(prompt) + 7 + 1
+    rig.free(held)
+    rig.wait_no_live_reservations()
+
+
 @pytest.mark.parametrize("outage_wait_s", [0.0, 5.0])
 def test_a_new_request_waits_out_a_short_kvstore_outage(start_kvstore, start_service, service_loop, outage_wait_s):
     """The kvstore answers UNAVAILABLE for a while (failing over to its standby): a new request

@@ -42,9 +42,9 @@ def test_streams_text_ids_and_usage(rig):
     assert len(scope) == 12 and len(rid) == 32  # tenant scope / generated uuid4 hex
     assert req.sampling.max_new_tokens == 40 and req.sampling.top_p == 1.0
     assert TOK.eos_token_id in req.sampling.stop_token_ids
-    assert req.spec.num_draft_tokens == 4  # the router's default
+    assert req.spec.num_draft_tokens == 3  # a worker advertising no default k (an older one) gets 3
     # the reservation covers the prompt plus the first step's draft + bonus tokens
-    assert len(worker.reservations[0].block_table) * 16 >= len(prompt) + 5  # as the worker read it from the kvstore
+    assert len(worker.reservations[0].block_table) * 16 >= len(prompt) + 4  # as the worker read it from the kvstore
     assert worker.ended == {req.request_id: "released"}
     rig.wait_no_live_reservations()
 
@@ -143,3 +143,79 @@ def test_duplicate_live_request_id_is_rejected(rig):
         t.join(10)
     assert results["first"][1] is None
     rig.wait_no_live_reservations()
+
+
+# ------------------------------------------------------------------ the default k is the worker's
+def test_without_a_router_setting_a_request_runs_with_the_workers_default_k(rig):
+    """The worker knows which k its model, draft and device run best at (Info.num_draft_tokens):
+    a request that names none runs with it, and the reservation covers that k's first step
+    (a 10-token prompt + 6 drafts + 1 bonus = 17 positions: two blocks of 16, where the old
+    fixed headroom would have reserved one)."""
+    worker = rig.worker("w0", Script(num_draft_tokens=6, max_draft_tokens=8))
+    router = rig.router()
+    msgs, err = collect(router, text="ten bytes!", max_new_tokens=3)
+    assert err is None, err
+    assert worker.requests[-1].spec.num_draft_tokens == 6
+    assert len(worker.reservations[-1].block_table) * 16 >= 10 + 6 + 1
+    # a request's own k wins, whatever the worker's default
+    for k in (0, 2, 8):
+        _, err = collect(router, text="ten bytes!", max_new_tokens=3, num_draft_tokens=k)
+        assert err is None, err
+        assert worker.requests[-1].spec.num_draft_tokens == k
+    rig.wait_no_live_reservations()
+
+
+def test_an_explicit_router_setting_wins_over_the_workers_default(rig):
+    worker = rig.worker("w0", Script(num_draft_tokens=2, max_draft_tokens=8))
+    router = rig.router(num_draft_tokens=5)
+    _, err = collect(router, text="router says five", max_new_tokens=3)
+    assert err is None, err
+    assert worker.requests[-1].spec.num_draft_tokens == 5
+    _, err = collect(router, text="request says one", max_new_tokens=3, num_draft_tokens=1)
+    assert err is None, err
+    assert worker.requests[-1].spec.num_draft_tokens == 1  # and the request's own over both
+    rig.wait_no_live_reservations()
+
+
+def test_each_worker_gets_its_own_default_and_headroom_covers_it(rig):
+    """Workers of one router advertise different defaults (a no-draft worker 0): each request
+    runs with the default of the worker that took it, inside a reservation that covers it."""
+    workers = {"small": rig.worker("small", Script(num_draft_tokens=1)),
+               "large": rig.worker("large", Script(num_draft_tokens=7)),
+               "plain": rig.worker("plain", Script(num_draft_tokens=0, max_draft_tokens=0))}
+    router = rig.router(policy="round_robin")
+    prompt = "fifteen bytes.."
+    for i in range(6):
+        _, err = collect(router, text=prompt, max_new_tokens=2, request_id=f"r{i}")
+        assert err is None, err
+    want = {"small": 1, "large": 7, "plain": 0}
+    for name, worker in workers.items():
+        assert worker.requests, f"round robin never chose {name}"
+        for req, reservation in zip(worker.requests, worker.reservations):
+            assert req.spec.num_draft_tokens == want[name]
+            assert len(reservation.block_table) * 16 >= len(prompt) + want[name] + 1
+    rig.wait_no_live_reservations()
+
+
+def test_a_workers_default_above_a_request_limit_is_capped_by_its_own_maximum(rig):
+    """A router's explicit setting above what a worker accepts runs at the worker's maximum
+    (the cap that requests already had), not refused."""
+    worker = rig.worker("w0", Script(num_draft_tokens=2, max_draft_tokens=4))
+    router = rig.router(num_draft_tokens=10, max_draft_tokens=16)
+    _, err = collect(router, text="capped", max_new_tokens=3)
+    assert err is None, err
+    assert worker.requests[-1].spec.num_draft_tokens == 4
+    rig.wait_no_live_reservations()
+
+
+def test_router_draft_settings_are_validated():
+    import pytest
+    from pydantic import ValidationError
+
+    from services.router.settings import RouterSettings
+
+    assert RouterSettings().num_draft_tokens is None  # unset: the worker's default
+    assert RouterSettings(num_draft_tokens=0).num_draft_tokens == 0
+    for bad in ({"num_draft_tokens": -1}, {"num_draft_tokens": 17}, {"num_draft_tokens": 5, "max_draft_tokens": 4}):
+        with pytest.raises(ValidationError):
+            RouterSettings(**bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -16,7 +17,7 @@ from services.common.errors import (
 )
 from services.common.tokenizer import ByteTokenizer
 from services.router.directory import WorkerDirectory, WorkerEntry
-from services.router.jobs import MAX_REQUEST_ID_CHARS, MAX_SAMPLES, RequestLimits, build_job, sample_jobs
+from services.router.jobs import MAX_REQUEST_ID_CHARS, MAX_SAMPLES, RequestLimits, build_job, headroom_positions, sample_jobs
 from services.router.retry import AttemptState, UpstreamInternal, WaitQueue, backoff_delays, error_for
 
 TOK = ByteTokenizer()
@@ -35,7 +36,7 @@ def test_text_is_tokenized_and_defaults_applied():
     j = job(text="héllo", new_request_id=lambda: "generated")
     assert j.prompt.tolist() == TOK.encode("héllo")
     assert j.request_id == "generated"
-    assert j.num_draft_tokens == 4 and j.headroom_positions == 5
+    assert j.num_draft_tokens == 4 and headroom_positions(j.num_draft_tokens) == 5
     assert j.sampling.top_p == 1.0  # 0 means 1
     assert j.sampling.stop_token_ids == (TOK.eos_token_id,)  # EOS implied
     assert not j.prompt.flags.writeable
@@ -45,9 +46,21 @@ def test_token_ids_draft_override_and_stops():
     j = job(text=None, token_ids=np.array([256, 72, 105], dtype=np.uint32), num_draft_tokens=0,
             stop_token_ids=[10, 10, TOK.eos_token_id], request_id="req-1")
     assert j.prompt.tolist() == [256, 72, 105]
-    assert j.num_draft_tokens == 0 and j.headroom_positions == 1
+    assert j.num_draft_tokens == 0 and headroom_positions(j.num_draft_tokens) == 1
     assert j.sampling.stop_token_ids == (10, TOK.eos_token_id)
     assert j.request_id == "req-1"
+
+
+def test_without_a_router_default_k_is_left_to_the_worker():
+    """A router without --num-draft-tokens leaves an unsaid k unresolved (None: the chosen
+    worker's default, resolved by the dispatcher); a request's own k is still checked here."""
+    limits = dataclasses.replace(LIMITS, default_draft_tokens=None)
+    assert job(limits=limits).num_draft_tokens is None
+    assert job(limits=limits, num_draft_tokens=0).num_draft_tokens == 0
+    assert job(limits=limits, num_draft_tokens=8).num_draft_tokens == 8
+    for bad in (9, -1):
+        with pytest.raises(InvalidArgument, match="num_draft_tokens must be in 0..8"):
+            job(limits=limits, num_draft_tokens=bad)
 
 
 def test_fresh_request_ids_are_uuid4_hex():

@@ -212,7 +212,12 @@ class DraftConfig:
     a reduced vocabulary mapped to target ids by ``d2t``); ``layer`` the draft layer's own config
     (hidden size, RMSNorm eps, RoPE; None = the target's); ``norm_before_residual`` (the residual
     is the normed hidden, as some checkpoints train it); ``own_embedding`` (the checkpoint brings
-    its own token embedding instead of sharing the target's)."""
+    its own token embedding instead of sharing the target's).
+
+    ``num_draft_tokens``: the k this draft runs best at, as its folder records it (optional key
+    ``num_draft_tokens`` of an EAGLE-3 ``config.json`` or of the ``tandem_draft.json`` "draft"
+    section; None = not recorded). A worker serving the draft advertises it as its default k
+    unless ``--num-draft-tokens`` says otherwise. It does not change what the draft computes."""
 
     spec_mode: SpecMode
     num_modules: int
@@ -222,6 +227,7 @@ class DraftConfig:
     layer: LlamaConfig | None = None
     norm_before_residual: bool = False
     own_embedding: bool = False
+    num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.spec_mode not in (SpecMode.EAGLE3, SpecMode.MTP):
@@ -236,6 +242,10 @@ class DraftConfig:
             raise InvalidArgument("draft intermediate_size must be a positive integer")
         if not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0:
             raise InvalidArgument(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size!r}")
+        if self.num_draft_tokens is not None and (
+                isinstance(self.num_draft_tokens, bool) or not isinstance(self.num_draft_tokens, int)
+                or self.num_draft_tokens < 0):
+            raise InvalidArgument(f"the draft's num_draft_tokens must be an integer >= 0, got {self.num_draft_tokens!r}")
 
     @property
     def span(self) -> int:
@@ -256,12 +266,15 @@ class DraftConfig:
 
     def to_json(self) -> dict[str, Any]:
         """The legacy ``tandem_draft.json`` "draft" section (MTP drafts; full-vocabulary EAGLE-3)."""
-        return {
+        d = {
             "spec_mode": self.spec_mode.name,
             "num_modules": self.num_modules,
             "intermediate_size": self.intermediate_size,
             "aux_layers": list(self.aux_layers),
         }
+        if self.num_draft_tokens is not None:  # only when recorded: a random draft's fingerprint stays as it was
+            d["num_draft_tokens"] = self.num_draft_tokens
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "DraftConfig":
@@ -271,6 +284,7 @@ class DraftConfig:
                 num_modules=int(d["num_modules"]),
                 intermediate_size=int(d["intermediate_size"]),
                 aux_layers=tuple(int(x) for x in d.get("aux_layers", ())),
+                num_draft_tokens=d.get("num_draft_tokens"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"bad draft section in tandem_draft.json: {exc!r}") from exc

@@ -10,6 +10,8 @@ SpecForge and EAGLE's own training write), read and written.
                         draft_vocab_size   rows of lm_head (<= vocab_size; default vocab_size)
                         target_hidden_size width of one target hidden (default hidden_size)
                         norm_before_residual (optional, default false)
+                        num_draft_tokens   (optional, Tandem's) the k this draft runs best at:
+                            a worker serving it defaults to it (docs/drafts.md); others ignore it
                         eagle_config.eagle_aux_hidden_state_layer_ids   target layers whose
                             OUTPUTS are fused (SGLang / SpecForge convention), or top-level
                             eagle_aux_hidden_state_layer_ids: vLLM's convention, id j = the INPUT
@@ -95,6 +97,7 @@ def draft_config_from_json(d: dict[str, Any], target: LlamaConfig) -> DraftConfi
         SpecMode.EAGLE3, 1, layer.intermediate_size, aux,
         draft_vocab_size=draft_vocab if draft_vocab != target.vocab_size else 0,
         layer=layer, norm_before_residual=bool(d.get("norm_before_residual", False)),
+        num_draft_tokens=d.get("num_draft_tokens"),  # validated by DraftConfig
     )
 
 
@@ -130,6 +133,8 @@ def config_json(draft: Eagle3Draft) -> dict[str, Any]:
         norm_before_residual=draft.config.norm_before_residual,
         eagle_config={"eagle_aux_hidden_state_layer_ids": list(draft.aux_layers), "use_aux_hidden_state": True},
     )
+    if draft.config.num_draft_tokens is not None:  # a recorded recommendation survives a re-save
+        d["num_draft_tokens"] = draft.config.num_draft_tokens
     return d
 
 

@@ -82,7 +82,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("worker_id", "model_id", "spec_mode", "span", "block_size", "num_blocks", "backend", "device", "incarnation", "max_seq_len", "max_draft_tokens", "running", "model_name")
+    __slots__ = ("worker_id", "model_id", "spec_mode", "span", "block_size", "num_blocks", "backend", "device", "incarnation", "max_seq_len", "max_draft_tokens", "running", "model_name", "num_draft_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class InfoResponse(_message.Message):
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_id: str
     spec_mode: _common_pb2.SpecMode
@@ -109,7 +110,8 @@ class InfoResponse(_message.Message):
     max_draft_tokens: int
     running: int
     model_name: str
-    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., spec_mode: _Optional[_Union[_common_pb2.SpecMode, str]] = ..., span: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., incarnation: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., running: _Optional[int] = ..., model_name: _Optional[str] = ...) -> None: ...
+    num_draft_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., model_id: _Optional[str] = ..., spec_mode: _Optional[_Union[_common_pb2.SpecMode, str]] = ..., span: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., incarnation: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., running: _Optional[int] = ..., model_name: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
