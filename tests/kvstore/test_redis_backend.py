@@ -496,3 +496,43 @@ def test_the_fast_path_hands_a_failed_batch_to_the_retrying_path_and_takes_over_
         assert not slow_after  # back on the fast path
     finally:
         log.wipe(), log.close()
+
+
+def test_early_flush_sends_a_batch_once_it_holds_flush_at_entries(redis_server):
+    """``flush_at``: with nothing in flight (and Redis quick) a batch leaves from the handler
+    that fills it to ``flush_at``, not at the end of the loop turn; the rest of the turn goes in
+    the next batch, every entry once, in order."""
+    import asyncio
+
+    from services.kvstore.redis_backend import Committer
+
+    log = RedisLog(redis_server.url, prefix=unique_prefix())
+
+    async def scenario():
+        assert log.try_acquire()
+        holder = {}
+        committer = Committer(log, lambda: holder["s"], flush_at=2, early_rtt_s=10.0)
+        store = holder["s"] = log.load(ARGS, committer.submit)
+        store.waiter = committer.durable
+        tasks = committer.start(store.seq)
+        inc = store.register_worker(SPEC).incarnation
+        await asyncio.wait_for(store.durable(), 5)  # the slow path connects
+        store.heartbeat(worker_id="w", incarnation=inc)
+        await asyncio.wait_for(store.durable(), 5)  # a fast-path batch: Redis was quick
+        store.heartbeat(worker_id="w", incarnation=inc)
+        store.heartbeat(worker_id="w", incarnation=inc)
+        early = committer._inflight is not None and len(committer._inflight[1]) == 2  # sent from the handler
+        store.heartbeat(worker_id="w", incarnation=inc)
+        await asyncio.wait_for(store.durable(), 5)
+        for t in tasks:
+            t.cancel()
+        await committer.close()
+        return early, store.seq, committer.durable_seq, committer.batches
+
+    try:
+        early, seq, durable, batches = asyncio.run(scenario())
+        assert early
+        assert durable == seq == log.length() == 5
+        assert batches == 4  # register, one heartbeat, the early pair, the last one
+    finally:
+        log.wipe(), log.close()
