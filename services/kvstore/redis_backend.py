@@ -676,6 +676,8 @@ class Committer:
             return  # the committer was closed meanwhile
         first, batch = self._inflight
         self._inflight = None
+        if self._error is not None:
+            return  # the lease was lost meanwhile (_fail): nothing is sent or retried any more
         if exc is not None:
             if not isinstance(exc, redis.ResponseError) or str(exc).startswith("NOSCRIPT"):
                 self._append.close()  # a lost connection or script: the slow path reconnects
