@@ -590,7 +590,8 @@ class Committer:
         self._append = AppendPipe(log_.url, _APPEND, name=log_.connection_name())
         self._snapshot = self.client.register_script(_SNAPSHOT)
         self._renew = self.client.register_script(_RENEW)
-        self._queue: collections.deque[tuple[int, bytes | None]] = collections.deque()  # (seq, entry); None = snapshot after seq
+        # (seq, entry); None = snapshot after seq
+        self._queue: collections.deque[tuple[int, bytes | None]] = collections.deque()
         self._wake = asyncio.Event()  # wakes _run, the slow path
         # The fast path (``_flush`` / ``_on_reply``): while nothing went wrong, batches are sent
         # from a loop callback and their reply handled in the append pipe's data_received, with
