@@ -47,6 +47,7 @@ from tandem.kvstore.v1 import kvstore_pb2_grpc  # noqa: E402
 from tests.redis_server import RedisServer, unique_prefix  # noqa: E402
 
 SPEC = WorkerSpec("w", "", "m", SpecMode.EAGLE3, 0, 16, 4096, 32000, 4096)
+FLUSH_AT: int | None = None  # --flush-at: the cost runs' Committer(flush_at=...); None = its default
 PROMPT_LEN = 512
 
 
@@ -98,7 +99,7 @@ async def redis_store(url: str):
     log = RedisLog(url, prefix=unique_prefix())
     log.try_acquire()
     holder = {}
-    committer = Committer(log, lambda: holder["s"])
+    committer = Committer(log, lambda: holder["s"], **({} if FLUSH_AT is None else dict(flush_at=FLUSH_AT)))
     store = log.load(dict(lease_ttl_s=60.0, max_tokens=1 << 20, events_per_worker=0, epoch=1), committer.submit)
     holder["s"] = store
     store.waiter = committer.durable
@@ -420,7 +421,7 @@ async def bench_failover(url: str, kills: int, streams: int = 16) -> dict:
 async def main_async(args) -> dict:
     server = RedisServer(appendfsync="always")
     try:
-        out = dict(machine=machine(), command=" ".join(sys.argv),
+        out = dict(machine=machine(), command=" ".join(sys.argv), flush_at=FLUSH_AT,
                    redis="redis-server (real), appendonly yes, appendfsync always, loopback")
         out["load_average_start"] = os.getloadavg()
         out["cost"] = await bench_cost(server.url, args.cycles, args.reps, server.proc.pid)
@@ -493,7 +494,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="memory/redis runs of the cost measure (alternating)")
     ap.add_argument("--only-cost", action="store_true", help="the cost measure alone (no snapshot, Match, failover)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "durability_bench.json"))
+    ap.add_argument("--flush-at", type=int, default=None,
+                    help="the cost runs' group commit sends a batch once it holds this many entries while nothing is "
+                         "in flight (0: once per loop turn; default: the Committer's)")
     args = ap.parse_args()
+    global FLUSH_AT
+    FLUSH_AT = args.flush_at
     result = asyncio.run(main_async(args))
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=1))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import inspect
 import pickle
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -332,6 +333,21 @@ _FAST = {
     "release": _end(CODES["release"]),
     "suspend": _end(CODES["suspend"]),
 }
+
+
+def encoder(verb: str) -> Callable[[float, dict, Any], bytes]:
+    """``encode`` for one verb with its dispatch resolved once (the journal's per-verb methods
+    call it on every transaction)."""
+    fast = _FAST.get(verb)
+    if fast is None:
+        return lambda now, kw, result: encode(verb, now, kw, result)
+
+    def enc(now: float, kw: dict, result: Any) -> bytes:
+        try:
+            return fast(now, kw, result)
+        except (_Generic, struct.error, TypeError):
+            return encode(verb, now, kw, result)  # values the straight-line encoder does not carry
+    return enc
 
 
 def _portable(kw: dict) -> dict:

@@ -444,3 +444,95 @@ def test_a_batch_cut_at_max_batch_answers_its_own_waiters(redis_server):
     finally:
         log.wipe(), log.close()
     assert seen[0] == (2, True), seen  # the first batch (1, 2) answered seq 1
+
+
+def test_the_fast_path_hands_a_failed_batch_to_the_retrying_path_and_takes_over_again(redis_server):
+    """Group commit's fast path (batches sent from a loop callback, replies handled in the pipe's
+    data_received): the first batch finds no connection and goes through the slow path, later
+    batches go the fast way; a connection Redis drops under a batch in flight hands that batch
+    back (resent, not lost, not doubled), and the fast path sends again once the queue drained."""
+    import asyncio
+
+    from services.kvstore.redis_backend import Committer
+
+    log = RedisLog(redis_server.url, prefix=unique_prefix())
+
+    async def scenario():
+        assert log.try_acquire()
+        holder = {}
+        committer = Committer(log, lambda: holder["s"])
+        store = holder["s"] = log.load(ARGS, committer.submit)
+        store.waiter = committer.durable
+        tasks = committer.start(store.seq)
+        inc = store.register_worker(SPEC).incarnation
+        await asyncio.wait_for(store.durable(), 5)  # no connection yet: the slow path connects
+        for i in range(20):  # one at a time: each its own fast-path batch
+            store.heartbeat(worker_id="w", incarnation=inc)
+            await asyncio.wait_for(store.durable(), 5)
+        fast = committer.batches
+        assert not committer._slow and fast == 21
+        # Redis drops the append connection with a batch in flight
+        store.heartbeat(worker_id="w", incarnation=inc)
+        pending = store.durable()
+        committer._flush()  # sent now, the reply not read yet
+        name = log.connection_name()
+        killer = log.client
+        for c in killer.client_list(_type="normal"):
+            if c.get("name") == name:
+                killer.client_kill_filter(_id=c["id"])
+        await asyncio.wait_for(pending, 5)
+        for _ in range(5):
+            store.heartbeat(worker_id="w", incarnation=inc)
+            await asyncio.wait_for(store.durable(), 5)
+        slow_after = committer._slow
+        for t in tasks:
+            t.cancel()
+        await committer.close()
+        return store.seq, committer.durable_seq, slow_after
+
+    try:
+        seq, durable, slow_after = asyncio.run(scenario())
+        assert durable == seq == log.length() == 27  # every entry in Redis exactly once
+        assert not slow_after  # back on the fast path
+    finally:
+        log.wipe(), log.close()
+
+
+def test_early_flush_sends_a_batch_once_it_holds_flush_at_entries(redis_server):
+    """``flush_at``: with nothing in flight (and Redis quick) a batch leaves from the handler
+    that fills it to ``flush_at``, not at the end of the loop turn; the rest of the turn goes in
+    the next batch, every entry once, in order."""
+    import asyncio
+
+    from services.kvstore.redis_backend import Committer
+
+    log = RedisLog(redis_server.url, prefix=unique_prefix())
+
+    async def scenario():
+        assert log.try_acquire()
+        holder = {}
+        committer = Committer(log, lambda: holder["s"], flush_at=2, early_rtt_s=10.0)
+        store = holder["s"] = log.load(ARGS, committer.submit)
+        store.waiter = committer.durable
+        tasks = committer.start(store.seq)
+        inc = store.register_worker(SPEC).incarnation
+        await asyncio.wait_for(store.durable(), 5)  # the slow path connects
+        store.heartbeat(worker_id="w", incarnation=inc)
+        await asyncio.wait_for(store.durable(), 5)  # a fast-path batch: Redis was quick
+        store.heartbeat(worker_id="w", incarnation=inc)
+        store.heartbeat(worker_id="w", incarnation=inc)
+        early = committer._inflight is not None and len(committer._inflight[1]) == 2  # sent from the handler
+        store.heartbeat(worker_id="w", incarnation=inc)
+        await asyncio.wait_for(store.durable(), 5)
+        for t in tasks:
+            t.cancel()
+        await committer.close()
+        return early, store.seq, committer.durable_seq, committer.batches
+
+    try:
+        early, seq, durable, batches = asyncio.run(scenario())
+        assert early
+        assert durable == seq == log.length() == 5
+        assert batches == 4  # register, one heartbeat, the early pair, the last one
+    finally:
+        log.wipe(), log.close()
