@@ -143,7 +143,8 @@ class AppendPipe:
 
                 ssl = ssl_.create_default_context()
             await loop.create_connection(lambda: proto, kw.get("host", "localhost"), kw.get("port", 6379), ssl=ssl)
-        self._proto = proto
+        # Published only once the handshake below answered: a batch written while AUTH, SELECT or
+        # SCRIPT LOAD are still in flight would run before them (NOSCRIPT, or the wrong db).
         hello = []
         if kw.get("password"):
             hello.append([b"AUTH", *([kw["username"].encode()] if kw.get("username") else []), kw["password"].encode()])
@@ -152,15 +153,18 @@ class AppendPipe:
         hello.append([b"SCRIPT", b"LOAD", self._script.encode()])
         try:
             for cmd in hello:
-                await self._send(_resp(cmd))
+                await self._send(_resp(cmd), proto)
             if self._name:
                 try:
-                    await self._send(_resp([b"CLIENT", b"SETNAME", self._name.encode()]))
+                    await self._send(_resp([b"CLIENT", b"SETNAME", self._name.encode()]), proto)
                 except redis.ResponseError:
                     pass  # CLIENT denied by an ACL: standbys then wait for the lease (holder_connected)
         except BaseException:
-            self.close()
+            proto.close()
             raise
+        if proto.closed:  # the peer hung up right after answering
+            raise ConnectionError("redis append connection closed during its handshake")
+        self._proto = proto
 
     async def ensure_connected(self) -> None:
         """Open the connection if it is not (the committer's lease keeper calls this, so a
@@ -194,8 +198,8 @@ class AppendPipe:
                 raise ConnectionError("redis lost the append script") from None
             raise
 
-    def _send(self, frame: bytes) -> asyncio.Future:
-        proto = self._proto
+    def _send(self, frame: bytes, proto: "_RespProtocol | None" = None) -> asyncio.Future:
+        proto = self._proto if proto is None else proto
         fut = asyncio.get_running_loop().create_future()
         if not proto.waiters:
             proto.since = time.monotonic()
@@ -610,6 +614,7 @@ class Committer:
         self._error: Exception | None = None
         self.lease_deadline = time.monotonic() + log_.lease_ms / 1000
         self.batches = 0
+        self.handbacks = 0  # batches the fast path gave to the slow one (failures, no connection)
         self.repairs = 0
         self.snapshots = 0
         self._snapshotting: asyncio.Task | None = None
@@ -698,6 +703,7 @@ class Committer:
         the lease lasts, repairs a gap, or fails on a lost lease (the script recognises a resent
         batch that had landed)."""
         self._queue.extendleft(reversed([(first + i, e) for i, e in enumerate(batch)]))
+        self.handbacks += 1
         self._slow = True
         self._wake.set()
 
@@ -853,7 +859,9 @@ class Committer:
                     return
                 self.lease_deadline = started + self.log.lease_ms / 1000
                 await self._append.ensure_connected()
-            except (redis.RedisError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - the keeper must outlive any one failure
+                if not isinstance(exc, (redis.RedisError, OSError)):
+                    log.exception("kvstore: the lease keeper's renewal failed unexpectedly")
                 if time.monotonic() > self.lease_deadline:
                     self._fail(Fenced(f"kvstore: Redis unreachable past the lease ({exc}); retry"))
                     return

@@ -471,16 +471,25 @@ def test_the_fast_path_hands_a_failed_batch_to_the_retrying_path_and_takes_over_
             await asyncio.wait_for(store.durable(), 5)
         fast = committer.batches
         assert not committer._slow and fast == 21
-        # Redis drops the append connection with a batch in flight
-        store.heartbeat(worker_id="w", incarnation=inc)
-        pending = store.durable()
-        committer._flush()  # sent now, the reply not read yet
-        name = log.connection_name()
+        # Redis drops the append connection with a batch in flight: writes are paused, so the
+        # batch is sent and cannot have been answered when its connection is killed
+        handbacks = committer.handbacks
         killer = log.client
-        for c in killer.client_list(_type="normal"):
-            if c.get("name") == name:
-                killer.client_kill_filter(_id=c["id"])
+        killer.execute_command("CLIENT", "PAUSE", "5000", "WRITE")
+        try:
+            store.heartbeat(worker_id="w", incarnation=inc)
+            pending = store.durable()
+            committer._flush()  # sent now; Redis holds it
+            assert committer._inflight is not None
+            name = log.connection_name()
+            for c in killer.client_list(_type="normal"):
+                if c.get("name") == name:
+                    killer.client_kill_filter(_id=c["id"])
+            await asyncio.sleep(0.05)  # the pipe sees the close
+        finally:
+            killer.execute_command("CLIENT", "UNPAUSE")
         await asyncio.wait_for(pending, 5)
+        assert committer.handbacks == handbacks + 1  # the slow path resent it
         for _ in range(5):
             store.heartbeat(worker_id="w", incarnation=inc)
             await asyncio.wait_for(store.durable(), 5)
@@ -534,5 +543,55 @@ def test_early_flush_sends_a_batch_once_it_holds_flush_at_entries(redis_server):
         assert early
         assert durable == seq == log.length() == 5
         assert batches == 4  # register, one heartbeat, the early pair, the last one
+    finally:
+        log.wipe(), log.close()
+
+
+def test_a_commit_during_the_append_connections_handshake_waits_for_it(redis_server):
+    """The append connection is published only once AUTH / SELECT / SCRIPT LOAD answered: a batch
+    committed while the lease keeper reconnects (Redis restarted: no script cached, a db other than
+    0) waits for the handshake instead of running first (NOSCRIPT, then a keeper that died on the
+    half-open connection and a leader that kept answering past its lease)."""
+    import asyncio
+
+    import redis as redis_py
+
+    from services.kvstore.redis_backend import Committer
+
+    url = redis_server.url.rstrip("/") + "/3"
+    log = RedisLog(url, prefix=unique_prefix(), lease_ms=1500)
+
+    async def scenario():
+        assert log.try_acquire()
+        holder = {}
+        committer = Committer(log, lambda: holder["s"])
+        store = holder["s"] = log.load(ARGS, committer.submit)
+        store.waiter = committer.durable
+        run_task, keeper = committer.start(store.seq)
+        inc = store.register_worker(SPEC).incarnation
+        await asyncio.wait_for(store.durable(), 5)
+        redis_py.Redis.from_url(url).script_flush()
+        committer._append.close()  # the idle append connection drops
+        end = time.monotonic() + 3
+        append = committer._append
+        while not append._connecting.locked() and time.monotonic() < end:
+            await asyncio.sleep(0)  # until the keeper is inside its reconnect
+        assert append._connecting.locked()
+        while append._proto is None and append._connecting.locked() and time.monotonic() < end:
+            await asyncio.sleep(0)  # until the connection is published (or the reconnect is over)
+        store.heartbeat(worker_id="w", incarnation=inc)  # committed during the handshake
+        await asyncio.wait_for(store.durable(), 5)
+        await asyncio.sleep(2.0)  # past the lease, had nobody renewed it
+        alive, lost = not keeper.done(), committer.lost.is_set()
+        store.heartbeat(worker_id="w", incarnation=inc)
+        await asyncio.wait_for(store.durable(), 5)
+        run_task.cancel(), keeper.cancel()
+        await committer.close()
+        return alive, lost, store.seq, committer.durable_seq
+
+    try:
+        alive, lost, seq, durable = asyncio.run(scenario())
+        assert alive and not lost  # the keeper still renews
+        assert durable == seq == log.length()
     finally:
         log.wipe(), log.close()
