@@ -289,8 +289,11 @@ class Dispatcher:
                 worker_pb.InfoRequest(), timeout=self.config.worker_probe_timeout_s)
         except grpc.aio.AioRpcError as err:
             raise Unavailable(f"worker {entry.worker_id} Info: {err.code().name}") from None
-        if len(self._draft_limits) > 4096:  # bounded: workers come and go
-            self._draft_limits.clear()
+        if len(self._draft_limits) > 4096:  # bounded: drop workers that left, keep the registered
+            # (clearing all would leave routable workers with no known limit: an unchecked k)
+            self._draft_limits = {
+                w: v for w, v in self._draft_limits.items()
+                if (e := self.directory.get(w)) is not None and e.incarnation == v[0]}
         default = info.num_draft_tokens if info.HasField("num_draft_tokens") else None
         self._draft_limits[entry.worker_id] = (entry.incarnation, info.max_draft_tokens, default)
         return info.model_name
