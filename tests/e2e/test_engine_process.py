@@ -18,27 +18,12 @@ from suite_rig import LONG_PREFIX, PROCESS_STARTUP_TIMEOUT, TIMEOUT, spawn_worke
 from tandem.common.v1 import common_pb2
 from tandem.router.v1 import router_pb2
 from tandem.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.proc_tree import alive, children_of
 
 
 def _engine(svc):
     runner, _identity = svc.payload
     return runner
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(p) for p in f.read().split()]
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _wait_disowned(runner) -> None:
@@ -157,12 +142,12 @@ def test_the_engine_process_does_not_outlive_a_killed_worker(suite):
     proc = spawn_worker_process(suite.kv.address, "doomed", engine_process=True)
     try:
         wait_registered(suite, "doomed", proc)
-        children = _children(proc.pid)
+        children = children_of(proc.pid)
         assert children, "the worker has no engine process"
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         end = time.monotonic() + 20
-        while any(_alive(pid) for pid in children):
+        while any(alive(pid) for pid in children):
             assert time.monotonic() < end, "the engine process outlived its worker"
             time.sleep(0.1)
     finally:

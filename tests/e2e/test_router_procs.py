@@ -34,6 +34,8 @@ from services.launcher import wait_serving
 from services.router.procs import RouterProcs, child_settings
 from services.router.settings import RouterSettings
 from suite_rig import LONG_PREFIX, ROOT, TIMEOUT, wait_registered
+from tests.proc_tree import alive, children_of
+from tests.redis_server import free_port
 from tandem.router.v1 import router_pb2, router_pb2_grpc
 
 READY_TIMEOUT = 90.0  # two fresh interpreters import grpc, tokenizers, starlette on a loaded 2-core machine
@@ -202,14 +204,6 @@ def spawn_router(kv_address: str, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def children_of(pid: int) -> list[int]:
-    kids = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            kids += [int(p) for p in f.read().split()]
-    return kids
-
-
 def router_children(pid: int) -> list[int]:
     """The serving children (multiprocessing's resource tracker is a child too; it is not ours)."""
     out = []
@@ -220,27 +214,11 @@ def router_children(pid: int) -> list[int]:
     return out
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def wait_gone(pids: list[int], timeout_s: float = 20.0) -> list[int]:
     end = time.monotonic() + timeout_s
     while any(alive(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.1)
     return [p for p in pids if alive(p)]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
