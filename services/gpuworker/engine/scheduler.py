@@ -16,7 +16,9 @@ Policy (first come, first served inside each class):
                                                                ``prefill_batch`` of them wait,
                                                                or when nothing decodes
 
-   A prompt already partly prefilled is never held (it is not new).
+   A prompt already partly prefilled is never held (it is not new), and while one is, no new
+   prompt is held either: that step prefills anyway, so new prompts join it (a released batch
+   that did not fit one step's budget stays released).
 
 Only target tokens are budgeted; draft-layer work follows from them (a few tokens per request).
 """
@@ -90,7 +92,12 @@ def schedule(
     prefilling = [s for s in live if s.in_prefill]
     if prefill_wait_steps and decoding:
         new = [s for s in prefilling if s.target_len == s.spec.reused_positions]  # no chunk run yet
-        if new and len(new) < prefill_batch and step - min(s.admitted_step for s in new) < prefill_wait_steps:
+        # A prompt partly prefilled means this step prefills anyway: holding the new ones then
+        # saves no forward. It also keeps a released batch released when it did not fit one
+        # step's budget (else its tail would wait ``prefill_wait_steps`` again, and again).
+        chunk_running = len(new) < len(prefilling)
+        if (new and not chunk_running and len(new) < prefill_batch
+                and step - min(s.admitted_step for s in new) < prefill_wait_steps):
             prefilling = [s for s in prefilling if s.target_len != s.spec.reused_positions]  # new ones wait
     budget = max_batch_tokens
     work: list[ScheduledWork] = []
