@@ -236,11 +236,6 @@ async def serve_procs(settings: RouterSettings) -> None:
     """The CLI's parent: start the group, supervise until SIGTERM/SIGINT or a child's exit
     (then :class:`StartupError` with the exit code, after stopping the others)."""
     group = RouterProcs(settings)
-    group.start()
-    log.info("router on %s: %d processes (pids %s), SERVING once every one is ready (kvstore %s, model %s)",
-             group.address, settings.procs, ", ".join(str(c.pid) for c in group.children), settings.kvstore, settings.model)
-    if group.http_port is not None:
-        log.info("OpenAI-compatible HTTP API on http://%s:%d/v1 (every router process)", settings.host, group.http_port)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -248,8 +243,14 @@ async def serve_procs(settings: RouterSettings) -> None:
         log.info("received %s: stopping the %d router processes", sig.name, settings.procs)
         stopping.set()
 
+    # before the children start: a SIGTERM while they start must stop them, not orphan them
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    group.start()
+    log.info("router on %s: %d processes (pids %s), SERVING once every one is ready (kvstore %s, model %s)",
+             group.address, settings.procs, ", ".join(str(c.pid) for c in group.children), settings.kvstore, settings.model)
+    if group.http_port is not None:
+        log.info("OpenAI-compatible HTTP API on http://%s:%d/v1 (every router process)", settings.host, group.http_port)
     dead = None
     try:
         while not stopping.is_set() and dead is None:
