@@ -36,6 +36,22 @@ def started(setup, rid: str) -> bool:
     return setup.engine.state(rid).target_len > 0
 
 
+def step_counting_holds(setup, tokens: dict[str, list[int]], finished: set[str] | None = None) -> int:
+    """One engine step: collects each request's new tokens into ``tokens``, releases (and adds to
+    ``finished``) the requests that ended; returns how many prompts it held (new before the
+    step, still admitted and not started after it)."""
+    new = [rid for rid in setup.engine.request_ids() if not started(setup, rid)]
+    report = setup.engine.step()
+    held = sum(not started(setup, rid) for rid in new if rid in setup.engine.request_ids())
+    for rid, r in report.results.items():
+        tokens.setdefault(rid, []).extend(r.new_token_ids)
+        if r.finished:
+            if finished is not None:
+                finished.add(rid)
+            setup.source.release(rid)
+    return held
+
+
 def test_a_new_prompt_waits_while_others_decode_then_starts():
     setup = setup_with()
     a, b = prompts((9, 7), seed=1)
@@ -96,23 +112,12 @@ def test_outputs_equal_plain_greedy_with_staggered_arrivals(mode):
     setup = setup_with(mode=mode, batch=2)
     tokens: dict[str, list[int]] = {}
     held = 0
-
-    def step() -> None:
-        nonlocal held
-        new = [rid for rid in setup.engine.request_ids() if not started(setup, rid)]
-        report = setup.engine.step()
-        held += sum(not started(setup, rid) for rid in new if rid in setup.engine.request_ids())
-        for rid, r in report.results.items():
-            tokens.setdefault(rid, []).extend(r.new_token_ids)
-            if r.finished:
-                setup.source.release(rid)
-
     for i, p in enumerate(ps):
         submit(setup, f"r{i}", p, max_new_tokens=12, k=0 if mode == "none" else 3)
         for _ in range(2):  # arrivals two steps apart, beside running decodes
-            step()
+            held += step_counting_holds(setup, tokens)
     while setup.engine.has_work():
-        step()
+        held += step_counting_holds(setup, tokens)
     assert held > 0, "no prompt waited: the test did not exercise the batching"
     for i, p in enumerate(ps):
         assert tokens[f"r{i}"] == plain_greedy(p, 12), i
@@ -156,14 +161,7 @@ def test_a_closed_loop_of_staggered_requests_always_finishes(mode, k, overlap, n
             pending.pop(0)
         if not setup.engine.has_work():
             break
-        new = [rid for rid in setup.engine.request_ids() if not started(setup, rid)]
-        report = setup.engine.step()
-        held += sum(not started(setup, rid) for rid in new if rid in setup.engine.request_ids())
-        for rid, r in report.results.items():
-            tokens.setdefault(rid, []).extend(r.new_token_ids)
-            if r.finished:
-                finished.add(rid)
-                setup.source.release(rid)
+        held += step_counting_holds(setup, tokens, finished)
     assert not pending and len(finished) == len(ps), f"{len(finished)}/{len(ps)} finished, {len(pending)} never admitted"
     assert held > 0 and (refused > 0) == (num_blocks < 100), (held, refused)  # the rig did what it says
     for i, p in enumerate(ps):

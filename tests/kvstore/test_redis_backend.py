@@ -408,22 +408,29 @@ def test_a_takeover_keeps_its_lease_while_the_warm_copy_is_still_loading(redis_s
         holder.wipe(), holder.close()
 
 
+
+def _leading_store(log: RedisLog, **committer_kw):
+    """(committer, store): ``log``'s lease taken and a store loaded from it whose mutations go
+    through a ``Committer`` (not started), as ``Leadership`` wires them."""
+    from services.kvstore.redis_backend import Committer
+
+    assert log.try_acquire()
+    holder = {}
+    committer = Committer(log, lambda: holder["s"], **committer_kw)
+    store = holder["s"] = log.load(ARGS, committer.submit)
+    store.waiter = committer.durable
+    return committer, store
+
 def test_a_batch_cut_at_max_batch_answers_its_own_waiters(redis_server):
     """Group commit under a backlog: an entry that went out in a batch cut at ``max_batch`` is
     acknowledged with that batch, not held until every entry queued after it is durable (the
     waiters of a batch share one future; entries beyond the next batch must not join it)."""
     import asyncio
 
-    from services.kvstore.redis_backend import Committer
-
     log = RedisLog(redis_server.url, prefix=unique_prefix())
 
     async def scenario():
-        assert log.try_acquire()
-        holder = {}
-        committer = Committer(log, lambda: holder["s"], max_batch=2)
-        store = holder["s"] = log.load(ARGS, committer.submit)
-        store.waiter = committer.durable
+        committer, store = _leading_store(log, max_batch=2)
         seen = []  # (durable seq, was seq 1 acknowledged) at every advance
         advance = committer._advance
         committer._advance = lambda seq: (advance(seq), seen.append((seq, first.done())))
@@ -453,16 +460,10 @@ def test_the_fast_path_hands_a_failed_batch_to_the_retrying_path_and_takes_over_
     back (resent, not lost, not doubled), and the fast path sends again once the queue drained."""
     import asyncio
 
-    from services.kvstore.redis_backend import Committer
-
     log = RedisLog(redis_server.url, prefix=unique_prefix())
 
     async def scenario():
-        assert log.try_acquire()
-        holder = {}
-        committer = Committer(log, lambda: holder["s"])
-        store = holder["s"] = log.load(ARGS, committer.submit)
-        store.waiter = committer.durable
+        committer, store = _leading_store(log)
         tasks = committer.start(store.seq)
         inc = store.register_worker(SPEC).incarnation
         await asyncio.wait_for(store.durable(), 5)  # no connection yet: the slow path connects
@@ -513,16 +514,10 @@ def test_early_flush_sends_a_batch_once_it_holds_flush_at_entries(redis_server):
     the next batch, every entry once, in order."""
     import asyncio
 
-    from services.kvstore.redis_backend import Committer
-
     log = RedisLog(redis_server.url, prefix=unique_prefix())
 
     async def scenario():
-        assert log.try_acquire()
-        holder = {}
-        committer = Committer(log, lambda: holder["s"], flush_at=2, early_rtt_s=10.0)
-        store = holder["s"] = log.load(ARGS, committer.submit)
-        store.waiter = committer.durable
+        committer, store = _leading_store(log, flush_at=2, early_rtt_s=10.0)
         tasks = committer.start(store.seq)
         inc = store.register_worker(SPEC).incarnation
         await asyncio.wait_for(store.durable(), 5)  # the slow path connects
@@ -556,17 +551,11 @@ def test_a_commit_during_the_append_connections_handshake_waits_for_it(redis_ser
 
     import redis as redis_py
 
-    from services.kvstore.redis_backend import Committer
-
     url = redis_server.url.rstrip("/") + "/3"
     log = RedisLog(url, prefix=unique_prefix(), lease_ms=1500)
 
     async def scenario():
-        assert log.try_acquire()
-        holder = {}
-        committer = Committer(log, lambda: holder["s"])
-        store = holder["s"] = log.load(ARGS, committer.submit)
-        store.waiter = committer.durable
+        committer, store = _leading_store(log)
         run_task, keeper = committer.start(store.seq)
         inc = store.register_worker(SPEC).incarnation
         await asyncio.wait_for(store.durable(), 5)
