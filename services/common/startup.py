@@ -50,15 +50,23 @@ def check_port_free(host: str, port: int, what: str = "port") -> None:
     gRPC's own bind failure says only "Failed to bind"; this says which port and why."""
     if port == 0:
         return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is free
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise PortInUse(f"{host}:{port}", what) from None
-            raise StartupError(f"cannot bind {what} {host}:{port}: {exc.strerror}") from None
+        _bind(s, host, port, what)
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _bind(sock: socket.socket, host: str, port: int, what: str) -> None:
+    """``sock.bind``, its failure as :class:`PortInUse` or a one-line :class:`StartupError`."""
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(f"{host}:{port}", what) from None
+        raise StartupError(f"cannot bind {what} {host}:{port}: {exc.strerror}") from None
 
 
 def reserve_shared_port(host: str, port: int, what: str = "port") -> socket.socket:
@@ -69,16 +77,13 @@ def reserve_shared_port(host: str, port: int, what: str = "port") -> socket.sock
     :class:`PortInUse` (checked without ``SO_REUSEPORT``: another group's listener counts).
     The caller closes the socket."""
     check_port_free(host, port, what)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
-        sock.bind((host, port))
-    except OSError as exc:
+        _bind(sock, host, port, what)
+    except StartupError:
         sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise PortInUse(f"{host}:{port}", what) from None
-        raise StartupError(f"cannot bind {what} {host}:{port}: {exc.strerror}") from None
+        raise
     return sock
 
 

@@ -8,12 +8,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import TandemSettings
-
-
-# k when neither --num-draft-tokens nor the draft says. Short chains: a longer one costs a draft
-# forward and more planning per step for ever less likely tokens (docs/benchmarks.md, demo model:
-# k = 3 is 1.60x plain decoding on CPU; on an H200 k = 2 was the fastest, k = 3 at parity)
-DEFAULT_DRAFT_TOKENS = 3
+from services.common.spec import DEFAULT_DRAFT_TOKENS
 
 
 class WorkerSettings(TandemSettings):

@@ -44,6 +44,7 @@ from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhau
 from services.common.telemetry import get_tracer, trace_metadata
 from services.common.tokenizer import StreamDecoder, Tokenizer
 from services.common.logprobs import TokenLogprob
+from services.common.spec import DEFAULT_DRAFT_TOKENS
 from services.common.wire import FINISH_REASONS, logprobs_from_proto, tokens_to_proto
 from services.router.directory import WorkerDirectory, WorkerEntry
 from services.router.jobs import GenerateJob, headroom_positions
@@ -65,9 +66,6 @@ _NO_ANSWER = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVA
 # Stop waiting for capacity this long before the client's deadline, so it gets
 # RESOURCE_EXHAUSTED ("no capacity before the deadline") rather than a bare DEADLINE_EXCEEDED.
 _QUEUE_DEADLINE_MARGIN_S = 0.05
-# k for a request that names none, on a router without a setting, sent to a worker that advertises
-# no default (Info.num_draft_tokens unset: a worker older than that field): the worker's own fallback
-FALLBACK_DRAFT_TOKENS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,15 +299,15 @@ class Dispatcher:
     def draft_tokens_for(self, entry: WorkerEntry, wanted: int | None) -> int:
         """The k a request runs with on ``entry`` (read-only): ``wanted`` (the request's own, or
         the router's setting), or when None the worker's advertised default (only the worker knows
-        which k its model, draft and device run best at; ``FALLBACK_DRAFT_TOKENS`` if it
+        which k its model, draft and device run best at; ``DEFAULT_DRAFT_TOKENS`` if it
         advertises none); capped by what the worker said it accepts: the router's own limit may
         be larger than a worker's, and such a request must not fail."""
         info = self._draft_limits.get(entry.worker_id)
         if info is None or info[0] != entry.incarnation:
-            return FALLBACK_DRAFT_TOKENS if wanted is None else wanted
+            return DEFAULT_DRAFT_TOKENS if wanted is None else wanted
         _incarnation, limit, default = info
         if wanted is None:
-            wanted = FALLBACK_DRAFT_TOKENS if default is None else default
+            wanted = DEFAULT_DRAFT_TOKENS if default is None else default
         return min(wanted, limit)
 
     def _worker_stub(self, address: str) -> worker_pb2_grpc.WorkerStub:

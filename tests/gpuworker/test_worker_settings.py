@@ -73,7 +73,7 @@ def test_dtype_auto_follows_the_device():
 
 # ------------------------------------------------------------------------- default draft tokens k
 def test_default_draft_tokens_come_from_the_flag_then_the_draft_then_three():
-    from services.gpuworker.settings import DEFAULT_DRAFT_TOKENS
+    from services.common.spec import DEFAULT_DRAFT_TOKENS
 
     s = WorkerSettings()  # no --num-draft-tokens
     assert s.num_draft_tokens is None
