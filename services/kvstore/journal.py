@@ -263,7 +263,7 @@ def _verb(name: str, mutating: bool):
             self.last_time = now
             sink = self.sink
             if sink is not None:
-                sink(seq, enc(now, bind(name, args, kwargs) if args else kwargs, result))
+                sink(seq, enc(now, bind(name, args, kwargs), result))
             return result
     else:
         def method(self, *args, **kwargs):

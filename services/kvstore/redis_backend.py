@@ -702,10 +702,14 @@ class Committer:
         """The batch goes back to the head of the queue and ``_run`` sends it: it retries while
         the lease lasts, repairs a gap, or fails on a lost lease (the script recognises a resent
         batch that had landed)."""
-        self._queue.extendleft(reversed([(first + i, e) for i, e in enumerate(batch)]))
+        self._requeue(first, batch)
         self.handbacks += 1
         self._slow = True
         self._wake.set()
+
+    def _requeue(self, first: int, batch: list[bytes]) -> None:
+        """Put an unanswered batch back at the head of the queue, in order."""
+        self._queue.extendleft(reversed([(first + i, e) for i, e in enumerate(batch)]))
 
     def _frame(self, first: int, batch: list[bytes]) -> bytes:
         """The EVALSHA of ``_APPEND`` for ``batch``: the same command ``append_args`` describes,
@@ -785,7 +789,7 @@ class Committer:
                 if time.monotonic() > self.lease_deadline:
                     self._fail(Fenced(f"kvstore: Redis unreachable past the lease ({exc}); retry"))
                     return
-                self._queue.extendleft(reversed([(first + i, e) for i, e in enumerate(batch)]))
+                self._requeue(first, batch)
                 log.warning("kvstore journal write failed (%s); retrying in %.3f s", exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.2)
