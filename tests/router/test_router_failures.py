@@ -288,7 +288,8 @@ def test_a_lost_reserve_is_retried_with_the_same_headroom_when_the_candidates_ch
     rig.worker("large", Script(num_draft_tokens=7))
     held = rig.occupy("large", 64)  # full: the first Reserve lands on "small", headroom 7 + 1
     router = rig.router(kvstore_timeout_s=0.3, kvstore_outage_wait_s=5.0)
-    prompt = "a lost answer, then fewer workers"
+    prompt = "lost answer, fewer workers.."  # 28 bytes: headroom 8 needs 3 blocks, headroom 2 only 2
+    assert len(prompt) == 28
     _, err = collect(router, text=prompt, max_new_tokens=2)
     assert err is None, err
     assert rig.stats().reservations_created == 2  # the occupier's and this request's, reserved once
