@@ -42,6 +42,7 @@ OTHER_ENV_NAMES = frozenset({
     "TANDEM_VENV", "TANDEM_PYTHON", "TANDEM_PY", "TANDEM_TORCH", "TANDEM_TORCH_INDEX",
     "TANDEM_MODEL", "TANDEM_BASE_IMAGE", "TANDEM_IMAGE", "TANDEM_GPU_IMAGE", "TANDEM_REDIS_IMAGE",
     "TANDEM_PROMETHEUS_IMAGE", "TANDEM_ROUTER_PUBLISH", "TANDEM_ROUTER_HTTP_PUBLISH", "TANDEM_PROMETHEUS_PUBLISH",  # compose.yaml
+    "TANDEM_CHECK_GRAPH_INPUTS",  # debugging: ForwardGraphs range-checks inputs before replays
     "TANDEM_SMOKE_BASE", "TANDEM_SMOKE_FRESH", "TANDEM_CONTRACT_ROUTER", "TANDEM_CONTRACT_PROMETHEUS", "TANDEM_CONTRACT_HTTP",  # smoke test
 })
 # What Kubernetes injects for a Service named e.g. "tandem-kvstore" (docker links too).

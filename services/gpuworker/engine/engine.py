@@ -77,6 +77,11 @@ class EngineConfig:
       ``"off"`` neither. Both others keep the pools' LAST page as the scratch page of padding
       rows: the block source must hand out ids below ``Engine.num_blocks`` only.
     * ``graph_max_batch``: the largest bucket (None = ``max_batch_size``).
+    * ``check_graph_inputs``: DEBUGGING, off by default (a sync per input per run): before every
+      padded run or graph replay, check that token ids and row indices over the whole padded
+      batch are in range and raise ``InvalidArgument`` naming the bad row instead of letting a
+      replay hit a device-side assert (``ForwardGraphs.check_inputs``; also turned on by
+      ``TANDEM_CHECK_GRAPH_INPUTS=1`` in the environment).
     * ``overlap``: overlapped steps. When every row of a step is a plain greedy decode (k = 0,
       no drafts), its tokens stay on the device: the next step is launched with them as inputs
       before the host reads them back (one step later), so the host plans step N+1 while the
@@ -97,6 +102,7 @@ class EngineConfig:
     trim_policy: str = "unneeded"
     graphs: str = "off"
     graph_max_batch: int | None = None
+    check_graph_inputs: bool = False
     overlap: bool = False
     prefill_wait_steps: int = 0
     prefill_batch: int = 4
@@ -193,8 +199,10 @@ class Engine:
             scratch_block=self.target_pool.num_blocks - 1,
             buckets=buckets_up_to(cfg.graph_max_batch or cfg.max_batch_size),
             capture=cfg.graphs == "capture",
+            check_inputs=True if cfg.check_graph_inputs else None,  # None: TANDEM_CHECK_GRAPH_INPUTS
         )
         aux = DraftRunner.aux_layers_for(draft)
+        vocab = target.config.vocab_size
         backend, pool = self.backend, self.target_pool
         hidden = target.config.hidden_size
         dtype = target.embed_tokens.weight.dtype
@@ -207,15 +215,17 @@ class Engine:
             return rows
 
         max_q = min(1 + (cfg.max_draft_tokens if draft is not None else 0), self.block_size)
-        graphs.register("target", target_forward, {"ids": ((), torch.long)}, range(1, max_q + 1))
+        graphs.register("target", target_forward, {"ids": ((), torch.long)}, range(1, max_q + 1), bounds={"ids": vocab})
         if draft is not None:
             chain = DraftRunner.chain_forward(draft, backend, draft_pool)
-            graphs.register("chain", chain, {"tokens": ((), torch.long), "hidden": ((hidden,), dtype)}, (1,))
+            graphs.register("chain", chain, {"tokens": ((), torch.long), "hidden": ((hidden,), dtype)}, (1,),
+                            bounds={"tokens": vocab})
         if draft is not None and draft.spec_mode is SpecMode.EAGLE3:
             # the fill after a verify: 1 .. k + 1 accepted rows per request, padded to the longest
             fill = DraftRunner.fill_forward(draft, backend, draft_pool)
             graphs.register("fill", fill, {"ids": ((), torch.long), "context": ((3 * hidden,), dtype),
-                                           "last": ((), torch.long)}, range(1, max_q + 1), per_request=("last", "logits"))
+                                           "last": ((), torch.long)}, range(1, max_q + 1), per_request=("last", "logits"),
+                            bounds={"ids": vocab, "last": lambda batch, q: batch * q})
         return graphs
 
     @torch.inference_mode()

@@ -24,17 +24,29 @@ next replay of any graph (the engine reads them within the step).
 A forward may also take or return one row per *request* (``register(per_request=...)``: the fill
 reads the index of each request's last row and returns logits of those rows only); those are
 padded to the bucket, not to bucket × q. Every graph of a forward reads its inputs from one
-buffer of the largest shape.
+buffer of the largest shape, so a row past this run's ``B`` (or ``B * q``) holds whatever an
+earlier run of ANOTHER (bucket, q) left there unless it is cleared: the padding rows of every
+input are zero on every run, as eager padding makes them (``_stage``). A stale per-request index
+there is an index into another shape's rows; the fill's ``last`` of a q = 4 run read by a q = 1
+graph of the same bucket was a device-side assert (``index_select`` past ``bucket * q``).
 
-Without CUDA (or with capture off) the same padding runs eagerly, so the CPU tests exercise the
-exact layouts a GPU replays; shapes without a captured graph (ragged, prefill, a batch above the
-largest bucket, a q never captured) run eagerly and unpadded.
+Without CUDA (or with capture off) the same padding runs eagerly, through the same static input
+buffers, so the CPU tests exercise the exact layouts AND inputs a GPU replays; shapes without a
+captured graph (ragged, prefill, a batch above the largest bucket, a q never captured) run
+eagerly and unpadded.
+
+Debugging: ``check_inputs`` (or ``TANDEM_CHECK_GRAPH_INPUTS=1`` in the environment) checks, before
+every padded run or replay, that each input declared with ``register(bounds=...)`` lies in its
+range over the whole padded batch, and raises ``InvalidArgument`` naming the forward, input and
+row instead of a device-side assert. It reads the inputs back (one sync per input): off by
+default.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -50,6 +62,10 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 # fn(plan, **inputs) -> named outputs; every input and output has one row per token
 Forward = Callable[..., dict[str, torch.Tensor]]
+# (padded batch, q) -> exclusive upper bound of an input's values (a vocabulary, a row count)
+Bound = Callable[[int, int], int]
+
+CHECK_INPUTS_ENV = "TANDEM_CHECK_GRAPH_INPUTS"
 
 
 def buckets_up_to(max_batch: int) -> tuple[int, ...]:
@@ -84,6 +100,7 @@ class ForwardGraphs:
         scratch_block: int,
         buckets: Sequence[int],
         capture: bool,
+        check_inputs: bool | None = None,
     ):
         if capture and backend.device.type != "cuda":
             raise InvalidArgument(f"CUDA graphs need a CUDA device, the backend is on {backend.device}")
@@ -106,6 +123,11 @@ class ForwardGraphs:
         # graph replays at a time): the fill's [rows, 3H] inputs for every (bucket, q) would
         # otherwise take hundreds of MB on an 8B model
         self._input_buffers: dict[str, dict[str, torch.Tensor]] = {}
+        # forward -> input name -> rows of its shared buffer that may be non-zero (past them: zero)
+        self._dirty: dict[str, dict[str, int]] = {}
+        self._bounds: dict[str, dict[str, Bound]] = {}
+        # debugging (module docstring): range-check bounded inputs before every run
+        self.check_inputs = os.environ.get(CHECK_INPUTS_ENV) == "1" if check_inputs is None else bool(check_inputs)
         self._graphs: dict[tuple, _Captured] = {}
         self._pool = None  # one memory pool shared by every graph (only one replays at a time)
         self.replays = 0
@@ -120,16 +142,23 @@ class ForwardGraphs:
         inputs: dict[str, tuple[tuple[int, ...], torch.dtype]],
         query_lens: Iterable[int],
         per_request: Iterable[str] = (),
+        bounds: dict[str, int | Bound] | None = None,
     ) -> None:
         """Declare a forward: its input row shapes (without the token dimension) and dtypes, and
         the query lengths to capture it for. Inputs and outputs named in ``per_request`` have
-        one row per request instead of one per token (a row index per request, say)."""
+        one row per request instead of one per token (a row index per request, say).
+        ``bounds``: input -> exclusive upper bound of its values (an int, or ``fn(padded batch,
+        q)``), lower bound 0; checked only with ``check_inputs``."""
         qs = tuple(sorted(set(query_lens)))
         bs = self.backend.geometry.block_size
         if any(q < 1 or q > bs for q in qs):
             raise InvalidArgument(f"captured query lengths must be in 1..block_size ({bs}), got {qs}")
+        unknown = set(bounds or ()) - set(inputs)
+        if unknown:
+            raise InvalidArgument(f"{name}: bounds for inputs it does not take: {sorted(unknown)}")
         self._forwards[name] = (fn, inputs, qs)
         self._per_request[name] = frozenset(per_request)
+        self._bounds[name] = {k: (b if callable(b) else (lambda _b, _q, n=int(b): n)) for k, b in (bounds or {}).items()}
 
     def capture_all(self, progress: Callable[[str], None] | None = None) -> int:
         """Capture every registered forward for every bucket (largest first, so the shared pool is
@@ -153,15 +182,23 @@ class ForwardGraphs:
     def _scratch_layout(self, batch: int, q: int) -> BatchLayout:
         return BatchLayout(block_tables=[[self.scratch_block]] * batch, cached_lens=[0] * batch, query_lens=[q] * batch)
 
-    def _capture(self, name, fn, specs, batch: int, q: int) -> None:
-        dev = self.backend.device
-        per_request = self._per_request[name]
+    def _shared_inputs(self, name: str) -> dict[str, torch.Tensor]:
+        """The forward's input buffers (largest shape, zero-filled), made on first use."""
         shared = self._input_buffers.get(name)
         if shared is None:
-            top, top_q = self.buckets[-1], max(self._forwards[name][2])
+            _fn, specs, qs = self._forwards[name]
+            per_request = self._per_request[name]
+            top, top_q = self.buckets[-1], max(qs)
             shared = self._input_buffers[name] = {
-                k: torch.zeros((top if k in per_request else top * top_q, *shape), dtype=dtype, device=dev)
+                k: torch.zeros((top if k in per_request else top * top_q, *shape), dtype=dtype, device=self.backend.device)
                 for k, (shape, dtype) in specs.items()}
+            self._dirty[name] = {k: 0 for k in specs}
+        return shared
+
+    def _capture(self, name, fn, specs, batch: int, q: int) -> None:
+        per_request = self._per_request[name]
+        dev = self.backend.device
+        shared = self._shared_inputs(name)
         inputs = {k: shared[k][: batch if k in per_request else batch * q] for k in specs}
         plan = self.backend.plan(self._scratch_layout(batch, q), self._kind(q))
         side = torch.cuda.Stream(dev)
@@ -198,7 +235,7 @@ class ForwardGraphs:
     def run(self, name: str, layout: BatchLayout, inputs: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], AttentionPlan]:
         """Run forward ``name`` over ``layout`` (uniform query length q, covered shape). Returns
         the outputs' first ``B * q`` rows (``B`` for per-request outputs) and the plan of the
-        padded layout."""
+        padded layout. Mutates the forward's shared input buffers (``_stage``)."""
         fn, _specs, _qs = self._forwards[name]
         q = layout.arrays.uniform_q
         batch = layout.batch_size
@@ -210,19 +247,56 @@ class ForwardGraphs:
         def rows(k: str, n: int) -> int:  # rows of input/output k for n requests
             return n if k in per_request else n * q
 
-        padded = self._pad(layout, padded_batch, q)
-        plan = self.backend.plan(padded, self._kind(q))
+        plan = self.backend.plan(self._pad(layout, padded_batch, q), self._kind(q))
+        staged = self._stage(name, inputs, batch, padded_batch, q)
+        if self.check_inputs:
+            self._check_ranges(name, staged, padded_batch, q)
         captured = self._graphs.get((name, padded_batch, q))
-        if captured is None:  # padding without a graph: the same layouts, run eagerly
+        if captured is None:  # padding without a graph: the same layouts and inputs, run eagerly
             self.eager_runs += 1
-            full = {k: _pad_rows(v, rows(k, padded_batch)) for k, v in inputs.items()}
-            out = fn(plan, **full)
+            out = fn(plan, **staged)
             return {k: v[: rows(k, batch)] for k, v in out.items()}, plan
-        for k, v in inputs.items():
-            captured.inputs[k][: rows(k, batch)].copy_(v)
         captured.graph.replay()
         self.replays += 1
         return {k: v[: rows(k, batch)] for k, v in captured.outputs.items()}, plan
+
+    def _stage(self, name: str, inputs: dict[str, torch.Tensor], batch: int, padded_batch: int, q: int) -> dict[str, torch.Tensor]:
+        """Copy ``inputs`` into the forward's shared buffers (what a captured graph reads) and
+        return the padded views: rows past the real ones are zero, as eager padding makes them.
+        Mutates the shared buffers. Zeroes only rows that an earlier, larger run wrote (the
+        buffers start zero), so a steady batch pays one copy per input and nothing else."""
+        shared = self._shared_inputs(name)
+        dirty = self._dirty[name]
+        per_request = self._per_request[name]
+        views = {}
+        for k, buf in shared.items():
+            unit = 1 if k in per_request else q
+            n, full = batch * unit, padded_batch * unit
+            v = inputs.get(k)
+            if v is None:
+                raise InvalidArgument(f"{name}: input {k!r} missing")
+            if v.shape[0] != n or tuple(v.shape[1:]) != tuple(buf.shape[1:]):
+                raise InvalidArgument(
+                    f"{name}: input {k!r} has shape {tuple(v.shape)}, expected ({n}, *{tuple(buf.shape[1:])})")
+            buf[:n].copy_(v)
+            if dirty[k] > n:
+                buf[n : dirty[k]].zero_()
+            dirty[k] = n
+            views[k] = buf[:full]
+        return views
+
+    def _check_ranges(self, name: str, staged: dict[str, torch.Tensor], padded_batch: int, q: int) -> None:
+        """Debugging (``check_inputs``): every bounded input over the whole padded batch lies in
+        ``[0, bound)``; ``InvalidArgument`` naming the first bad row otherwise. Syncs."""
+        for k, bound_of in self._bounds[name].items():
+            t = staged[k]
+            bound = int(bound_of(padded_batch, q))
+            bad = ((t < 0) | (t >= bound)).reshape(t.shape[0], -1).any(dim=1).nonzero()
+            if bad.numel():
+                row = int(bad[0, 0])
+                raise InvalidArgument(
+                    f"{name} (bucket {padded_batch}, q {q}): input {k!r} row {row} holds "
+                    f"{t[row].tolist()}, outside [0, {bound}) ({bad.numel()} bad row(s))")
 
     def _pad(self, layout: BatchLayout, padded_batch: int, q: int) -> BatchLayout:
         extra = padded_batch - layout.batch_size
@@ -236,9 +310,3 @@ class ForwardGraphs:
             query_lens=[q] * (layout.batch_size + extra),
         )
 
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    pad = torch.zeros((rows - t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    return torch.cat([t, pad])
