@@ -115,18 +115,20 @@ def run(args) -> dict:
             "rows": rows, "sample": sample}
 
 
-def profile(suite, k: int, log_dir: Path) -> subprocess.Popen:
-    """``--profile K``: py-spy records where the worker's engine process holds the GIL during the
-    first timed repeat of k (collapsed stacks, ``pyspy_k{K}_gil.txt`` beside the suite logs; a
-    summary is printed at the end)."""
+def profile(suite, k: int, log_dir: Path) -> list[subprocess.Popen]:
+    """``--profile K``: py-spy records the worker's engine process during the first timed repeat
+    of k, twice: where it holds the GIL (``pyspy_k{K}_gil.txt``: where the host time goes) and
+    every thread including where it waits (``pyspy_k{K}_idle.txt``: why the engine thread is not
+    stepping); collapsed stacks beside the suite logs, a summary is printed at the end."""
     # the worker's busiest child is its engine process (another child is multiprocessing's
     # helper); on CPU the engine is a thread of the worker itself
     cpu, pids = suite.cpu_seconds(), suite.pids()
     kids = [(cpu.get(name, 0.0), pid) for name, pid in pids if name.startswith("worker") and "." in name]
     engine = max(kids)[1] if kids else next(pid for name, pid in pids if name.startswith("worker"))
-    return subprocess.Popen([pyspy_binary(), "record", "--pid", str(engine), "--rate", "500", "--format", "raw",
-                             "--threads", "--nonblocking", "--gil", "-o", str(log_dir / f"pyspy_k{k}_gil.txt")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return [subprocess.Popen([pyspy_binary(), "record", "--pid", str(engine), "--rate", "500", "--format", "raw",
+                              "--threads", "--nonblocking", mode, "-o", str(log_dir / f"pyspy_k{k}_{mode[2:]}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for mode in ("--gil", "--idle")]
 
 
 def run_served(args) -> dict:
@@ -179,12 +181,13 @@ def run_served(args) -> dict:
                 await batch(stub, k, "warm")
             for r in range(args.repeats):  # interleaved repeats: a shared machine drifts
                 for k in ks:
-                    profiler = profile(suite, k, log_dir) if r == 0 and k in args.profile else None
+                    profilers = profile(suite, k, log_dir) if r == 0 and k in args.profile else []
                     start = time.perf_counter()
                     done = await batch(stub, k, f"r{r}")
                     walls[k].append(time.perf_counter() - start)
-                    if profiler is not None:
+                    for profiler in profilers:
                         profiler.send_signal(signal.SIGINT)  # py-spy writes what it has on SIGINT
+                    for profiler in profilers:
                         profiler.wait(timeout=30)
                     outputs[k] = [t for t, _ in done]
                     steps = sum(u.decode_steps for _, u in done)
