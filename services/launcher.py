@@ -36,7 +36,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.paths import distilled_tiny_dir
-from services.common.settings import add_settings_flags, report_startup_error, settings_from_args
+from services.common.settings import add_settings_flags, invalid_configuration, report_startup_error, settings_from_args
 from services.common.startup import EXIT_FAILURE, PortInUse, StartupError, check_port_free
 from services.launch_plan import WorkerPlan, detect_gpus, installed_capabilities, plan_workers
 
@@ -56,6 +56,7 @@ class UpSettings(BaseSettings):
     spec_mode: Literal["none", "eagle3", "mtp"] = Field("eagle3", description="draft kind of every worker")
     draft_model: str = Field("", description="draft of every worker: folder or hub id (public EAGLE-3 layout), 'random' (benchmarks), '' = the model's own")
     draft_revision: str = Field("", description="hub revision of --draft-model ('' = main)")
+    num_draft_tokens: int | None = Field(None, ge=0, le=32, description="draft tokens per step (k) every worker advertises (tandem worker --num-draft-tokens; unset: the draft's recommendation, else 3)")
     served_model_name: str = Field("", max_length=128, description="explicit model identity of every worker (mixed into the KV-cache namespace)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when a GPU is visible")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="unset: bfloat16 on CUDA, float32 on CPU")
@@ -225,6 +226,7 @@ def worker_argv(s: UpSettings, plan: WorkerPlan, port: int, kv_addr: str) -> lis
             *(["--draft-model", s.draft_model] if s.draft_model else []),
             *(["--revision", s.revision] if s.revision else []),
             *(["--draft-revision", s.draft_revision] if s.draft_revision else []),
+            *(["--num-draft-tokens", str(s.num_draft_tokens)] if s.num_draft_tokens is not None else []),
             *(["--served-model-name", s.served_model_name] if s.served_model_name else []),
             *_metrics(s, worker_metrics_offset(s, plan.index))]
 
@@ -320,11 +322,17 @@ def check_model(s: UpSettings) -> int:
     """Refuse a model / spec mode / draft that cannot go together before starting anything (the
     workers would exit with the same line, and be restarted, again and again). Returns the
     model's head_dim (which attention backend can run it)."""
+    from pydantic import ValidationError
+
     from services.gpuworker.build import preflight
     from services.gpuworker.settings import WorkerSettings
 
-    plan = preflight(WorkerSettings(model=s.model, spec_mode=s.spec_mode, draft_model=s.draft_model, revision=s.revision,
-                                    draft_revision=s.draft_revision))
+    try:
+        worker = WorkerSettings(model=s.model, spec_mode=s.spec_mode, draft_model=s.draft_model, revision=s.revision,
+                                draft_revision=s.draft_revision, num_draft_tokens=s.num_draft_tokens)
+    except ValidationError as exc:  # a combination the workers refuse, named with tandem up's flags
+        raise invalid_configuration(UpSettings, exc) from None
+    plan = preflight(worker)
     return plan.config.head_dim
 
 

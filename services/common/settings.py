@@ -162,15 +162,22 @@ def settings_from_args(cls: type[S], args: argparse.Namespace, environ: Mapping[
     try:
         return cls(**overrides)
     except ValidationError as exc:
-        prefix = cls.model_config.get("env_prefix", "")
-        problems = []
-        for err in exc.errors():
-            field = ".".join(str(p) for p in err["loc"])
-            msg = err["msg"].removeprefix("Value error, ")
-            where = f"--{field.replace('_', '-')} / {prefix}{field.upper()}: " if field else ""
-            got = f" (got {shown_value(field, err.get('input'))})" if field else ""
-            problems.append(f"{where}{msg}{got}")
-        raise StartupError("invalid configuration: " + "; ".join(problems), EXIT_CONFIG) from None
+        raise invalid_configuration(cls, exc) from None
+
+
+def invalid_configuration(cls: type[BaseSettings], exc: ValidationError) -> StartupError:
+    """The one-line ``StartupError`` (``EXIT_CONFIG``) for settings ``cls`` refused with ``exc``:
+    each problem names its flag and environment variable (as ``cls`` spells them). Also for
+    settings a command builds for another one (``tandem up`` checks its workers' settings)."""
+    prefix = cls.model_config.get("env_prefix", "")
+    problems = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        where = f"--{field.replace('_', '-')} / {prefix}{field.upper()}: " if field else ""
+        got = f" (got {shown_value(field, err.get('input'))})" if field else ""
+        problems.append(f"{where}{msg}{got}")
+    return StartupError("invalid configuration: " + "; ".join(problems), EXIT_CONFIG)
 
 
 def report_startup_error(command: str, exc: StartupError | TandemError) -> int:

@@ -111,6 +111,9 @@ def test_worker_command_line_carries_the_plan_and_the_passthrough_flags():
     joined = " ".join(worker_argv(hub, cpu_plan, 0, "x:1"))
     assert "--model org/m" in joined and "--revision v2" in joined and "--draft-model org/d" in joined
     assert "--draft-revision abc" in joined and "--served-model-name m-prod" in joined
+    assert "--num-draft-tokens" not in joined  # unset: each worker's own default
+    assert "--num-draft-tokens 0" in " ".join(worker_argv(UpSettings(num_draft_tokens=0), cpu_plan, 0, "x:1"))
+    assert "--num-draft-tokens 2" in " ".join(worker_argv(UpSettings(num_draft_tokens=2), cpu_plan, 0, "x:1"))
 
 
 def test_router_processes_pass_through_and_shift_the_workers_metrics_ports():
@@ -154,3 +157,19 @@ def test_tandem_up_checks_the_demo_model_head_size():
     assert head_dim == plan_model(UpSettings().model).config.head_dim
     plans, notes = plan_workers(device="auto", gpus=gpus(70), head_dim=head_dim)
     assert [p.backend for p in plans] == ["flashinfer"] and not any("head_dim" in n for n in notes)
+
+
+def test_tandem_up_refuses_a_k_its_workers_would_refuse_in_one_line():
+    """``tandem up --num-draft-tokens`` goes to every worker; a combination the worker's own
+    settings refuse is a configuration error of ``tandem up`` (its flags named), before anything
+    starts — not a pydantic traceback, nor workers exiting and restarting."""
+    from services.common.startup import EXIT_CONFIG, StartupError
+    from services.launcher import UpSettings, check_model
+
+    with pytest.raises(StartupError) as err:
+        check_model(UpSettings(spec_mode="none", num_draft_tokens=3))
+    assert err.value.exit_code == EXIT_CONFIG
+    assert err.value.message == "invalid configuration: --num-draft-tokens above 0 needs a draft (--spec-mode eagle3 or mtp)"
+    with pytest.raises(StartupError, match="exceeds max_draft_tokens"):
+        check_model(UpSettings(num_draft_tokens=9))  # above the workers' max_draft_tokens (8)
+    assert check_model(UpSettings(num_draft_tokens=2)) == check_model(UpSettings())
