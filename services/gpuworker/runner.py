@@ -363,6 +363,11 @@ class EngineRunner:
         job.tokens = list(job.spec.prompt_ids)
         job.known_tokens = len(job.tokens)
         job.publish_sent_blocks = job.spec.reused_positions // self.engine.block_size
+        # The reused prefix is published already (the kvstore starts the reservation's published
+        # count there): no Publish of ours can deduplicate, i.e. free, those blocks, so they are
+        # never at risk. Counting from 0 put the shared prefix in every request's first Publish's
+        # at-risk set, and every new request (whose table holds that prefix) then waited for it.
+        job.published_blocks = max(job.published_blocks, job.publish_sent_blocks)
         self.ledger.overwritten(job.spec.block_table[job.publish_sent_blocks:])  # a step writes these
         self._jobs[rid] = job
 
