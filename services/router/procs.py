@@ -31,7 +31,10 @@ front-end processes (vLLM's ``--api-server-count``; gRPC Python's multiprocessin
   another would still refuse it. Later each process watches its workers itself, as one router does.
 * **Supervision.** SIGTERM or SIGINT to the parent sends SIGTERM to every child (each drains as a
   single router does: health NOT_SERVING, in-flight streams get ``--grace-s``), waits, SIGKILLs
-  stragglers, and exits 0. A child that exits on its own is reported, the others are stopped the
+  stragglers, and exits 0. Children start with SIGINT ignored (kept across their exec) until
+  their own handlers exist: a terminal's Ctrl-C reaches the whole process group, and a child
+  still importing would die of it with a traceback of Python's start-up; the parent answers it
+  for them. A child that exits on its own is reported, the others are stopped the
   same way, and the parent exits non-zero (the child's own code if it failed during start-up,
   e.g. 2 for a configuration mistake; else 1). It is not restarted in place: a crash of one is
   most likely a bug that waits for the others too, and the supervisor above (``tandem up``,
@@ -42,12 +45,14 @@ front-end processes (vLLM's ``--api-server-count``; gRPC Python's multiprocessin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -144,7 +149,8 @@ class RouterProcs:
                     target=_child_main, name=f"tandem-router-{i}", daemon=True,  # daemon: ended if this process exits
                     args=(child_settings(s, i, self.port, self.http_port, secret), i, self.log_level, theirs),
                 )
-                process.start()
+                with sigint_ignored():  # the child inherits SIG_IGN through its exec (module docstring)
+                    process.start()
                 theirs.close()  # the child holds the only other end: EOF here once it exits
                 self.children.append(RouterProcess(i, process, reports))
         except BaseException:
@@ -206,6 +212,21 @@ class RouterProcs:
             sock.close()
         self._held.clear()
         return {c.index: c.process.exitcode for c in self.children}
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """SIGINT ignored inside the block, then the previous handler back (main thread only: Python
+    sets handlers there alone; elsewhere nothing changes). A SIGINT inside the block is lost: the
+    block is one process spawn, a few milliseconds."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def tell(conn: Connection, msg: dict) -> None:
@@ -274,7 +295,7 @@ def _child_main(settings: RouterSettings, index: int, log_level: int, parent: Co
         asyncio.run(_serve_child(settings, parent))
     except (StartupError, TandemError) as exc:
         sys.exit(report_startup_error(f"router (process {index})", exc))
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group, before the handlers exist
+    except KeyboardInterrupt:  # not expected: SIGINT is ignored until its server's handlers exist
         sys.exit(130)
 
 

@@ -270,3 +270,35 @@ def test_children_of_a_killed_parent_drain_by_themselves(cli_router):
     proc.wait()
     assert wait_gone(kids) == []  # each noticed its parent was gone (within a second) and drained
     check_port_free("127.0.0.1", port)
+
+
+def test_ctrl_c_during_start_up_stops_the_group_without_an_error(suite):
+    """Ctrl-C goes to the whole foreground process group: children still importing die of it
+    (exit 130) before the parent's own SIGINT handler runs. The parent then stops the group as
+    for any SIGINT — exit 0, no "failed during start-up" line, no orphan."""
+    port = free_port()
+    argv = [sys.executable, "-m", "services.cli", "--log-level", "INFO", "router", "--procs", "2", "--kvstore",
+            suite.kv.address, "--registry-ttl-s", "0", "--grace-s", "0", "--port", str(port)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, as a terminal's job is
+    kids: list[int] = []
+    try:
+        end = time.monotonic() + READY_TIMEOUT
+        while len(kids) < 2 and time.monotonic() < end and proc.poll() is None:
+            kids = router_children(proc.pid)
+            time.sleep(0.01)
+        assert len(kids) == 2
+        os.killpg(proc.pid, signal.SIGINT)  # while the children start (they import for a second or more)
+        code = proc.wait(TIMEOUT)
+        err = proc.stderr.read()
+        assert code == 0, err[-2000:]
+        assert "during start-up" not in err and "error" not in err.lower(), err[-2000:]
+        assert wait_gone(kids) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for kid in kids:
+            if alive(kid):
+                os.kill(kid, signal.SIGKILL)
