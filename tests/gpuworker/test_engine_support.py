@@ -58,6 +58,7 @@ class ScriptedDraft(torch.nn.Module):
         self.spec_mode, self.span = real.spec_mode, real.span
         self.num_kv_layers, self.aux_layers = real.num_kv_layers, real.aux_layers
         self.target_config = real.target_config
+        self.chain_hidden_size = real.chain_hidden_size
         self.vocab = real.target_config.vocab_size
 
     def new_kv_pool(self, *a, **kw):

@@ -131,3 +131,33 @@ def test_padded_engine_with_penalties_and_sampling_keeps_every_input_in_range():
             mixed = True
         seen_q[bucket] = max(seen_q.get(bucket, 0), q)
     assert mixed, fills
+
+
+def test_padded_engine_with_an_eagle3_layer_wider_than_the_target():
+    """An EAGLE-3 draft layer may have its own hidden size (``Eagle3Draft``: public checkpoints
+    record it); the chain reads that width back, so its shared input buffer has it too (the
+    buffer was the target's width: every padded chain step was an ``InvalidArgument``, and a
+    capture a shape error at start-up). Padded output equals unpadded output."""
+    import dataclasses
+
+    from services.gpuworker.engine.engine import EngineConfig
+    from services.gpuworker.engine.local import build_local
+    from services.gpuworker.model.draft import build_draft
+    from services.gpuworker.model.layers import init_weights
+
+    target, draft = models("eagle3")
+    tc = target.config
+    wide = build_draft(target, dataclasses.replace(draft.config, layer=dataclasses.replace(tc, hidden_size=2 * tc.hidden_size)))
+    init_weights(wide, torch.Generator().manual_seed(5), 0.02)
+    wide.eval()
+    assert wide.chain_hidden_size == 2 * tc.hidden_size != draft.chain_hidden_size
+    runs = {}
+    for graphs in ("off", "pad"):
+        setup = build_local(models=(target, wide), num_blocks=200, block_size=BS,
+                            config=EngineConfig(graphs=graphs, max_batch_size=4, check_graph_inputs=graphs == "pad"))
+        for i, p in enumerate(prompts((7, 11, 15), seed=4)):
+            submit(setup, f"r{i}", p, max_new_tokens=12, k=3)
+        runs[graphs] = {rid: c.tokens for rid, c in run_until_done(setup).items()}
+        if graphs == "pad":
+            assert setup.engine.graphs.eager_runs > 0
+    assert runs["pad"] == runs["off"]

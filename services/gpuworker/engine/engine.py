@@ -218,7 +218,9 @@ class Engine:
         graphs.register("target", target_forward, {"ids": ((), torch.long)}, range(1, max_q + 1), bounds={"ids": vocab})
         if draft is not None:
             chain = DraftRunner.chain_forward(draft, backend, draft_pool)
-            graphs.register("chain", chain, {"tokens": ((), torch.long), "hidden": ((hidden,), dtype)}, (1,),
+            # the chain reads back the draft's own output hidden: an EAGLE-3 layer's width may
+            # differ from the target's (``Eagle3Draft``: own ``hidden_size``)
+            graphs.register("chain", chain, {"tokens": ((), torch.long), "hidden": ((draft.chain_hidden_size,), dtype)}, (1,),
                             bounds={"tokens": vocab})
         if draft is not None and draft.spec_mode is SpecMode.EAGLE3:
             # the fill after a verify: 1 .. k + 1 accepted rows per request, padded to the longest

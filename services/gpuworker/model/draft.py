@@ -130,6 +130,12 @@ class DraftModel(nn.Module):
         self.__dict__["target_lm_head"] = target.lm_head
         self.__dict__["rotary"] = target.rotary
 
+    @property
+    def chain_hidden_size(self) -> int:
+        """Width of the hidden row a chain step reads back (``DraftOutput.hidden`` of the previous
+        position): the target's hidden size for MTP, the draft layer's own for EAGLE-3."""
+        return self.target_config.hidden_size
+
     def new_kv_pool(self, num_blocks: int, block_size: int, *, dtype=None, device=None) -> KVPool:
         """Allocate the draft pool: ``num_kv_layers`` layers, target geometry, same ids."""
         w = self.embed_tokens.weight
@@ -230,6 +236,10 @@ class Eagle3Draft(DraftModel):
         # d2t[j] = target id of draft id j; t2d[v] = draft id of target id v, or -1
         self.register_buffer("d2t", torch.arange(self.draft_vocab_size), persistent=False)
         self.register_buffer("t2d", torch.arange(tc.vocab_size), persistent=False)
+
+    @property
+    def chain_hidden_size(self) -> int:
+        return self.layer_config.hidden_size  # the draft layer's own (may differ from the target's)
 
     @property
     def reduced_vocab(self) -> bool:
