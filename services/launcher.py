@@ -331,7 +331,7 @@ def check_model(s: UpSettings) -> int:
         worker = WorkerSettings(model=s.model, spec_mode=s.spec_mode, draft_model=s.draft_model, revision=s.revision,
                                 draft_revision=s.draft_revision, num_draft_tokens=s.num_draft_tokens)
     except ValidationError as exc:  # a combination the workers refuse, named with tandem up's flags
-        raise invalid_configuration(UpSettings, exc) from None
+        raise invalid_configuration(UpSettings, exc, WorkerSettings) from None
     plan = preflight(worker)
     return plan.config.head_dim
 

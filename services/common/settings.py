@@ -165,16 +165,22 @@ def settings_from_args(cls: type[S], args: argparse.Namespace, environ: Mapping[
         raise invalid_configuration(cls, exc) from None
 
 
-def invalid_configuration(cls: type[BaseSettings], exc: ValidationError) -> StartupError:
+def invalid_configuration(cls: type[BaseSettings], exc: ValidationError,
+                          built: type[BaseSettings] | None = None) -> StartupError:
     """The one-line ``StartupError`` (``EXIT_CONFIG``) for settings ``cls`` refused with ``exc``:
     each problem names its flag and environment variable (as ``cls`` spells them). Also for
-    settings a command builds for another one (``tandem up`` checks its workers' settings)."""
+    settings ``built`` that a command builds for another one (``tandem up`` checks its workers'
+    settings): a field of ``built`` that ``cls`` lacks has no flag of this command, only the
+    environment variable ``built`` read it from (the children inherit the environment)."""
     prefix = cls.model_config.get("env_prefix", "")
     problems = []
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
-        where = f"--{field.replace('_', '-')} / {prefix}{field.upper()}: " if field else ""
+        if field and built is not None and field not in cls.model_fields:
+            where = f"{built.model_config.get('env_prefix', '')}{field.upper()} (environment): "
+        else:
+            where = f"--{field.replace('_', '-')} / {prefix}{field.upper()}: " if field else ""
         got = f" (got {shown_value(field, err.get('input'))})" if field else ""
         problems.append(f"{where}{msg}{got}")
     return StartupError("invalid configuration: " + "; ".join(problems), EXIT_CONFIG)

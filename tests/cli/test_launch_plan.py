@@ -173,3 +173,20 @@ def test_tandem_up_refuses_a_k_its_workers_would_refuse_in_one_line():
     with pytest.raises(StartupError, match="exceeds max_draft_tokens"):
         check_model(UpSettings(num_draft_tokens=9))  # above the workers' max_draft_tokens (8)
     assert check_model(UpSettings(num_draft_tokens=2)) == check_model(UpSettings())
+
+
+def test_tandem_up_names_a_worker_setting_from_the_environment_by_its_variable(monkeypatch):
+    """``check_model`` builds the workers' settings, which read ``TANDEM_WORKER_*`` from the
+    environment (the workers inherit it): a bad one is named by that variable, not by a
+    ``tandem up`` flag or ``TANDEM_UP_*`` variable that does not exist."""
+    from services.common.startup import EXIT_CONFIG, StartupError
+    from services.launcher import UpSettings, check_model
+
+    monkeypatch.setenv("TANDEM_WORKER_MAX_DRAFT_TOKENS", "abc")
+    with pytest.raises(StartupError) as err:
+        check_model(UpSettings())
+    assert err.value.exit_code == EXIT_CONFIG
+    assert err.value.message.startswith("invalid configuration: TANDEM_WORKER_MAX_DRAFT_TOKENS (environment): ")
+    assert "--max-draft-tokens" not in err.value.message and "TANDEM_UP_" not in err.value.message
+    monkeypatch.setenv("TANDEM_WORKER_MAX_DRAFT_TOKENS", "12")  # the workers allow more: so does tandem up
+    assert check_model(UpSettings(num_draft_tokens=10)) == check_model(UpSettings())
