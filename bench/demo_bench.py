@@ -119,7 +119,9 @@ def profile(suite, k: int, log_dir: Path) -> list[subprocess.Popen]:
     """``--profile K``: py-spy records the worker's engine process during the first timed repeat
     of k, twice: where it holds the GIL (``pyspy_k{K}_gil.txt``: where the host time goes) and
     every thread including where it waits (``pyspy_k{K}_idle.txt``: why the engine thread is not
-    stepping); collapsed stacks beside the suite logs, a summary is printed at the end."""
+    stepping); collapsed stacks beside the suite logs; the GIL file's summary is printed at the
+    end (``bench/pyspy_summary.py`` reads either). Two samplers slow that repeat a little: the
+    median of the repeats absorbs it."""
     # the worker's busiest child is its engine process (another child is multiprocessing's
     # helper); on CPU the engine is a thread of the worker itself
     cpu, pids = suite.cpu_seconds(), suite.pids()

@@ -89,6 +89,21 @@ def test_check_inputs_names_the_out_of_range_row():
     assert out["logits"].tolist() == [1.0, 11.0, 21.0]
 
 
+def test_inputs_of_the_wrong_name_or_shape_are_refused():
+    graphs = tiny_graphs()
+    extra = {**fill_inputs(3, 2), "hidden": torch.zeros(6, 4)}
+    with pytest.raises(InvalidArgument, match=r"fill: inputs it does not take: \['hidden'\]"):
+        graphs.run("fill", layout(3, 2), extra)
+    missing = fill_inputs(3, 2)
+    del missing["last"]
+    with pytest.raises(InvalidArgument, match="fill: input 'last' missing"):
+        graphs.run("fill", layout(3, 2), missing)
+    short = fill_inputs(3, 2)
+    short["ids"] = short["ids"][:5]
+    with pytest.raises(InvalidArgument, match=r"fill: input 'ids' has shape \(5,\), expected \(6, \*\(\)\)"):
+        graphs.run("fill", layout(3, 2), short)
+
+
 def test_check_inputs_from_the_environment(monkeypatch):
     monkeypatch.setenv("TANDEM_CHECK_GRAPH_INPUTS", "1")
     target, _ = models("none")
