@@ -170,7 +170,7 @@ def test_tandem_up_refuses_a_k_its_workers_would_refuse_in_one_line():
         check_model(UpSettings(spec_mode="none", num_draft_tokens=3))
     assert err.value.exit_code == EXIT_CONFIG
     assert err.value.message == "invalid configuration: --num-draft-tokens above 0 needs a draft (--spec-mode eagle3 or mtp)"
-    with pytest.raises(StartupError, match="exceeds max_draft_tokens"):
+    with pytest.raises(StartupError, match="exceeds --max-draft-tokens 8"):
         check_model(UpSettings(num_draft_tokens=9))  # above the workers' max_draft_tokens (8)
     assert check_model(UpSettings(num_draft_tokens=2)) == check_model(UpSettings())
 
