@@ -11,8 +11,9 @@ Why one FIFO and answers applied in order: a Publish may deduplicate, i.e. free 
 in the kvstore and pin another request's copy. Until the engine adopts the new table it may still
 read the freed block, so no block the kvstore hands out after that Publish (an Extend answer, a
 new request's reservation) may be written before the Publish's answer has been applied. Extend
-answers follow the Publish through this queue; new requests are admitted only when no Publish is
-in flight (``publishes_in_flight``).
+answers follow the Publish through this queue; a new request whose table holds a block some
+Publish in flight may free (that Publish's fresh blocks, never a reused prefix: the runner's
+``_publishing``) is admitted only once that answer is applied.
 
 Riding through a kvstore outage (a failover to a standby, a restart): a call that failed
 because no kvstore took it is retried in place, with backoff, for up to ``retry_s``, so the FIFO
