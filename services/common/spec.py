@@ -22,6 +22,13 @@ import enum
 DEFAULT_DRAFT_TOKENS = 3
 
 
+def check_draft_tokens(num_draft_tokens: int | None, max_draft_tokens: int) -> None:
+    """A configured default k must fit the largest k the same service allows (pure; worker and
+    router settings). Raises ``ValueError`` naming both flags."""
+    if num_draft_tokens is not None and num_draft_tokens > max_draft_tokens:
+        raise ValueError(f"--num-draft-tokens {num_draft_tokens} exceeds --max-draft-tokens {max_draft_tokens}")
+
+
 class SpecMode(enum.Enum):
     """How the draft of a worker reads its context. Values match ``tandem.common.v1.SpecMode``."""
 

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import TandemSettings
-from services.common.spec import DEFAULT_DRAFT_TOKENS
+from services.common.spec import DEFAULT_DRAFT_TOKENS, check_draft_tokens
 
 
 class WorkerSettings(TandemSettings):
@@ -111,8 +111,7 @@ class WorkerSettings(TandemSettings):
             raise ValueError("--draft-model needs --spec-mode eagle3 or mtp")
         if self.mtp_depth != 1 and self.spec_mode != "mtp":
             raise ValueError(f"--mtp-depth {self.mtp_depth} needs --spec-mode mtp")
-        if self.num_draft_tokens is not None and self.num_draft_tokens > self.max_draft_tokens:
-            raise ValueError(f"--num-draft-tokens {self.num_draft_tokens} exceeds --max-draft-tokens {self.max_draft_tokens}")
+        check_draft_tokens(self.num_draft_tokens, self.max_draft_tokens)
         if self.num_draft_tokens and self.spec_mode == "none":
             raise ValueError("--num-draft-tokens above 0 needs a draft (--spec-mode eagle3 or mtp)")
         if self.forced_acceptance is not None and self.spec_mode == "none":

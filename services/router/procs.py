@@ -295,8 +295,8 @@ def _child_main(settings: RouterSettings, index: int, log_level: int, parent: Co
         asyncio.run(_serve_child(settings, parent))
     except (StartupError, TandemError) as exc:
         sys.exit(report_startup_error(f"router (process {index})", exc))
-    except KeyboardInterrupt:  # not expected: SIGINT is ignored until its server's handlers exist
-        sys.exit(130)
+    except KeyboardInterrupt:  # SIGINT is ignored until its server's handlers exist; asyncio gives
+        sys.exit(130)  # SIGINT back to Python's default when its loop closes (a Ctrl-C while exiting)
 
 
 async def _serve_child(settings: RouterSettings, parent: Connection) -> None:

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import TandemSettings
+from services.common.spec import check_draft_tokens
 
 
 class RouterSettings(TandemSettings):
@@ -81,8 +82,7 @@ class RouterSettings(TandemSettings):
             raise ValueError("upstream_cert_file and upstream_key_file go together")
         if (self.upstream_cert_file or self.upstream_key_file) and not self.upstream_ca_file:
             raise ValueError("upstream_cert_file needs upstream_ca_file (TLS to the kvstore and workers)")
-        if self.num_draft_tokens is not None and self.num_draft_tokens > self.max_draft_tokens:
-            raise ValueError(f"--num-draft-tokens {self.num_draft_tokens} exceeds --max-draft-tokens {self.max_draft_tokens}")
+        check_draft_tokens(self.num_draft_tokens, self.max_draft_tokens)
         if self.procs > 1 and not hasattr(socket, "SO_REUSEPORT"):
             raise ValueError("procs > 1 needs SO_REUSEPORT (Linux), which this platform lacks")
         if self.metrics_port and self.metrics_port + self.procs - 1 > 65535:

@@ -268,8 +268,9 @@ class ForwardGraphs:
         shared = self._shared_inputs(name)
         dirty = self._dirty[name]
         per_request = self._per_request[name]
-        if len(inputs) != len(shared) and set(inputs) - set(shared):  # a name the forward never reads
-            raise InvalidArgument(f"{name}: inputs it does not take: {sorted(set(inputs) - set(shared))}")
+        unknown = inputs.keys() - shared.keys()  # a name the forward never reads
+        if unknown:
+            raise InvalidArgument(f"{name}: inputs it does not take: {sorted(unknown)}")
         views = {}
         for k, buf in shared.items():
             unit = 1 if k in per_request else q
