@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from suite_rig import wait_registered
 from tandem.router.v1 import router_pb2
 
 PROMPTS = [f"stream {i}: the kvstore may restart at any moment and nobody should notice. " * 2 for i in range(6)]
@@ -61,7 +62,11 @@ def test_running_streams_survive_a_memory_kvstore_restart(suite, start_kvstore_s
     failed = {i: v for i, v in out.items() if isinstance(v, Exception)}
     assert not failed, failed
     assert out == reference  # token-identical: nothing was recomputed wrongly or dropped
-    # both workers came back with what they hold; nothing leaked; invariants hold
+    # both workers came back with what they hold; nothing leaked; invariants hold. The streams
+    # may all end in the capacity they held before a worker's next heartbeat finds the new
+    # kvstore: wait for the re-registrations (issue 10's bound for the cache is 5 s) first.
+    for wid in ("w0", "w1"):
+        wait_registered(suite, wid, timeout_s=5.0)
     stats = suite.wait_no_live_reservations()
     assert stats.live_reservations == 0 and len(stats.workers) == 2
     assert list(suite.invariants().violations) == []
