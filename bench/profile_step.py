@@ -13,6 +13,7 @@ host-bound: that is what overlapped steps and a leaner step loop must win back.
 
     python3 bench/profile_step.py --shape 1b --batch 1,64 --k 0,3 --steps 100
     python bench/profile_step.py --device cpu --shape tiny-cpu --batch 1 --k 0 --steps 5   # smoke
+    python3 bench/profile_step.py --model demo --batch 1 --k 0,3 --prompt-len 64   # the shipped demo + draft
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def settings_for(args, model_dir: Path, k: int):
     from services.gpuworker.settings import WorkerSettings
 
     gpu = args.device.startswith("cuda")
-    return WorkerSettings(model=str(model_dir), spec_mode="eagle3", draft_model="random", device=args.device,
+    draft = {} if args.model else {"draft_model": "random"}  # a given model brings its own draft
+    return WorkerSettings(model=str(model_dir), spec_mode="eagle3", **draft, device=args.device,
                           backend="flashinfer" if gpu else "torch", dtype="bfloat16" if gpu else "float32",
                           num_blocks=max(args.batch) * (-(-(args.prompt_len + (args.steps + 20) * (k + 1) + 64) // 16)) + 8,
                           forced_acceptance=args.accept if k else None)
@@ -63,16 +65,20 @@ def profile_one(built, batch: int, k: int, args) -> dict:
     for _ in range(5):  # steady state
         engine.step()
     gpu = engine.device.type == "cuda"
-    walls, devs = [], []
+    walls, devs, api_rows = [], [], []
     if gpu:  # device busy time: the kernels' own durations over a few steps
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as tp:
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as tp:
             for _ in range(10):
                 engine.step()
             torch.cuda.synchronize()
-        busy_us = sum(e.self_device_time_total for e in tp.key_averages())
+        averages = tp.key_averages()
+        busy_us = sum(e.self_device_time_total for e in averages)
         devs.append(busy_us / 10 / 1e6)
+        # the CUDA runtime calls the host made (launches, copies, waits): host µs a step each
+        api = sorted((e for e in averages if e.key.startswith("cuda")), key=lambda e: -e.self_cpu_time_total)
+        api_rows = [(e.key, e.count / 10, e.self_cpu_time_total / 10) for e in api[:12]]
     prof = cProfile.Profile()
     for i in range(args.steps):
         if gpu:
@@ -100,13 +106,14 @@ def profile_one(built, batch: int, k: int, args) -> dict:
     devs.sort()
     med = lambda xs: xs[len(xs) // 2] if xs else float("nan")  # noqa: E731
     return {"batch": batch, "k": k, "wall_ms": med(walls) * 1e3, "device_ms": med(devs) * 1e3,
-            "tottime": s.getvalue(), "cumulative": s2.getvalue()}
+            "tottime": s.getvalue(), "cumulative": s2.getvalue(), "cuda_api": api_rows}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--model", help="profile this model (a folder, a hub id or 'demo') with its own draft instead of a random --shape")
     p.add_argument("--batch", default="1,64")
     p.add_argument("--k", default="0,3")
     p.add_argument("--accept", type=int, default=3, help="forced acceptance for k > 0")
@@ -122,9 +129,12 @@ def main(argv=None) -> int:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp) / "model"
-        model_dir.mkdir()
-        facts = build_model(args.shape, model_dir, args.device, 0)
+        if args.model:
+            model_dir, facts = args.model, {"params": float("nan")}
+        else:
+            model_dir = Path(tmp) / "model"
+            model_dir.mkdir()
+            facts = build_model(args.shape, model_dir, args.device, 0)
         models = None
         for k in ks:
             settings = settings_for(args, model_dir, k)
@@ -135,6 +145,8 @@ def main(argv=None) -> int:
                 row = profile_one(built, b, k, args)
                 rows.append(row)
                 print(f"\n==== batch {b} k {k}: step wall {row['wall_ms']:.2f} ms, device {row['device_ms']:.2f} ms")
+                for name, calls, us in row["cuda_api"]:
+                    print(f"  {name:<40} {calls:6.1f} calls/step {us:8.1f} us/step")
                 print(row["tottime"][:6000])
                 print(row["cumulative"][:6000])
             del built

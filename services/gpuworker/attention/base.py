@@ -43,6 +43,7 @@ import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.gpuworker.attention.layout import BatchLayout
+from services.gpuworker.staging import copy_into
 
 
 class AttentionKind(enum.Enum):
@@ -166,7 +167,7 @@ class Workspace:
             buf = torch.empty(size, dtype=host.dtype, device=self.device)
             self.buffers[name] = buf
         view = buf[: flat.numel()] if buf.numel() != flat.numel() else buf
-        view.copy_(flat, non_blocking=True)
+        copy_into(view, flat)  # through pinned memory: a pageable copy would wait for the device
         return view if host.dim() == 1 else view.view(host.shape)
 
 

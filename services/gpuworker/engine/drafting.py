@@ -44,6 +44,7 @@ from services.gpuworker.engine.request import RequestState
 from services.gpuworker.engine.sampling import draw_uniforms, probs_from_logits, sample_rows
 from services.gpuworker.kv.pool import KVPool
 from services.gpuworker.model.draft import DraftModel, MTPDraft
+from services.gpuworker.staging import to_device
 
 
 @dataclasses.dataclass
@@ -226,7 +227,7 @@ class DraftRunner:
             if self._drafts_now(job, hi):
                 idx.append(b)
                 rows.append(end - 1)
-        return idx, torch.tensor(rows, dtype=torch.long, device=self.device)
+        return idx, to_device(rows, torch.long, self.device)
 
     def _fill_eagle(self, run) -> None:
         padded, ragged, q = self._split_fill(run)
@@ -235,10 +236,8 @@ class DraftRunner:
             parts.append((padded, *self._fill_padded(padded, q)))
         if ragged:
             plan = self.backend.plan(self._layout(ragged))
-            next_ids = torch.tensor(
-                [tok for job, lo, hi, _ in ragged for tok in job.state.tokens[lo + 1 : hi + 1]],
-                dtype=torch.long, device=self.device,
-            )
+            next_ids = to_device([tok for job, lo, hi, _ in ragged for tok in job.state.tokens[lo + 1 : hi + 1]],
+                                 torch.long, self.device)
             context = torch.cat([rows for _, _, _, rows in ragged])
             drafting, last_rows = self._drafting(ragged)
             out = self._fill_fn(plan, next_ids, context, last_rows)
@@ -292,11 +291,12 @@ class DraftRunner:
             dest += range(b * q, b * q + n)
             last.append(b * q + n - 1)
         padded = context.new_zeros((len(run) * q, context.shape[1]))
-        padded.index_copy_(0, torch.tensor(dest, dtype=torch.long, device=self.device), context)
+        # one staged copy for the three index lists (see staging: each copy of its own waited)
+        staged = to_device(ids + dest + last, torch.long, self.device)
+        ids_t, dest_t, last_rows = staged[: len(ids)], staged[len(ids) : len(ids) + len(dest)], staged[len(ids) + len(dest) :]
+        padded.index_copy_(0, dest_t, context)
         layout = self._layout(run, q)
-        last_rows = torch.tensor(last, dtype=torch.long, device=self.device)
-        out, _plan = self.graphs.run("fill", layout, {"ids": torch.tensor(ids, dtype=torch.long, device=self.device),
-                                                      "context": padded, "last": last_rows})
+        out, _plan = self.graphs.run("fill", layout, {"ids": ids_t, "context": padded, "last": last_rows})
         return out["hidden"], out["logits"], last_rows, list(range(len(run)))
 
     def _fill_mtp(self, run) -> None:
@@ -312,8 +312,8 @@ class DraftRunner:
             for i in range(lo, hi):
                 look.append([toks[i + k] if i + k < len(toks) else -(i + k - T) for k in range(1, K + 1)])
                 owner.append(slot_of.get(b, -1))
-        look_t = torch.tensor(look, dtype=torch.long, device=self.device)
-        owner_t = torch.tensor(owner, dtype=torch.long, device=self.device).clamp(min=0)
+        look_t = to_device(look, torch.long, self.device)
+        owner_t = to_device(owner, torch.long, self.device).clamp(min=0)
         states = [run[b][0].state for b in drafting]
         proposals = torch.zeros(len(drafting), K + 1, dtype=torch.long, device=self.device)  # col j = d_j
         probs_cols: list[list[torch.Tensor | None]] = []
@@ -385,7 +385,7 @@ class DraftRunner:
                     # a later replay of a graph overwrites its output memory: copy if one follows
                     last_hidden[i] = rows[r].clone() if keep else rows[r]
             if len(keep) < len(active):
-                index = torch.tensor(keep, dtype=torch.long, device=self.device)
+                index = to_device(keep, torch.long, self.device)
                 tokens, hidden = chosen.index_select(0, index), rows.index_select(0, index)
                 active = [active[r] for r in keep]
             else:

@@ -48,6 +48,7 @@ from services.gpuworker.engine.scheduler import ScheduledWork, draft_budget, sch
 from services.gpuworker.kv.pool import KVPool
 from services.gpuworker.model.draft import DraftModel
 from services.gpuworker.model.llama import TargetModel
+from services.gpuworker.staging import to_device
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +268,7 @@ class Engine:
             gen_counts = torch.zeros(vocab, dtype=torch.float32, device=self.device)
             if spec.sampling.repetition_penalty != 1.0:
                 prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
-                prompt_mask[torch.tensor(list(spec.prompt_ids), dtype=torch.long, device=self.device)] = True
+                prompt_mask[to_device(list(spec.prompt_ids), torch.long, self.device)] = True
         self._states[spec.request_id] = RequestState(
             spec=spec,
             tokens=[int(t) for t in spec.prompt_ids],
@@ -582,27 +583,24 @@ class Engine:
         and verify rows, an eager forward for prompt chunks). Returns the logits, the draft
         conditioning rows (aux / final hidden, all T rows) and, per request that gets logits,
         ``(first logits row, count)``."""
-        dev = self.device
-        ids: list[torch.Tensor] = []
+        pieces: list[list[int] | torch.Tensor] = []  # the rows' token ids: host lists, device tensors
         logit_rows: list[int] = []
         row = 0
         for w in work:
             s = w.state
             if w.is_prefill:
-                ids.append(torch.tensor(s.tokens[s.target_len : w.prefill_end], dtype=torch.long, device=dev))
+                pieces.append(s.tokens[s.target_len : w.prefill_end])
                 if w.prefill_end == s.num_prompt:
                     logit_rows.append(row + w.num_target_tokens - 1)
             else:
-                if s.pending_token is not None:  # overlap: the last step's token, still on the device
-                    ids.append(s.pending_token)
-                else:
-                    ids.append(torch.tensor(s.tokens[-1:], dtype=torch.long, device=dev))
+                # overlap: the last step's token is still on the device
+                pieces.append(s.pending_token if s.pending_token is not None else s.tokens[-1:])
                 if w.num_drafts:  # proposals stay on the device: no host round trip
-                    ids.append(s.drafts[: w.num_drafts])
+                    pieces.append(s.drafts[: w.num_drafts])
                 logit_rows.extend(range(row, row + w.num_target_tokens))
             self._ledger[s.request_id].written.append((s.target_len, s.target_len + w.num_target_tokens))
             row += w.num_target_tokens
-        input_ids = torch.cat(ids) if len(ids) > 1 else ids[0]
+        input_ids = self._input_ids(pieces)
         aux = self.drafter.target_aux_layers if self.drafter is not None else ()
         # the scheduler puts decoding requests first: [0, n_dec) decode or verify, the rest prefill
         n_dec = next((i for i, w in enumerate(work) if w.is_prefill), len(work))
@@ -639,6 +637,23 @@ class Engine:
                 cursor += 1 + w.num_drafts
         return logits, cond, picks
 
+    def _input_ids(self, pieces: list[list[int] | torch.Tensor]) -> torch.Tensor:
+        """One id tensor of ``pieces`` in order: every host list goes to the device in one
+        staged copy (a copy per request waited for the device each, see ``staging``); device
+        tensors (pending tokens, proposals) join it there. Pure."""
+        host = [t for p in pieces if isinstance(p, list) for t in p]
+        staged = to_device(host, torch.long, self.device) if host else None
+        if len(host) == sum(len(p) for p in pieces):
+            return staged
+        parts, at = [], 0
+        for p in pieces:
+            if isinstance(p, list):
+                parts.append(staged[at : at + len(p)])
+                at += len(p)
+            else:
+                parts.append(p)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
     @staticmethod
     def _layout(work: list[ScheduledWork]) -> BatchLayout:
         return BatchLayout(
@@ -656,7 +671,7 @@ class Engine:
         kind = AttentionKind.VERIFY if decoding and q is not None and q > 1 else None
         plan = self.backend.plan(layout, kind)
         return self.target(input_ids, plan, self.backend, self.target_pool, aux_layers=aux,
-                           logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=self.device))
+                           logits_indices=to_device(logit_rows, torch.long, self.device))
 
     def _accept(self, work: list[ScheduledWork], logits, cond, picks) -> list[FillJob]:
         """C: first tokens after prompts and verification of drafts (one host sync for every
@@ -848,7 +863,7 @@ class Engine:
             if s.finished:
                 break
         if s.gen_counts is not None and emitted:
-            ids = torch.tensor(emitted, dtype=torch.long, device=s.gen_counts.device)
+            ids = to_device(emitted, torch.long, s.gen_counts.device)
             s.gen_counts.index_add_(0, ids, torch.ones(len(emitted), device=s.gen_counts.device))
         return emitted
 
