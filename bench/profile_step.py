@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
-            model_dir, facts = args.model, {"params": float("nan")}
+            model_dir, facts = args.model, {}
         else:
             model_dir = Path(tmp) / "model"
             model_dir.mkdir()
@@ -150,7 +150,8 @@ def main(argv=None) -> int:
                 print(row["tottime"][:6000])
                 print(row["cumulative"][:6000])
             del built
-    print(f"\nmodel {facts['params'] / 1e6:.0f}M params")
+    if "params" in facts:
+        print(f"\nmodel {facts['params'] / 1e6:.0f}M params")
     print(f"{'batch':>5} {'k':>2} {'wall ms':>8} {'device ms':>9} {'host share':>10}")
     for r in rows:
         print(f"{r['batch']:>5} {r['k']:>2} {r['wall_ms']:>8.2f} {r['device_ms']:>9.2f} "

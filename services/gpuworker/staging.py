@@ -26,15 +26,8 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     if isinstance(values, np.ndarray):
-        return host_to_device(torch.from_numpy(values).to(dtype), device)
+        return torch.from_numpy(values).to(dtype).pin_memory().to(device, non_blocking=True)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` (a CPU tensor) copied to ``device`` without waiting on CUDA. Pure."""
-    if device.type != "cuda":
-        return host.to(device)
-    return _pinned(host).to(device, non_blocking=True)
 
 
 def copy_into(dst: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
@@ -42,11 +35,7 @@ def copy_into(dst: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
     on CUDA. Mutates and returns ``dst``."""
     if dst.device.type != "cuda" or host.device.type == "cuda":
         return dst.copy_(host)
-    return dst.copy_(_pinned(host), non_blocking=True)
+    return dst.copy_(host if host.is_pinned() else host.pin_memory(), non_blocking=True)
 
 
-def _pinned(host: torch.Tensor) -> torch.Tensor:
-    return host if host.is_pinned() else host.pin_memory()
-
-
-__all__ = ["copy_into", "host_to_device", "to_device"]
+__all__ = ["copy_into", "to_device"]

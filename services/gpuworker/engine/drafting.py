@@ -292,8 +292,7 @@ class DraftRunner:
             last.append(b * q + n - 1)
         padded = context.new_zeros((len(run) * q, context.shape[1]))
         # one staged copy for the three index lists (see staging: each copy of its own waited)
-        staged = to_device(ids + dest + last, torch.long, self.device)
-        ids_t, dest_t, last_rows = staged[: len(ids)], staged[len(ids) : len(ids) + len(dest)], staged[len(ids) + len(dest) :]
+        ids_t, dest_t, last_rows = to_device(ids + dest + last, torch.long, self.device).split([len(ids), len(dest), len(last)])
         padded.index_copy_(0, dest_t, context)
         layout = self._layout(run, q)
         out, _plan = self.graphs.run("fill", layout, {"ids": ids_t, "context": padded, "last": last_rows})

@@ -643,7 +643,7 @@ class Engine:
         tensors (pending tokens, proposals) join it there. Pure."""
         host = [t for p in pieces if isinstance(p, list) for t in p]
         staged = to_device(host, torch.long, self.device) if host else None
-        if len(host) == sum(len(p) for p in pieces):
+        if all(isinstance(p, list) for p in pieces):
             return staged
         parts, at = [], 0
         for p in pieces:

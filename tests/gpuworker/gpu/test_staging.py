@@ -10,7 +10,7 @@ import torch
 
 from services.gpuworker.attention.base import AttentionGeometry, AttentionKind, BatchLayout
 from services.gpuworker.attention.flashinfer_backend import FlashInferBackend
-from services.gpuworker.staging import copy_into, host_to_device, to_device
+from services.gpuworker.staging import copy_into, to_device
 
 pytestmark = pytest.mark.gpu
 
@@ -32,7 +32,7 @@ def test_staged_copies_return_while_the_device_is_busy_and_land_intact():
     done = busy_device()
     a = to_device([3, 1, 4, 1, 5], torch.long, DEV)
     b = to_device(np.arange(7, dtype=np.int32), torch.int32, DEV)
-    c = host_to_device(torch.full((3,), 2.5), DEV)
+    c = to_device(np.full(3, 2.5), torch.float32, DEV)
     copy_into(dst, torch.tensor([9, 8, 7, 6, 5]))
     assert not done.query(), "a staged copy waited for the kernel queued before it"
     torch.cuda.synchronize()
