@@ -147,6 +147,7 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         forced_acceptance=settings.forced_acceptance,
         graphs=graph_mode(settings),
         overlap=settings.overlap_steps,
+        fused_spec=settings.fused_spec_steps,
         prefill_wait_steps=settings.prefill_wait_steps,
         prefill_batch=settings.prefill_batch,
     )

@@ -99,14 +99,14 @@ def checked_plans(setup: LocalSetup) -> list[int]:
     graphs = setup.engine.graphs
     scratch = [graphs.scratch_block] if graphs is not None else None
 
-    def plan(layout, kind=None):
+    def plan(layout, kind=None, lane=0):
         for table, kv_len in zip(layout.block_tables, layout.kv_lens):
             if list(table) == scratch:  # a padding row of a graph batch: the scratch page only
                 assert kv_len <= setup.engine.block_size
                 continue
             source.owner(list(table), kv_len)
         seen.append(max(layout.kv_lens))
-        return original(layout, kind)
+        return original(layout, kind, lane)
 
     backend.plan = plan
     return seen

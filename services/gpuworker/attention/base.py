@@ -22,8 +22,10 @@ speculative tokens can never overrun what the kvstore reserved.
 as arrays; the planner here turns those arrays into the plan's tensors without a Python loop over
 requests or tokens.
 
-Plans are cached per ``(kind, batch size, query length)``: the backend keeps one *workspace*
-(device buffers, FlashInfer wrappers, ...) per key and re-plans it in place. A plan therefore stays
+Plans are cached per ``(kind, batch size, query length, lane)``: the backend keeps one *workspace*
+(device buffers, FlashInfer wrappers, ...) per key and re-plans it in place. ``lane`` (0 unless
+asked) keeps several live plans of one shape apart: a captured speculative step holds a plan per
+draft-chain position, all made before the one launch that reads them. A plan therefore stays
 valid until the next ``plan()`` call with the same key; using a plan after that raises
 ``FailedPrecondition`` instead of silently reading another batch's metadata. One plan can serve any
 number of forwards before that, e.g. the target and a draft module over the same positions (they
@@ -44,6 +46,8 @@ import torch
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.gpuworker.attention.layout import BatchLayout
 from services.gpuworker.staging import copy_into
+
+MAX_LANES = 64  # workspaces of one (kind, batch, q); a speculative step uses k of them
 
 
 class AttentionKind(enum.Enum):
@@ -190,15 +194,18 @@ class AttentionBackend(abc.ABC):
 
     # -- planning ---------------------------------------------------------------------------
 
-    def plan(self, layout: BatchLayout, kind: AttentionKind | None = None) -> AttentionPlan:
+    def plan(self, layout: BatchLayout, kind: AttentionKind | None = None, lane: int = 0) -> AttentionPlan:
         """Validate ``layout`` and build its plan. Mutates the workspace cached for the plan's key
         (so older plans with that key become stale). ``kind=None`` infers DECODE when every
         query_len is 1 and PREFILL otherwise; VERIFY must be asked for (uniform-length prompt
         chunks are not multi-token decode). Raises ``InvalidArgument`` when a request's kv_len
         passes its capacity, when DECODE gets a query_len != 1, or when VERIFY gets non-uniform
-        (or length-1) query lengths — the caller must use PREFILL then."""
+        (or length-1) query lengths — the caller must use PREFILL then. ``lane``: which of the
+        key's workspaces to use (see the module docstring), a small integer >= 0."""
         if not isinstance(layout, BatchLayout):
             raise InvalidArgument("plan() needs a BatchLayout")
+        if not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < MAX_LANES:
+            raise InvalidArgument(f"lane must be an integer in [0, {MAX_LANES}), got {lane!r}")
         a = layout.arrays
         bs = self.geometry.block_size
         over = a.kv > a.widths * bs
@@ -221,7 +228,7 @@ class AttentionBackend(abc.ABC):
             raise InvalidArgument(f"unknown attention kind {kind!r}")
 
         query_len = uniform if kind is not AttentionKind.PREFILL else None
-        key = (kind, layout.batch_size, query_len)
+        key = (kind, layout.batch_size, query_len, lane)
         ws = self._workspaces.get(key)
         if ws is None:
             self.stats.misses += 1

@@ -1,6 +1,6 @@
 """FlashInfer paged attention (GPU only; ``flashinfer`` is imported when a backend is built).
 
-One FlashInfer wrapper per plan key ``(kind, batch size, query length)``, planned once per forward
+One FlashInfer wrapper per plan key ``(kind, batch size, query length, lane)``, planned once per forward
 (``AttentionBackend.plan``) and run once per layer:
 
     kind     wrapper                                         kernel (FlashInfer 0.6.x)
@@ -125,7 +125,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _new_workspace(self, key: tuple) -> Workspace:
         """One wrapper per key; DECODE/VERIFY wrappers get fixed buffers in graph mode."""
-        kind, batch, _query_len = key
+        kind, batch = key[0], key[1]
         ws = Workspace(self.device)
         fi = self._fi
         if kind is AttentionKind.PREFILL:

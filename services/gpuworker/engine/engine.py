@@ -28,6 +28,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from services.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, TandemError, Unavailable
@@ -45,6 +46,7 @@ from services.gpuworker.engine.sampling import (
     token_logprobs,
 )
 from services.gpuworker.engine.scheduler import ScheduledWork, draft_budget, schedule
+from services.gpuworker.engine.spec_step import spec_lanes, spec_step_forward
 from services.gpuworker.kv.pool import KVPool
 from services.gpuworker.model.draft import DraftModel
 from services.gpuworker.model.llama import TargetModel
@@ -88,6 +90,10 @@ class EngineConfig:
       before the host reads them back (one step later), so the host plans step N+1 while the
       device runs step N. Output is token-identical; a stop token is then seen one step late
       (that step's extra token is dropped, never emitted).
+    * ``fused_spec``: with graphs (``"capture"`` or ``"pad"``) and an EAGLE-3 draft, a step whose
+      rows are all greedy decodes verifying the same k runs as ONE forward (chain, verify, the
+      verdict and the fill on the device; ``spec_step.py``): one graph launch and one read-back
+      instead of k + 1 of each. Output is token-identical; off runs the phases one by one.
     * ``prefill_wait_steps`` / ``prefill_batch``: new prompts wait up to this many steps while
       other requests decode, or until ``prefill_batch`` of them wait, so that one forward
       prefills several (``scheduler.schedule``; 0 = every prompt starts at once). Trades up to
@@ -105,6 +111,7 @@ class EngineConfig:
     graph_max_batch: int | None = None
     check_graph_inputs: bool = False
     overlap: bool = False
+    fused_spec: bool = True
     prefill_wait_steps: int = 0
     prefill_batch: int = 4
 
@@ -185,6 +192,8 @@ class Engine:
         self._committed = False  # this step moved request state (tokens, lengths): see step()
         self._in_step: list[RequestState] = []  # the states the running step scheduled
         self._ledger: dict[str, _Ledger] = {}  # the running step's record of each live request
+        self._carry: _FusedCarry | None = None  # the last fused step's proposals, batched
+        self.fused_steps = 0  # steps that ran as one fused speculative forward (``_run_fused``)
 
     def _make_graphs(self, target: TargetModel, draft: DraftModel | None, draft_pool: KVPool | None) -> ForwardGraphs | None:
         """The padded/captured uniform forwards (None with ``graphs="off"``): the target over
@@ -229,6 +238,13 @@ class Engine:
             graphs.register("fill", fill, {"ids": ((), torch.long), "context": ((3 * hidden,), dtype),
                                            "last": ((), torch.long)}, range(1, max_q + 1), per_request=("last", "logits"),
                             bounds={"ids": vocab, "last": lambda batch, q: batch * q})
+            if cfg.fused_spec and max_q > 1:
+                # a whole greedy speculative step as one forward over k plans (spec_step.py)
+                step = spec_step_forward(target, draft, backend, pool, draft_pool, aux)
+                inputs = {"last": ((), torch.long), "d1": ((), torch.long), "forced": ((), torch.long),
+                          "hidden": ((draft.chain_hidden_size,), dtype)}
+                graphs.register("spec", step, inputs, range(1, max_q), lanes=spec_lanes, bounds={"last": vocab, "d1": vocab},
+                                per_request=(*inputs, "drafts", "target", "accepted", "next_draft", "next_hidden"))
         return graphs
 
     @torch.inference_mode()
@@ -477,26 +493,30 @@ class Engine:
         for w in work:
             if w.is_prefill:
                 ledger[w.state.request_id].prefill_tokens = w.num_target_tokens
-        if self.drafter is not None:
+        fused_k = self._fused_k(work)
+        if self.drafter is not None and not fused_k:
             self._chain(work)
         target_tokens = sum(w.num_target_tokens for w in work)
         fill_jobs: list[FillJob] = []
-        launched = self._run_target(work) if work else None
-        # the previous step's tokens, read back while the device runs this step's target forward
-        self._resolve_lagging()
-        if launched is not None:
-            self._committed = True  # from here on, request state moves: no isolation (see step)
-            fill_jobs = self._accept(work, *launched)
+        draft_tokens = 0
+        if fused_k:
+            draft_tokens = self._run_fused(work, fused_k)
+        else:
+            launched = self._run_target(work) if work else None
+            # the previous step's tokens, read back while the device runs this step's target forward
+            self._resolve_lagging()
+            if launched is not None:
+                self._committed = True  # from here on, request state moves: no isolation (see step)
+                fill_jobs = self._accept(work, *launched)
         if self.drafter is not None:  # ended on a read-back token outside this step: final fill
             in_work = {w.state.request_id for w in work}
             fill_jobs += [FillJob(e.state, None, 0) for rid, e in ledger.items()
                           if e.emitted is not None and rid not in in_work and e.state.finished]
-        draft_tokens = 0
         if self.drafter is not None and fill_jobs:
             filled = self.drafter.fill(fill_jobs)
             for rid, rng in filled.items():
                 ledger[rid].written.append(rng)
-            draft_tokens = sum(hi - lo for lo, hi in filled.values())
+            draft_tokens += sum(hi - lo for lo, hi in filled.values())
         # Blocks may be given back (trim) only after the step completed on the device (DESIGN
         # §2): the fence travels with the trim instead of stopping the host here (fence.py).
         blocks_written = {rid: self._blocks_of(e.state, e.written) for rid, e in ledger.items()}
@@ -575,6 +595,83 @@ class Engine:
             self._ledger[rid].written.append(rng)
         for w in decoding:  # a chain that could not run leaves fewer proposals than planned
             w.num_drafts = min(w.num_drafts, 0 if w.state.drafts is None else len(w.state.drafts))
+
+    # -- A-D fused: one forward for a greedy speculative step ---------------------------------------
+
+    def _fused_k(self, work: list[ScheduledWork]) -> int:
+        """The k of a step that runs as one fused forward (``spec_step.py``), or 0: every row a
+        greedy decode (no penalties, no logprobs, no token still on the device) verifying the same
+        k >= 1 drafts, holding the one proposal and chain hidden an EAGLE-3 fill left, its draft
+        KV complete up to its target KV; the batch and k covered by the captured graphs. Pure."""
+        graphs = self.graphs
+        if not work or graphs is None or not self.config.fused_spec or self.drafter is None:
+            return 0
+        k = work[0].num_drafts
+        if k < 1 or not graphs.covers("spec", len(work), k):
+            return 0
+        for w in work:
+            s = w.state
+            if (w.is_prefill or w.num_drafts != k or not s.spec.sampling.greedy or s.gen_counts is not None
+                    or s.spec.logprobs is not None or s.pending_token is not None or s.finished
+                    or s.drafts is None or len(s.drafts) != 1 or s.chain_hidden is None
+                    or s.pending_hidden or s.draft_len != s.target_len):
+                return 0
+        return k
+
+    def _run_fused(self, work: list[ScheduledWork], k: int) -> int:
+        """A-D of a fused step (see ``_fused_k``): plan the verify and the k - 1 chain positions,
+        launch once, read the verdict back once, then move every state as ``_accept`` and the
+        fill would (tokens, stop rules, counts, lengths, the next proposal). Returns the draft
+        rows made final. Mutates the states, both pools and the ledger."""
+        states = [w.state for w in work]
+        b = len(states)
+        tables = [s.table_array() for s in states]
+        starts = np.fromiter((s.target_len for s in states), dtype=np.int64, count=b)
+        layouts = [BatchLayout(tables, starts, np.full(b, k + 1, dtype=np.int64))]
+        ones = np.ones(b, dtype=np.int64)
+        layouts += [BatchLayout(tables, starts + (j - 1), ones) for j in range(1, k)]
+        forced = self._forced(k)
+        last, forced_t = to_device([s.tokens[-1] for s in states] + [-1 if forced is None else forced] * b,
+                                   torch.long, self.device).split([b, b])
+        carry = self._carry
+        if carry is not None and len(carry.drafts) == b and all(s.drafts is d for s, d in zip(states, carry.drafts)):
+            d1, hidden = carry.next_draft, carry.next_hidden  # the same requests, in order: no gather
+        else:
+            d1, hidden = torch.cat([s.drafts for s in states]), torch.stack([s.chain_hidden for s in states])
+        for s in states:
+            self._ledger[s.request_id].written.append((s.target_len, s.target_len + k + 1))
+        out = self.graphs.run_lanes("spec", k, layouts, {"last": last, "d1": d1, "hidden": hidden, "forced": forced_t})
+        self.fused_steps += 1
+        # copies: a graph's outputs are rewritten by its next replay
+        next_draft, next_hidden = out["next_draft"].clone(), out["next_hidden"].clone()
+        verdict = torch.cat([out["accepted"].unsqueeze(1), out["target"], out["drafts"]], dim=1)
+        self._resolve_lagging()  # an earlier overlapped step's tokens, while the device runs this one
+        self._committed = True  # from here on, request state moves: no isolation (see step)
+        rows = verdict.tolist()  # the step's one read-back
+        kept: list[torch.Tensor | None] = []
+        draft_rows = 0
+        for i, (s, row) in enumerate(zip(states, rows)):
+            entry = self._ledger[s.request_id]
+            n = row[0]
+            entry.verified = (k, n)
+            s.decode_steps += 1
+            s.proposed_drafts_total += k
+            s.accepted_drafts_total += n
+            entry.emit(self._append(s, row[k + 2 : k + 2 + n] + [row[1 + n]]))
+            t_old = s.target_len
+            s.target_len = s.logical_len - 1  # the newest token is fed next step
+            # the fill made draft KV final up to the new target length (a stop cuts it shorter)
+            s.draft_len = s.target_len
+            draft_rows += s.target_len - t_old
+            entry.written.append((t_old, s.target_len))
+            s.draft_probs = None
+            if not s.finished and draft_budget(s, self.max_seq_len) > 0:
+                s.drafts, s.chain_hidden = next_draft[i : i + 1], next_hidden[i]
+            else:
+                s.drafts = s.chain_hidden = None
+            kept.append(s.drafts)
+        self._carry = _FusedCarry(kept, next_draft, next_hidden)
+        return draft_rows
 
     # -- B + C. target forward and acceptance ----------------------------------------------------
 
@@ -960,6 +1057,17 @@ class _Ledger:
             counts=s.counts,
             new_logprobs=self.logprobs,
         )
+
+
+@dataclasses.dataclass(slots=True)
+class _FusedCarry:
+    """A fused step's proposals for the next one as the batch tensors they came in: a next step
+    over the same requests in the same order feeds them as they are (``drafts[i]`` is the view
+    request i holds; any change to a request's proposals breaks the identity and the match)."""
+
+    drafts: list[torch.Tensor | None]
+    next_draft: torch.Tensor
+    next_hidden: torch.Tensor
 
 
 class _LaggingTokens:

@@ -118,6 +118,7 @@ class ForwardGraphs:
         self.capture = capture
         self._forwards: dict[str, tuple[Forward, dict[str, tuple[tuple[int, ...], torch.dtype]], tuple[int, ...]]] = {}
         self._per_request: dict[str, frozenset[str]] = {}  # forward -> inputs/outputs with a row per request
+        self._lanes: dict[str, Callable[[int], Sequence[int]] | None] = {}  # forward -> its plans' query lengths
         # forward -> input name -> one buffer for its largest shape; every graph of the forward
         # reads a leading slice of it (inputs are copied in just before a replay, and only one
         # graph replays at a time): the fill's [rows, 3H] inputs for every (bucket, q) would
@@ -143,20 +144,31 @@ class ForwardGraphs:
         query_lens: Iterable[int],
         per_request: Iterable[str] = (),
         bounds: dict[str, int | Bound] | None = None,
+        lanes: Callable[[int], Sequence[int]] | None = None,
     ) -> None:
         """Declare a forward: its input row shapes (without the token dimension) and dtypes, and
         the query lengths to capture it for. Inputs and outputs named in ``per_request`` have
         one row per request instead of one per token (a row index per request, say).
         ``bounds``: input -> exclusive upper bound of its values (an int, or ``fn(padded batch,
-        q)``), lower bound 0; checked only with ``check_inputs``."""
+        q)``), lower bound 0; checked only with ``check_inputs``.
+
+        ``lanes``: a forward over SEVERAL plans made before its one launch (``run_lanes``):
+        ``lanes(q)`` gives the query length of each plan for the graph keyed ``q``, and the
+        forward is called as ``fn(plans, **inputs)`` with plan ``i`` made on lane ``i`` (its own
+        workspace, ``AttentionBackend.plan``). Without it, ``fn(plan, **inputs)``."""
         qs = tuple(sorted(set(query_lens)))
         bs = self.backend.geometry.block_size
-        if any(q < 1 or q > bs for q in qs):
+        if lanes is not None:
+            bad = [q for q in qs if not lanes(q) or any(lq < 1 or lq > bs for lq in lanes(q))]
+            if bad:
+                raise InvalidArgument(f"{name}: lane query lengths must be in 1..block_size ({bs}) for q {bad}")
+        elif any(q < 1 or q > bs for q in qs):
             raise InvalidArgument(f"captured query lengths must be in 1..block_size ({bs}), got {qs}")
         unknown = set(bounds or ()) - set(inputs)
         if unknown:
             raise InvalidArgument(f"{name}: bounds for inputs it does not take: {sorted(unknown)}")
         self._forwards[name] = (fn, inputs, qs)
+        self._lanes[name] = lanes
         self._per_request[name] = frozenset(per_request)
         self._bounds[name] = {k: (b if callable(b) else (lambda _b, _q, n=int(b): n)) for k, b in (bounds or {}).items()}
 
@@ -200,7 +212,12 @@ class ForwardGraphs:
         dev = self.backend.device
         shared = self._shared_inputs(name)
         inputs = {k: shared[k][: batch if k in per_request else batch * q] for k in specs}
-        plan = self.backend.plan(self._scratch_layout(batch, q), self._kind(q))
+        lanes = self._lanes[name]
+        if lanes is None:
+            plan = self.backend.plan(self._scratch_layout(batch, q), self._kind(q))
+        else:
+            plan = tuple(self.backend.plan(self._scratch_layout(batch, lq), self._kind(lq), lane=i)
+                         for i, lq in enumerate(lanes(q)))
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up run: lazy inits must not happen under capture
@@ -236,18 +253,46 @@ class ForwardGraphs:
         """Run forward ``name`` over ``layout`` (uniform query length q, covered shape). Returns
         the outputs' first ``B * q`` rows (``B`` for per-request outputs) and the plan of the
         padded layout. Mutates the forward's shared input buffers (``_stage``)."""
-        fn, _specs, _qs = self._forwards[name]
         q = layout.arrays.uniform_q
         batch = layout.batch_size
         padded_batch = self.bucket(batch)
+        if self._lanes.get(name) is not None:
+            raise InvalidArgument(f"{name} runs over several plans: use run_lanes")
         if q is None or padded_batch is None or not self.covers(name, batch, q):
             raise InvalidArgument(f"{name}: shape (batch {batch}, q {q}) is not covered by the graphs")
+        plan = self.backend.plan(self._pad(layout, padded_batch, q), self._kind(q))
+        return self._execute(name, plan, inputs, batch, padded_batch, q), plan
+
+    def run_lanes(self, name: str, q: int, layouts: Sequence[BatchLayout], inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run the several-plan forward ``name`` (``register(lanes=...)``) keyed ``q``: layout
+        ``i`` (uniform query length ``lanes(q)[i]``, the same batch size for all) is padded and
+        planned on lane ``i``; then one replay. Returns the outputs as ``run`` does. Mutates
+        the forward's input buffers and the lanes' workspaces."""
+        lanes = self._lanes.get(name)
+        if lanes is None:
+            raise InvalidArgument(f"{name} is not a several-plan forward")
+        batch = layouts[0].batch_size if layouts else 0
+        padded_batch = self.bucket(batch)
+        want = tuple(lanes(q)) if q in self._forwards[name][2] else None
+        got = tuple(layout.arrays.uniform_q for layout in layouts)
+        if want is None or padded_batch is None or not batch or got != want or any(
+                layout.batch_size != batch for layout in layouts):
+            raise InvalidArgument(f"{name}: layouts (batch {batch}, query lengths {got}) are not covered "
+                                  f"by the graphs keyed q {q} (query lengths {want})")
+        plans = tuple(self.backend.plan(self._pad(layout, padded_batch, lq), self._kind(lq), lane=i)
+                      for i, (layout, lq) in enumerate(zip(layouts, want)))
+        return self._execute(name, plans, inputs, batch, padded_batch, q)
+
+    def _execute(self, name: str, plan, inputs: dict[str, torch.Tensor], batch: int, padded_batch: int,
+                 q: int) -> dict[str, torch.Tensor]:
+        """Stage ``inputs`` and replay the captured graph (or run the forward eagerly over the same
+        buffers); the outputs' real rows."""
+        fn = self._forwards[name][0]
         per_request = self._per_request[name]
 
         def rows(k: str, n: int) -> int:  # rows of input/output k for n requests
             return n if k in per_request else n * q
 
-        plan = self.backend.plan(self._pad(layout, padded_batch, q), self._kind(q))
         staged = self._stage(name, inputs, batch, padded_batch, q)
         if self.check_inputs:
             self._check_ranges(name, staged, padded_batch, q)
@@ -255,10 +300,10 @@ class ForwardGraphs:
         if captured is None:  # padding without a graph: the same layouts and inputs, run eagerly
             self.eager_runs += 1
             out = fn(plan, **staged)
-            return {k: v[: rows(k, batch)] for k, v in out.items()}, plan
+            return {k: v[: rows(k, batch)] for k, v in out.items()}
         captured.graph.replay()
         self.replays += 1
-        return {k: v[: rows(k, batch)] for k, v in captured.outputs.items()}, plan
+        return {k: v[: rows(k, batch)] for k, v in captured.outputs.items()}
 
     def _stage(self, name: str, inputs: dict[str, torch.Tensor], batch: int, padded_batch: int, q: int) -> dict[str, torch.Tensor]:
         """Copy ``inputs`` into the forward's shared buffers (what a captured graph reads) and

@@ -37,19 +37,23 @@ def graph_setup(models, graphs: str, **config) -> LocalSetup:
     return LocalSetup(engine, source, target, draft)
 
 
-@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("k, fused", [(0, True), (3, True), (3, False)], ids=["k0", "k3-fused", "k3-phases"])
 @torch.inference_mode()
-def test_graph_replay_equals_eager(models, k):
+def test_graph_replay_equals_eager(models, k, fused):
+    """Fused speculative steps (one graph over the chain, verify, verdict and fill) and the
+    phase-by-phase ones each replay exactly what their eager padded runs compute."""
     outputs = {}
     for graphs in ("pad", "capture"):
-        setup = graph_setup(models, graphs, chunk_size=32, max_batch_tokens=128)
+        setup = graph_setup(models, graphs, chunk_size=32, max_batch_tokens=128, fused_spec=fused)
         captured = setup.engine.warmup()
         if graphs == "capture":
-            # target and EAGLE-3 fill for q = 1..9 and the chain, for every bucket up to 8 (1, 2, 4, 8)
-            assert captured == 4 * (9 + 1 + 9)
+            # target and EAGLE-3 fill for q = 1..9, the chain, and (fused) the whole step for
+            # k = 1..8, for every bucket up to 8 (1, 2, 4, 8)
+            assert captured == 4 * (9 + 1 + 9 + (8 if fused else 0))
         for i, p in enumerate(prompts()):
             submit(setup, f"r{i}", p, max_new_tokens=MAX_NEW, k=k)
         outputs[graphs] = {rid: c.tokens for rid, c in run_until_done(setup).items()}
+        assert (setup.engine.fused_steps > 0) == (k > 0 and fused)
         if graphs == "capture":
             assert setup.engine.graphs.replays > 0
             assert setup.engine.graphs.eager_runs == 0

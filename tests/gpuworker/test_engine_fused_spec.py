@@ -1,0 +1,171 @@
+"""A greedy EAGLE-3 speculative step fused into one forward (``spec_step.py``) moves every request
+exactly as the phase-by-phase step does: the same tokens, the same accepted counts, the same
+publishable lengths and written blocks, step for step — with scripted drafts (many accepted) and
+the random draft (few), forced acceptance, stop tokens, requests ending at different steps, an
+abort in the middle, and batches that must fall back (a sampled request, logprobs, a k the
+graphs were not made for). Graph padding runs eagerly here through the same plans and buffers
+that a captured graph replays (``graphs="pad"``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common.errors import InvalidArgument
+from services.gpuworker.attention.base import BatchLayout
+from services.gpuworker.engine.local import run_until_done, submit
+from services.gpuworker.engine.sampling import SamplingParams
+from test_engine_support import make_setup, plain_greedy, prompts
+
+MAX_NEW = 17
+LENGTHS = (5, 13, 22, 9)
+
+
+def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop=False, abort_at=None):
+    """Run four requests (one with a small max_new_tokens, one with a stop token) to the end;
+    returns (per-step results, completions, the engine, per-step publishable lengths)."""
+    ps = prompts(LENGTHS, seed=11)
+    expected = {f"r{i}": p + plain_greedy(p, MAX_NEW) for i, p in enumerate(ps)}
+    setup = make_setup("eagle3", scripted=expected if scripted else None, chunk_size=64, max_batch_tokens=128,
+                       max_draft_tokens=5, graphs="pad", fused_spec=fused, forced_acceptance=forced)
+    for i, p in enumerate(ps):
+        stop_ids = (expected[f"r{i}"][len(p) + 9],) if stop and i == 1 else ()
+        submit(setup, f"r{i}", p, max_new_tokens=6 if i == 3 else MAX_NEW, k=k, stop_ids=stop_ids)
+    if extra is not None:
+        extra(setup)
+    steps, published = [], []
+    engine, fused_at = setup.engine, []
+    run_fused = engine._run_fused
+    engine._run_fused = lambda work, k: (fused_at.append(len(steps)), run_fused(work, k))[1]
+
+    def record(report):
+        steps.append({rid: (r.new_token_ids, r.proposed_drafts, r.accepted_drafts, r.logical_len, r.target_len,
+                            r.finish_reason) for rid, r in report.results.items()})
+        published.append({rid: r.publishable_positions for rid, r in report.results.items()})
+        if abort_at is not None and len(steps) == abort_at:
+            setup.engine.abort("r2")
+            setup.source.release("r2")
+
+    done = run_until_done(setup, on_step=record)
+    engine.fused_at = fused_at
+    return steps, done, engine, published
+
+
+def _same_publishing(on: list[dict], off: list[dict], on_done, off_done) -> None:
+    """A request that will draft no more (its budget is spent) defers its draft fill to a block
+    boundary on the phase-by-phase path; the fused step has filled those rows already, so its
+    publishable prefix may run ahead, never behind, and both end equal."""
+    for a, b in zip(on, off):
+        assert all(a[rid] >= b[rid] for rid in a), (a, b)
+    assert {rid: c.publishable_positions for rid, c in on_done.items()} == \
+        {rid: c.publishable_positions for rid, c in off_done.items()}
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("scripted", [True, False])
+def test_fused_steps_equal_phase_by_phase_steps(k, scripted):
+    off_steps, off_done, off, off_pub = _trace(False, k=k, scripted=scripted)
+    on_steps, on_done, on, on_pub = _trace(True, k=k, scripted=scripted)
+    assert off.fused_steps == 0 and on.fused_steps >= 3
+    assert on_steps == off_steps
+    _same_publishing(on_pub, off_pub, on_done, off_done)
+    assert {rid: c.tokens for rid, c in on_done.items()} == {rid: c.tokens for rid, c in off_done.items()}
+    ps = prompts(LENGTHS, seed=11)
+    for i, p in enumerate(ps):  # and both are the target's own greedy output
+        assert on_done[f"r{i}"].tokens == plain_greedy(p, 6 if i == 3 else MAX_NEW)
+    if scripted:
+        assert sum(c.counts.accepted_drafts for c in on_done.values()) > 0
+
+
+@pytest.mark.parametrize("forced", [0, 2, 3])
+def test_fused_steps_with_forced_acceptance(forced):
+    """Benchmarks' forced acceptance: the verdict is min(forced, k) drafts, then the target's token."""
+    off_steps, _, _, _ = _trace(False, k=3, scripted=False, forced=forced)
+    on_steps, on_done, on, _ = _trace(True, k=3, scripted=False, forced=forced)
+    assert on.fused_steps > 0 and on_steps == off_steps
+    verified = [v for step in on_steps for v in step.values() if v[1]]
+    assert verified and all(accepted == min(forced, proposed) for _, proposed, accepted, *_ in verified)
+
+
+def test_fused_steps_with_a_stop_token_and_an_abort():
+    """A stop token inside an accepted run ends the request there (its fill past the stop is
+    never published); an abort between steps breaks the batch the next step would reuse."""
+    off_steps, off_done, _, off_pub = _trace(False, k=3, scripted=True, stop=True, abort_at=3)
+    on_steps, on_done, on, on_pub = _trace(True, k=3, scripted=True, stop=True, abort_at=3)
+    assert on.fused_steps > 0 and on_steps == off_steps
+    _same_publishing(on_pub, off_pub, on_done, off_done)
+    r1 = on_done["r1"]
+    assert r1.finish_reason.value == "stop" and len(r1.tokens) <= 10 and r1.tokens[-1] not in r1.tokens[:-1]
+    assert "r2" in on_done and on_done["r2"].finish_reason is None  # aborted: never finished
+
+
+@pytest.mark.parametrize("extra", ["sampled", "logprobs", "other k"])
+def test_batches_the_fused_step_cannot_take_fall_back(extra):
+    """One request the fused forward cannot serve (sampled, asks for logprobs, or a k outside the
+    graphs) puts its whole batch on the phase-by-phase path; outputs stay the same."""
+    ps = prompts((7,), seed=5)
+
+    def add(setup):
+        if extra == "sampled":
+            submit(setup, "x", ps[0], max_new_tokens=5, k=3, sampling=SamplingParams(temperature=0.7, seed=3))
+        elif extra == "logprobs":
+            submit(setup, "x", ps[0], max_new_tokens=5, k=3, logprobs=1)
+        else:
+            submit(setup, "x", ps[0], max_new_tokens=MAX_NEW, k=5)  # k + 1 > block_size: no graph
+
+    off_steps, _, _, _ = _trace(False, k=3, scripted=True, extra=add)
+    on_steps, on_done, on, _ = _trace(True, k=3, scripted=True, extra=add)
+    assert on_steps == off_steps
+    # a fused step never carried "x" (other k: only once its budget shrank into the graphs' k),
+    # and verified one k in all its rows
+    assert on.fused_at
+    for i in on.fused_at:
+        step = on_steps[i]
+        assert "x" not in step or (extra == "other k" and step["x"][1] <= 3), step
+        assert len({v[1] for v in step.values()}) == 1, step
+    if extra != "sampled":
+        assert on_done["x"].tokens == plain_greedy(ps[0], len(on_done["x"].tokens))
+
+
+def test_a_fused_step_is_one_forward_over_k_plans():
+    """Each fused step plans k layouts (the verify on lane 0, chain positions on lanes 1..k-1)
+    and runs one forward; no per-phase forward (chain, target, fill) runs in that step."""
+    ps = prompts(LENGTHS, seed=11)
+    setup = make_setup("eagle3", block_size=8, chunk_size=64, max_batch_tokens=128, max_draft_tokens=5, graphs="pad")
+    engine, graphs, backend = setup.engine, setup.engine.graphs, setup.engine.backend
+    events: list[tuple] = []
+    plan, run, run_lanes = backend.plan, graphs.run, graphs.run_lanes
+    backend.plan = lambda layout, kind=None, lane=0: (events.append(("plan", kind, layout.arrays.uniform_q, lane)),
+                                                      plan(layout, kind, lane))[1]
+    graphs.run = lambda name, layout, inputs: (events.append(("run", name)), run(name, layout, inputs))[1]
+    graphs.run_lanes = lambda name, q, layouts, inputs: (events.append(("lanes", name, q)),
+                                                        run_lanes(name, q, layouts, inputs))[1]
+    for i, p in enumerate(ps):
+        submit(setup, f"r{i}", p, max_new_tokens=MAX_NEW, k=4)
+    per_step = []
+    run_until_done(setup, on_step=lambda _r: (per_step.append(list(events)), events.clear()))
+    fused = [step for step in per_step if any(e[0] == "lanes" for e in step)]
+    assert len(fused) == engine.fused_steps >= 3
+    for step in fused:
+        assert [e for e in step if e[0] in ("run", "lanes")] == [("lanes", "spec", 4)]
+        plans = [e for e in step if e[0] == "plan"]
+        assert [(e[2], e[3]) for e in plans] == [(5, 0), (1, 1), (1, 2), (1, 3)]
+
+
+def test_run_lanes_refuses_layouts_the_graph_was_not_made_for():
+    setup = make_setup("eagle3", max_draft_tokens=3, graphs="pad")
+    graphs = setup.engine.graphs
+    table = [[0, 1]]
+    verify, chain = BatchLayout(table, [2], [4]), BatchLayout(table, [2], [1])
+    inputs = {"last": torch.zeros(1, dtype=torch.long), "d1": torch.zeros(1, dtype=torch.long),
+              "forced": torch.zeros(1, dtype=torch.long), "hidden": torch.zeros(1, setup.draft.chain_hidden_size)}
+    with pytest.raises(InvalidArgument, match="not covered"):
+        graphs.run_lanes("spec", 3, [verify, chain], inputs)  # k = 3 needs 3 plans
+    with pytest.raises(InvalidArgument, match="not covered"):
+        graphs.run_lanes("spec", 3, [chain, chain, chain], inputs)  # the verify's query length first
+    with pytest.raises(InvalidArgument, match="not covered"):
+        graphs.run_lanes("spec", 4, [BatchLayout(table, [2], [5])] + [chain] * 3, inputs)  # k > max_draft_tokens
+    with pytest.raises(InvalidArgument, match="several plans"):
+        graphs.run("spec", verify, inputs)
+    with pytest.raises(InvalidArgument, match="lane must be"):
+        type(setup.engine.backend).plan(setup.engine.backend, chain, lane=-1)  # unchecked by make_setup's wrapper
