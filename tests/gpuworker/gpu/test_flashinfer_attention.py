@@ -270,11 +270,29 @@ def test_replan_equals_wrapper_plan(kind, q, monkeypatch):
             kv = pool.clone()
             backend.write_kv(plan, kv, k_in, v_in)
             outs.append(backend.attend(plan, q_in, kv, scale=0.125))
-        wf, ws = (b._workspaces[(kind, B, q)] for b in (fast, slow))
+        wf, ws = (b._workspaces[(kind, B, q, 0)] for b in (fast, slow))
         assert wf.state["replan"] is True and ws.state["replan"] is False
         assert list(wf.state["wrapper"]._plan_info) == list(ws.state["wrapper"]._plan_info), trial
         assert torch.isfinite(outs[0]).all()
         assert torch.equal(outs[0], outs[1]), trial
+
+
+def test_lanes_keep_live_plans_of_one_shape_apart(ref):
+    """Two DECODE plans of one (batch, q) on lanes 0 and 1 (a fused speculative step plans its
+    chain positions so) have a wrapper each: the first stays fresh and still attends its own
+    layout after the second was made, in graph mode too."""
+    fi = FlashInferBackend(DEV, GEOM, graph_max_pages_per_request=40)
+    nb = 256
+    layouts = [make_layout([10, 200, 31], [1] * 3, nb, seed=61), make_layout([90, 7, 300], [1] * 3, nb, seed=62)]
+    plans = [fi.plan(layout, AttentionKind.DECODE, lane=i) for i, layout in enumerate(layouts)]
+    assert plans[0].extras["wrapper"] is not plans[1].extras["wrapper"]
+    for i, (layout, plan) in enumerate(zip(layouts, plans)):
+        pool_fi, pool_ref = pools_for(layout, nb, seed=70 + i)
+        q, k, v = qkv(3, seed=80 + i)
+        fi.write_kv(plan, pool_fi, k, v)
+        plan_ref = ref.plan(layout, AttentionKind.DECODE)
+        ref.write_kv(plan_ref, pool_ref, k, v)
+        assert rel_err(fi.attend(plan, q, pool_fi, scale=0.125), ref.attend(plan_ref, q, pool_ref, scale=0.125)) <= REL_TOL
 
 
 def test_flashinfer_is_not_imported_by_cpu_paths():
