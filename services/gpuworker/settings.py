@@ -61,7 +61,7 @@ class WorkerSettings(TandemSettings):
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of each kvstore call")
     seed: int = Field(0, description="seed of the built-in tiny model's weights")
     cuda_graphs: bool = Field(True, description="capture decode, verify and draft-chain forwards in CUDA graphs at start-up (CUDA only; ignored on CPU)")
-    overlap_steps: bool = Field(True, description="launch the next step before reading back plain greedy decode tokens (the host plans step N+1 while the device runs step N); output is unchanged")
+    overlap_steps: bool = Field(True, description="launch the next step before reading back plain greedy decode tokens (the host plans step N+1 while the device runs step N), and read a fused speculative step's verdict at the start of the next step (streaming and publishing run while the device does); output is unchanged")
     fused_spec_steps: bool = Field(True, description="run a greedy EAGLE-3 speculative step (draft chain, verify, verdict, draft fill) as one forward, one CUDA graph launch and one read-back, when graphs are on; output is unchanged")
     warmup: bool = Field(True, description="compile kernels and capture graphs before health says SERVING")
     extend_watermark_blocks: int = Field(2, ge=0, le=1024, description="extend a request's KV capacity ahead of need once fewer than this many blocks of headroom are left")

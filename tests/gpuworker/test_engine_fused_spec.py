@@ -8,6 +8,8 @@ that a captured graph replays (``graphs="pad"``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,25 +17,36 @@ from services.common.errors import InvalidArgument
 from services.gpuworker.attention.base import BatchLayout
 from services.gpuworker.engine.local import run_until_done, submit
 from services.gpuworker.engine.sampling import SamplingParams
+from test_engine_published_kv import PublishWatcher
 from test_engine_support import make_setup, plain_greedy, prompts
 
 MAX_NEW = 17
 LENGTHS = (5, 13, 22, 9)
 
 
-def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop=False, abort_at=None):
-    """Run four requests (one with a small max_new_tokens, one with a stop token) to the end;
-    returns (per-step results, completions, the engine, per-step publishable lengths)."""
+@dataclasses.dataclass
+class Trace:
+    steps: list[dict]  # per step: request id -> (tokens, proposed, accepted, L, T, finish reason)
+    done: dict  # request id -> Completion
+    engine: object
+    published: list[dict]  # per step: request id -> publishable positions
+    watcher: PublishWatcher
+
+
+def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop=False, abort_at=None,
+           overlap=False) -> Trace:
+    """Run four requests (one with a small max_new_tokens, one with a stop token) to the end,
+    every published block watched (``PublishWatcher``)."""
     ps = prompts(LENGTHS, seed=11)
     expected = {f"r{i}": p + plain_greedy(p, MAX_NEW) for i, p in enumerate(ps)}
     setup = make_setup("eagle3", scripted=expected if scripted else None, chunk_size=64, max_batch_tokens=128,
-                       max_draft_tokens=5, graphs="pad", fused_spec=fused, forced_acceptance=forced)
+                       max_draft_tokens=5, graphs="pad", fused_spec=fused, forced_acceptance=forced, overlap=overlap)
     for i, p in enumerate(ps):
         stop_ids = (expected[f"r{i}"][len(p) + 9],) if stop and i == 1 else ()
         submit(setup, f"r{i}", p, max_new_tokens=6 if i == 3 else MAX_NEW, k=k, stop_ids=stop_ids)
     if extra is not None:
         extra(setup)
-    steps, published = [], []
+    steps, published, watcher = [], [], PublishWatcher(setup, 1)
     engine, fused_at = setup.engine, []
     run_fused = engine._run_fused
     engine._run_fused = lambda work, k: (fused_at.append(len(steps)), run_fused(work, k))[1]
@@ -42,61 +55,71 @@ def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop
         steps.append({rid: (r.new_token_ids, r.proposed_drafts, r.accepted_drafts, r.logical_len, r.target_len,
                             r.finish_reason) for rid, r in report.results.items()})
         published.append({rid: r.publishable_positions for rid, r in report.results.items()})
+        watcher(report)
         if abort_at is not None and len(steps) == abort_at:
             setup.engine.abort("r2")
             setup.source.release("r2")
 
-    done = run_until_done(setup, on_step=record)
+    # reservations are kept to the end: a released block could be handed out and rewritten
+    # before a PublishWatcher compares it
+    done = run_until_done(setup, on_step=record, keep=[f"r{i}" for i in range(len(ps))] + ["x"])
     engine.fused_at = fused_at
-    return steps, done, engine, published
+    return Trace(steps, done, engine, published, watcher)
 
 
-def _same_publishing(on: list[dict], off: list[dict], on_done, off_done) -> None:
+def _same_publishing(on: Trace, off: Trace) -> None:
     """A request that will draft no more (its budget is spent) defers its draft fill to a block
     boundary on the phase-by-phase path; the fused step has filled those rows already, so its
-    publishable prefix may run ahead, never behind, and both end equal."""
-    for a, b in zip(on, off):
+    publishable prefix may run ahead, never behind, and both end equal. Every block published
+    holds the KV of a from-scratch prefill of its tokens and was never written again."""
+    for a, b in zip(on.published, off.published):
         assert all(a[rid] >= b[rid] for rid in a), (a, b)
-    assert {rid: c.publishable_positions for rid, c in on_done.items()} == \
-        {rid: c.publishable_positions for rid, c in off_done.items()}
+    assert {rid: c.publishable_positions for rid, c in on.done.items()} == \
+        {rid: c.publishable_positions for rid, c in off.done.items()}
+    _published_kv_is_final(on)
+
+
+def _published_kv_is_final(trace: Trace) -> None:
+    ps = {f"r{i}": p for i, p in enumerate(prompts(LENGTHS, seed=11))}
+    # an aborted request's blocks went back to the pool (and may hold another's KV by now)
+    checked = sum(trace.watcher.check(rid, ps[rid] + c.tokens, "eagle3") for rid, c in trace.done.items()
+                  if rid in ps and c.finish_reason is not None)
+    assert checked >= 8
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("scripted", [True, False])
 def test_fused_steps_equal_phase_by_phase_steps(k, scripted):
-    off_steps, off_done, off, off_pub = _trace(False, k=k, scripted=scripted)
-    on_steps, on_done, on, on_pub = _trace(True, k=k, scripted=scripted)
-    assert off.fused_steps == 0 and on.fused_steps >= 3
-    assert on_steps == off_steps
-    _same_publishing(on_pub, off_pub, on_done, off_done)
-    assert {rid: c.tokens for rid, c in on_done.items()} == {rid: c.tokens for rid, c in off_done.items()}
+    off, on = _trace(False, k=k, scripted=scripted), _trace(True, k=k, scripted=scripted)
+    assert off.engine.fused_steps == 0 and on.engine.fused_steps >= 3
+    assert on.steps == off.steps
+    _same_publishing(on, off)
     ps = prompts(LENGTHS, seed=11)
     for i, p in enumerate(ps):  # and both are the target's own greedy output
-        assert on_done[f"r{i}"].tokens == plain_greedy(p, 6 if i == 3 else MAX_NEW)
+        assert on.done[f"r{i}"].tokens == plain_greedy(p, 6 if i == 3 else MAX_NEW)
     if scripted:
-        assert sum(c.counts.accepted_drafts for c in on_done.values()) > 0
+        assert sum(c.counts.accepted_drafts for c in on.done.values()) > 0
 
 
 @pytest.mark.parametrize("forced", [0, 2, 3])
 def test_fused_steps_with_forced_acceptance(forced):
     """Benchmarks' forced acceptance: the verdict is min(forced, k) drafts, then the target's token."""
-    off_steps, _, _, _ = _trace(False, k=3, scripted=False, forced=forced)
-    on_steps, on_done, on, _ = _trace(True, k=3, scripted=False, forced=forced)
-    assert on.fused_steps > 0 and on_steps == off_steps
-    verified = [v for step in on_steps for v in step.values() if v[1]]
+    off, on = _trace(False, k=3, scripted=False, forced=forced), _trace(True, k=3, scripted=False, forced=forced)
+    assert on.engine.fused_steps > 0 and on.steps == off.steps
+    verified = [v for step in on.steps for v in step.values() if v[1]]
     assert verified and all(accepted == min(forced, proposed) for _, proposed, accepted, *_ in verified)
 
 
 def test_fused_steps_with_a_stop_token_and_an_abort():
     """A stop token inside an accepted run ends the request there (its fill past the stop is
     never published); an abort between steps breaks the batch the next step would reuse."""
-    off_steps, off_done, _, off_pub = _trace(False, k=3, scripted=True, stop=True, abort_at=3)
-    on_steps, on_done, on, on_pub = _trace(True, k=3, scripted=True, stop=True, abort_at=3)
-    assert on.fused_steps > 0 and on_steps == off_steps
-    _same_publishing(on_pub, off_pub, on_done, off_done)
-    r1 = on_done["r1"]
+    off = _trace(False, k=3, scripted=True, stop=True, abort_at=3)
+    on = _trace(True, k=3, scripted=True, stop=True, abort_at=3)
+    assert on.engine.fused_steps > 0 and on.steps == off.steps
+    _same_publishing(on, off)
+    r1 = on.done["r1"]
     assert r1.finish_reason.value == "stop" and len(r1.tokens) <= 10 and r1.tokens[-1] not in r1.tokens[:-1]
-    assert "r2" in on_done and on_done["r2"].finish_reason is None  # aborted: never finished
+    assert "r2" in on.done and on.done["r2"].finish_reason is None  # aborted: never finished
 
 
 @pytest.mark.parametrize("extra", ["sampled", "logprobs", "other k"])
@@ -113,18 +136,17 @@ def test_batches_the_fused_step_cannot_take_fall_back(extra):
         else:
             submit(setup, "x", ps[0], max_new_tokens=MAX_NEW, k=5)  # k + 1 > block_size: no graph
 
-    off_steps, _, _, _ = _trace(False, k=3, scripted=True, extra=add)
-    on_steps, on_done, on, _ = _trace(True, k=3, scripted=True, extra=add)
-    assert on_steps == off_steps
+    off, on = _trace(False, k=3, scripted=True, extra=add), _trace(True, k=3, scripted=True, extra=add)
+    assert on.steps == off.steps
     # a fused step never carried "x" (other k: only once its budget shrank into the graphs' k),
     # and verified one k in all its rows
-    assert on.fused_at
-    for i in on.fused_at:
-        step = on_steps[i]
+    assert on.engine.fused_at
+    for i in on.engine.fused_at:
+        step = on.steps[i]
         assert "x" not in step or (extra == "other k" and step["x"][1] <= 3), step
         assert len({v[1] for v in step.values()}) == 1, step
     if extra != "sampled":
-        assert on_done["x"].tokens == plain_greedy(ps[0], len(on_done["x"].tokens))
+        assert on.done["x"].tokens == plain_greedy(ps[0], len(on.done["x"].tokens))
 
 
 def test_a_fused_step_is_one_forward_over_k_plans():
@@ -169,3 +191,36 @@ def test_run_lanes_refuses_layouts_the_graph_was_not_made_for():
         graphs.run("spec", verify, inputs)
     with pytest.raises(InvalidArgument, match="lane must be"):
         type(setup.engine.backend).plan(setup.engine.backend, chain, lane=-1)  # unchecked by make_setup's wrapper
+
+
+def _outcome(trace: Trace) -> dict:
+    return {rid: (c.tokens, c.counts, c.finish_reason, c.publishable_positions) for rid, c in trace.done.items()}
+
+
+def _silent(trace: Trace) -> list[str]:
+    """Decoding requests that streamed nothing in a step (every prompt here is one chunk)."""
+    return [rid for step in trace.steps for rid, v in step.items() if not v[0] and v[-1] is None]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("scripted", [True, False])
+def test_overlapped_fused_steps_stream_the_same_tokens_a_step_later(k, scripted):
+    """With ``overlap`` a fused step's verdict is read at the start of the next step: a report
+    then carries the previous step's tokens; every request's tokens, counts and published
+    prefix end as without it, and every published block holds the from-scratch KV."""
+    off, on = _trace(False, k=k, scripted=scripted), _trace(True, k=k, scripted=scripted, overlap=True)
+    assert on.engine.fused_steps >= 3
+    assert _outcome(on) == _outcome(off)
+    # the first fused step of a run streams nothing: its tokens come with the next report
+    assert _silent(on) and not _silent(off)
+    _published_kv_is_final(on)
+
+
+@pytest.mark.parametrize("forced", [None, 2])
+def test_overlapped_fused_steps_with_a_stop_an_abort_and_forced_acceptance(forced):
+    """The abort comes while r2's verdict is still on the device: nothing of it is applied."""
+    off = _trace(False, k=3, scripted=True, stop=True, abort_at=3, forced=forced)
+    on = _trace(True, k=3, scripted=True, stop=True, abort_at=3, forced=forced, overlap=True)
+    assert on.engine.fused_steps > 0 and _silent(on)
+    assert _outcome(on) == _outcome(off)
+    _published_kv_is_final(on)

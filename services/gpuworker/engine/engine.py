@@ -93,7 +93,9 @@ class EngineConfig:
     * ``fused_spec``: with graphs (``"capture"`` or ``"pad"``) and an EAGLE-3 draft, a step whose
       rows are all greedy decodes verifying the same k runs as ONE forward (chain, verify, the
       verdict and the fill on the device; ``spec_step.py``): one graph launch and one read-back
-      instead of k + 1 of each. Output is token-identical; off runs the phases one by one.
+      instead of k + 1 of each. Output is token-identical; off runs the phases one by one. With
+      ``overlap`` the verdict is read at the start of the next step (tokens stream one step
+      later), so the caller's work between steps runs while the device does.
     * ``prefill_wait_steps`` / ``prefill_batch``: new prompts wait up to this many steps while
       other requests decode, or until ``prefill_batch`` of them wait, so that one forward
       prefills several (``scheduler.schedule``; 0 = every prompt starts at once). Trades up to
@@ -193,6 +195,7 @@ class Engine:
         self._in_step: list[RequestState] = []  # the states the running step scheduled
         self._ledger: dict[str, _Ledger] = {}  # the running step's record of each live request
         self._carry: _FusedCarry | None = None  # the last fused step's proposals, batched
+        self._verdict: _PendingVerdict | None = None  # overlap: the last fused step's, on its way
         self.fused_steps = 0  # steps that ran as one fused speculative forward (``_run_fused``)
 
     def _make_graphs(self, target: TargetModel, draft: DraftModel | None, draft_pool: KVPool | None) -> ForwardGraphs | None:
@@ -475,12 +478,14 @@ class Engine:
     def _step(self) -> StepReport:
         cfg = self.config
         states = sorted(self._states.values(), key=lambda s: s.arrival)
+        ledger = self._ledger = {s.request_id: _Ledger(s, s.capacity) for s in states}
+        # the last fused step's verdict, left on the device (overlap): its tokens stream now
+        lagged_draft_rows = self._resolve_verdict()
         work = schedule([s for s in states if not s.last_step], max_batch_tokens=cfg.max_batch_tokens,
                         max_batch_size=cfg.max_batch_size, chunk_size=cfg.chunk_size, max_seq_len=self.max_seq_len,
                         step=self._steps, prefill_wait_steps=cfg.prefill_wait_steps, prefill_batch=cfg.prefill_batch)
         self._steps += 1
         self._in_step = [w.state for w in work]
-        ledger = self._ledger = {s.request_id: _Ledger(s, s.capacity) for s in states}
         for w in work:  # a scheduled request reports this step even if it streams nothing
             ledger[w.state.request_id].emit(())
 
@@ -498,9 +503,9 @@ class Engine:
             self._chain(work)
         target_tokens = sum(w.num_target_tokens for w in work)
         fill_jobs: list[FillJob] = []
-        draft_tokens = 0
+        draft_tokens = lagged_draft_rows
         if fused_k:
-            draft_tokens = self._run_fused(work, fused_k)
+            draft_tokens += self._run_fused(work, fused_k)
         else:
             launched = self._run_target(work) if work else None
             # the previous step's tokens, read back while the device runs this step's target forward
@@ -620,9 +625,15 @@ class Engine:
 
     def _run_fused(self, work: list[ScheduledWork], k: int) -> int:
         """A-D of a fused step (see ``_fused_k``): plan the verify and the k - 1 chain positions,
-        launch once, read the verdict back once, then move every state as ``_accept`` and the
-        fill would (tokens, stop rules, counts, lengths, the next proposal). Returns the draft
-        rows made final. Mutates the states, both pools and the ledger."""
+        launch once, then apply the verdict (``_apply_verdict``) — now, or with ``overlap`` at the
+        start of the next step, so that the caller's own per-step work (streaming, publishing)
+        runs while the device does::
+
+            step N:    plan, launch N ─────────────────┐ return ── caller's work ──┐
+            device:                  [ fused step N .............. ]               │
+            step N+1:                                  read verdict N, apply, plan, launch N+1
+
+        Returns the draft rows made final. Mutates the states, both pools and the ledger."""
         states = [w.state for w in work]
         b = len(states)
         tables = [s.table_array() for s in states]
@@ -643,14 +654,36 @@ class Engine:
         out = self.graphs.run_lanes("spec", k, layouts, {"last": last, "d1": d1, "hidden": hidden, "forced": forced_t})
         self.fused_steps += 1
         # copies: a graph's outputs are rewritten by its next replay
-        next_draft, next_hidden = out["next_draft"].clone(), out["next_hidden"].clone()
-        verdict = torch.cat([out["accepted"].unsqueeze(1), out["target"], out["drafts"]], dim=1)
+        verdict = _PendingVerdict(torch.cat([out["accepted"].unsqueeze(1), out["target"], out["drafts"]], dim=1),
+                                  states, k, out["next_draft"].clone(), out["next_hidden"].clone())
         self._resolve_lagging()  # an earlier overlapped step's tokens, while the device runs this one
         self._committed = True  # from here on, request state moves: no isolation (see step)
-        rows = verdict.tolist()  # the step's one read-back
+        if self.config.overlap:
+            # the host goes back to its caller (streaming, publishing) while the device runs the
+            # step; the next step begins by reading the verdict, its one synchronisation
+            self._verdict = verdict
+            return 0
+        return self._apply_verdict(verdict)
+
+    def _resolve_verdict(self) -> int:
+        """Apply a fused step's verdict left on the device (overlap), if any; see ``_apply_verdict``."""
+        verdict, self._verdict = self._verdict, None
+        return self._apply_verdict(verdict) if verdict is not None else 0
+
+    def _apply_verdict(self, verdict: "_PendingVerdict") -> int:
+        """Read a fused step's verdict back (waits for it) and move every state of that step that
+        is still live as ``_accept`` and the fill would: tokens, stop rules, counts, lengths, the
+        next proposal. The fill's rows are the verify's, already counted as written by that step.
+        Returns the draft rows made final. Mutates the states, the ledger and the carry."""
+        k = verdict.k
+        rows = verdict.values()  # the step's one read-back
+        self._committed = True
         kept: list[torch.Tensor | None] = []
         draft_rows = 0
-        for i, (s, row) in enumerate(zip(states, rows)):
+        for i, (s, row) in enumerate(zip(verdict.states, rows)):
+            if self._states.get(s.request_id) is not s:
+                kept.append(None)
+                continue  # aborted since
             entry = self._ledger[s.request_id]
             n = row[0]
             entry.verified = (k, n)
@@ -663,14 +696,13 @@ class Engine:
             # the fill made draft KV final up to the new target length (a stop cuts it shorter)
             s.draft_len = s.target_len
             draft_rows += s.target_len - t_old
-            entry.written.append((t_old, s.target_len))
             s.draft_probs = None
             if not s.finished and draft_budget(s, self.max_seq_len) > 0:
-                s.drafts, s.chain_hidden = next_draft[i : i + 1], next_hidden[i]
+                s.drafts, s.chain_hidden = verdict.next_draft[i : i + 1], verdict.next_hidden[i]
             else:
                 s.drafts = s.chain_hidden = None
             kept.append(s.drafts)
-        self._carry = _FusedCarry(kept, next_draft, next_hidden)
+        self._carry = _FusedCarry(kept, verdict.next_draft, verdict.next_hidden)
         return draft_rows
 
     # -- B + C. target forward and acceptance ----------------------------------------------------
@@ -1070,19 +1102,38 @@ class _FusedCarry:
     next_hidden: torch.Tensor
 
 
-class _LaggingTokens:
-    """One overlapped step's greedy tokens on their way to the host: an asynchronous copy into
-    pinned memory and the fence after it; ``entries`` are (request state, row) pairs."""
+class _Readback:
+    """A device tensor on its way to the host: an asynchronous copy into pinned memory and the
+    fence after it; ``values()`` waits for the fence only."""
 
-    def __init__(self, tokens: torch.Tensor):
-        if tokens.device.type == "cuda":
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+    def __init__(self, values: torch.Tensor):
+        if values.device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
         else:
-            self._host = tokens.clone()  # the CPU computed it already
-        self._fence = StepFence.record(tokens.device)
-        self.entries: list[tuple[RequestState, int]] = []
+            self._host = values.clone()  # the CPU computed it already
+        self._fence = StepFence.record(values.device)
 
-    def values(self) -> list[int]:
+    def values(self) -> list:
         self._fence.wait()
         return self._host.tolist()
+
+
+class _LaggingTokens(_Readback):
+    """One overlapped step's greedy tokens on their way to the host; ``entries`` are (request
+    state, row) pairs."""
+
+    def __init__(self, tokens: torch.Tensor):
+        super().__init__(tokens)
+        self.entries: list[tuple[RequestState, int]] = []
+
+
+class _PendingVerdict(_Readback):
+    """A fused step's verdict rows ``[accepted, target argmax (k + 1), drafts (k)]`` per request
+    of ``states``, and its next proposals (device tensors, copies of the graph's outputs)."""
+
+    def __init__(self, rows: torch.Tensor, states: list[RequestState], k: int, next_draft: torch.Tensor,
+                 next_hidden: torch.Tensor):
+        super().__init__(rows)
+        self.states, self.k = states, k
+        self.next_draft, self.next_hidden = next_draft, next_hidden

@@ -30,6 +30,11 @@ input are zero on every run, as eager padding makes them (``_stage``). A stale p
 there is an index into another shape's rows; the fill's ``last`` of a q = 4 run read by a q = 1
 graph of the same bucket was a device-side assert (``index_select`` past ``bucket * q``).
 
+A forward may also run over several plans (``register(lanes=...)``, ``run_lanes``): the whole
+greedy speculative step of ``spec_step.py`` attends over the verify's layout and the k - 1 draft
+chain positions' layouts, each planned on a lane of its own (its own workspace,
+``AttentionBackend.plan(lane=)``), all before the one replay that reads them.
+
 Without CUDA (or with capture off) the same padding runs eagerly, through the same static input
 buffers, so the CPU tests exercise the exact layouts AND inputs a GPU replays; shapes without a
 captured graph (ragged, prefill, a batch above the largest bucket, a q never captured) run

@@ -37,14 +37,16 @@ def graph_setup(models, graphs: str, **config) -> LocalSetup:
     return LocalSetup(engine, source, target, draft)
 
 
-@pytest.mark.parametrize("k, fused", [(0, True), (3, True), (3, False)], ids=["k0", "k3-fused", "k3-phases"])
+@pytest.mark.parametrize("k, fused, overlap", [(0, True, False), (3, True, False), (3, False, False), (3, True, True)],
+                         ids=["k0", "k3-fused", "k3-phases", "k3-fused-overlap"])
 @torch.inference_mode()
-def test_graph_replay_equals_eager(models, k, fused):
-    """Fused speculative steps (one graph over the chain, verify, verdict and fill) and the
-    phase-by-phase ones each replay exactly what their eager padded runs compute."""
+def test_graph_replay_equals_eager(models, k, fused, overlap):
+    """Fused speculative steps (one graph over the chain, verify, verdict and fill; with overlap
+    the verdict read back at the next step's start) and the phase-by-phase ones each replay
+    exactly what their eager padded runs compute."""
     outputs = {}
     for graphs in ("pad", "capture"):
-        setup = graph_setup(models, graphs, chunk_size=32, max_batch_tokens=128, fused_spec=fused)
+        setup = graph_setup(models, graphs, chunk_size=32, max_batch_tokens=128, fused_spec=fused, overlap=overlap)
         captured = setup.engine.warmup()
         if graphs == "capture":
             # target and EAGLE-3 fill for q = 1..9, the chain, and (fused) the whole step for
