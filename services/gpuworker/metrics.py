@@ -57,7 +57,7 @@ class StepTally:
             if result.verified:
                 proposed += result.proposed_drafts
                 accepted += result.accepted_drafts
-                lengths.append(1 + result.accepted_drafts)
+                lengths.extend(result.acceptance_lengths)
             if result.finish_reason is not None:
                 reasons.append(result.finish_reason.value)
         return cls(elapsed_s, generated, prefill, proposed, accepted, tuple(lengths), tuple(reasons))

@@ -31,22 +31,38 @@ class Trace:
     engine: object
     published: list[dict]  # per step: request id -> publishable positions
     watcher: PublishWatcher
+    lengths: list[int]  # 1 + accepted drafts of every verify the reports carried
+    aborted_at: int | None  # after how many steps r2 was aborted
+
+
+def _pending(rid: str):
+    """An abort condition: ``rid`` sits in the batch a fused step will reuse (its carry), or its
+    verdict is still on the device (overlap)."""
+    def check(engine) -> bool:
+        verdict, carry = engine._verdict, engine._carry
+        if verdict is not None:
+            return any(s.request_id == rid for s in verdict.states)
+        state = engine._states.get(rid)
+        return carry is not None and state is not None and any(d is state.drafts for d in carry.drafts if d is not None)
+    return check
 
 
 def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop=False, abort_at=None,
-           overlap=False) -> Trace:
+           abort_when=None, overlap=False, **config) -> Trace:
     """Run four requests (one with a small max_new_tokens, one with a stop token) to the end,
-    every published block watched (``PublishWatcher``)."""
+    every published block watched (``PublishWatcher``). r2 is aborted after step ``abort_at``, or
+    after the first step at which ``abort_when(engine)`` holds."""
     ps = prompts(LENGTHS, seed=11)
     expected = {f"r{i}": p + plain_greedy(p, MAX_NEW) for i, p in enumerate(ps)}
     setup = make_setup("eagle3", scripted=expected if scripted else None, chunk_size=64, max_batch_tokens=128,
-                       max_draft_tokens=5, graphs="pad", fused_spec=fused, forced_acceptance=forced, overlap=overlap)
+                       max_draft_tokens=5, graphs="pad", fused_spec=fused, forced_acceptance=forced, overlap=overlap,
+                       **config)
     for i, p in enumerate(ps):
         stop_ids = (expected[f"r{i}"][len(p) + 9],) if stop and i == 1 else ()
         submit(setup, f"r{i}", p, max_new_tokens=6 if i == 3 else MAX_NEW, k=k, stop_ids=stop_ids)
     if extra is not None:
         extra(setup)
-    steps, published, watcher = [], [], PublishWatcher(setup, 1)
+    steps, published, watcher, lengths, aborted = [], [], PublishWatcher(setup, 1), [], []
     engine, fused_at = setup.engine, []
     run_fused = engine._run_fused
     engine._run_fused = lambda work, k: (fused_at.append(len(steps)), run_fused(work, k))[1]
@@ -56,7 +72,10 @@ def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop
                             r.finish_reason) for rid, r in report.results.items()})
         published.append({rid: r.publishable_positions for rid, r in report.results.items()})
         watcher(report)
-        if abort_at is not None and len(steps) == abort_at:
+        lengths.extend(length for r in report.results.values() for length in r.acceptance_lengths)
+        due = len(steps) == abort_at if abort_when is None else abort_when(setup.engine)
+        if due and not aborted and "r2" in setup.engine.request_ids():
+            aborted.append(len(steps))
             setup.engine.abort("r2")
             setup.source.release("r2")
 
@@ -64,7 +83,7 @@ def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop
     # before a PublishWatcher compares it
     done = run_until_done(setup, on_step=record, keep=[f"r{i}" for i in range(len(ps))] + ["x"])
     engine.fused_at = fused_at
-    return Trace(steps, done, engine, published, watcher)
+    return Trace(steps, done, engine, published, watcher, lengths, aborted[0] if aborted else None)
 
 
 def _same_publishing(on: Trace, off: Trace) -> None:
@@ -113,8 +132,9 @@ def test_fused_steps_with_forced_acceptance(forced):
 def test_fused_steps_with_a_stop_token_and_an_abort():
     """A stop token inside an accepted run ends the request there (its fill past the stop is
     never published); an abort between steps breaks the batch the next step would reuse."""
-    off = _trace(False, k=3, scripted=True, stop=True, abort_at=3)
-    on = _trace(True, k=3, scripted=True, stop=True, abort_at=3)
+    on = _trace(True, k=3, scripted=True, stop=True, abort_when=_pending("r2"))
+    off = _trace(False, k=3, scripted=True, stop=True, abort_at=on.aborted_at)
+    assert on.aborted_at is not None and on.engine.fused_at[-1] > on.aborted_at  # fused again after it
     assert on.engine.fused_steps > 0 and on.steps == off.steps
     _same_publishing(on, off)
     r1 = on.done["r1"]
@@ -211,6 +231,9 @@ def test_overlapped_fused_steps_stream_the_same_tokens_a_step_later(k, scripted)
     off, on = _trace(False, k=k, scripted=scripted), _trace(True, k=k, scripted=scripted, overlap=True)
     assert on.engine.fused_steps >= 3
     assert _outcome(on) == _outcome(off)
+    # every verify is reported once, with its own acceptance length, also where a lagged verdict
+    # and a phase-by-phase verify of the same request land in one report
+    assert sorted(on.lengths) == sorted(off.lengths) and len(on.lengths) == sum(c.counts.decode_steps for c in on.done.values())
     # the first fused step of a run streams nothing: its tokens come with the next report
     assert _silent(on) and not _silent(off)
     _published_kv_is_final(on)
@@ -218,9 +241,23 @@ def test_overlapped_fused_steps_stream_the_same_tokens_a_step_later(k, scripted)
 
 @pytest.mark.parametrize("forced", [None, 2])
 def test_overlapped_fused_steps_with_a_stop_an_abort_and_forced_acceptance(forced):
-    """The abort comes while r2's verdict is still on the device: nothing of it is applied."""
-    off = _trace(False, k=3, scripted=True, stop=True, abort_at=3, forced=forced)
-    on = _trace(True, k=3, scripted=True, stop=True, abort_at=3, forced=forced, overlap=True)
-    assert on.engine.fused_steps > 0 and _silent(on)
+    """The abort comes while r2's verdict is still on the device: nothing of it is applied, and
+    its tokens are those streamed before (one step fewer than without overlap, whose abort after
+    the same step came after that verdict was applied)."""
+    on = _trace(True, k=3, scripted=True, stop=True, abort_when=_pending("r2"), forced=forced, overlap=True)
+    assert on.aborted_at is not None and on.engine.fused_steps > 0 and _silent(on)
+    off = _trace(False, k=3, scripted=True, stop=True, abort_at=on.aborted_at - 1, forced=forced)
     assert _outcome(on) == _outcome(off)
     _published_kv_is_final(on)
+
+
+def test_overlapped_fused_steps_under_the_rejected_trim_policy():
+    """``trim_policy="rejected"`` gives back blocks past L after every verify: while a verdict is
+    on the device, L is the old one and the blocks its step writes (up to L + k) must stay."""
+    off = _trace(False, k=3, scripted=True, trim_policy="rejected")
+    on = _trace(True, k=3, scripted=True, trim_policy="rejected", overlap=True)
+    assert on.engine.fused_steps >= 3
+    assert _outcome(on) == _outcome(off)
+    ps = prompts(LENGTHS, seed=11)
+    for i, p in enumerate(ps):
+        assert on.done[f"r{i}"].tokens == plain_greedy(p, 6 if i == 3 else MAX_NEW)

@@ -657,16 +657,19 @@ class Engine:
         verdict = _PendingVerdict(torch.cat([out["accepted"].unsqueeze(1), out["target"], out["drafts"]], dim=1),
                                   states, k, out["next_draft"].clone(), out["next_hidden"].clone())
         self._resolve_lagging()  # an earlier overlapped step's tokens, while the device runs this one
-        self._committed = True  # from here on, request state moves: no isolation (see step)
         if self.config.overlap:
             # the host goes back to its caller (streaming, publishing) while the device runs the
             # step; the next step begins by reading the verdict, its one synchronisation
             self._verdict = verdict
             return 0
+        self._committed = True  # from here on, request state moves: no isolation (see step)
         return self._apply_verdict(verdict)
 
     def _resolve_verdict(self) -> int:
-        """Apply a fused step's verdict left on the device (overlap), if any; see ``_apply_verdict``."""
+        """Apply a fused step's verdict left on the device (overlap), if any; see ``_apply_verdict``.
+        Like the plain-decode lagging tokens, this is the outcome of a step that completed, not
+        of this one: it does not commit this step (a newcomer whose first step fails still ends
+        alone, see ``step``)."""
         verdict, self._verdict = self._verdict, None
         return self._apply_verdict(verdict) if verdict is not None else 0
 
@@ -677,7 +680,6 @@ class Engine:
         Returns the draft rows made final. Mutates the states, the ledger and the carry."""
         k = verdict.k
         rows = verdict.values()  # the step's one read-back
-        self._committed = True
         kept: list[torch.Tensor | None] = []
         draft_rows = 0
         for i, (s, row) in enumerate(zip(verdict.states, rows)):
@@ -686,7 +688,7 @@ class Engine:
                 continue  # aborted since
             entry = self._ledger[s.request_id]
             n = row[0]
-            entry.verified = (k, n)
+            entry.verify(k, n)
             s.decode_steps += 1
             s.proposed_drafts_total += k
             s.accepted_drafts_total += n
@@ -834,7 +836,7 @@ class Engine:
                 s.tokens.append(PENDING)
                 s.pending_token = argmax[first : first + 1]
                 lagging.entries.append((s, first))
-                entry.verified = (0, 0)
+                entry.verify(0, 0)
                 s.decode_steps += 1
                 # count-based ends are known now; a stop token only when the value is read back
                 s.last_step = s.num_generated >= s.spec.max_new_tokens or s.logical_len >= self.max_seq_len
@@ -852,7 +854,7 @@ class Engine:
                     v = accept_greedy(draft_host.get(rid, []), greedy_host[first : first + count],
                                       self._forced(w.num_drafts))
                     n_acc, toks = v.accepted, v.tokens
-                entry.verified = (w.num_drafts, n_acc)
+                entry.verify(w.num_drafts, n_acc)
                 s.decode_steps += 1
                 s.proposed_drafts_total += w.num_drafts
                 s.accepted_drafts_total += n_acc
@@ -1011,12 +1013,14 @@ class Engine:
         """One batched trim of blocks no later step of a live request will write (freed by the
         source once ``fence`` completed)."""
         keeps: dict[str, int] = {}
+        # a fused step whose verdict is still on the device (overlap) writes up to L + k
+        pending = {id(s): self._verdict.k for s in self._verdict.states} if self._verdict is not None else {}
         for s in states:
             if s.finished:
                 continue  # the caller releases the whole reservation
             keep = max(self._most_positions(s), s.target_len, s.draft_len)
             if self.config.trim_policy == "rejected" and not s.in_prefill:
-                keep = s.logical_len  # positions >= L hold only rejected or no KV
+                keep = s.logical_len + pending.get(id(s), 0)  # positions >= L hold only rejected or no KV
             if blocks_for(keep, self.block_size) < len(s.block_table):
                 keeps[s.request_id] = keep
         if keeps:
@@ -1054,9 +1058,14 @@ class _Ledger:
     written: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # position ranges, either pool
     emitted: list[int] | None = None  # tokens streamed this step (None: nothing to stream)
     logprobs: list[TokenLogprob] | None = None  # one per emitted token, when the request asked
-    verified: tuple[int, int] | None = None  # (drafts verified, accepted) of a decode step
+    # (drafts verified, accepted) of each decode step whose tokens this step reports: its own,
+    # and (overlapped fused steps) the previous step's verdict read back at this step's start
+    verifies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     prefill_tokens: int = 0
     error: Exception | None = None
+
+    def verify(self, proposed: int, accepted: int) -> None:
+        self.verifies.append((proposed, accepted))
 
     def emit(self, tokens, logprobs: list[TokenLogprob] | None = None) -> None:
         if self.emitted is None:
@@ -1068,7 +1077,7 @@ class _Ledger:
     def result(self, block_size: int, blocks_written: list[int]) -> RequestStepResult:
         """The step's result for this request, as its state stands now. Pure."""
         s = self.state
-        proposed, accepted = self.verified or (0, 0)
+        proposed, accepted = sum(p for p, _ in self.verifies), sum(a for _, a in self.verifies)
         return RequestStepResult(
             request_id=s.request_id,
             new_token_ids=self.emitted or [],
@@ -1083,7 +1092,8 @@ class _Ledger:
             capacity_before=self.capacity_before,
             capacity_after=s.capacity,
             prefill_tokens=self.prefill_tokens,
-            verified=self.verified is not None,
+            verified=bool(self.verifies),
+            acceptance_lengths=tuple(1 + a for _, a in self.verifies),
             finish_reason=s.finish_reason,
             error=self.error,
             counts=s.counts,

@@ -26,7 +26,10 @@ class RequestStepResult:
 
     request_id: str
     new_token_ids: list[int]
-    # Draft tokens verified this step and how many of them were accepted (0/0 without a verify).
+    # Draft tokens verified and how many of them were accepted (0/0 without a verify), over the
+    # verifies whose tokens this report carries: the step's own, and with overlapped fused steps
+    # also the previous step's verdict, read back at this step's start (``acceptance_lengths``
+    # has one entry per verify).
     proposed_drafts: int
     accepted_drafts: int
     logical_len: int  # prompt + generated tokens after the step
@@ -47,6 +50,7 @@ class RequestStepResult:
     counts: DecodeCounts = DecodeCounts()
     # one per new token (same order) when the request asked for logprobs, else None
     new_logprobs: list[TokenLogprob] | None = None
+    acceptance_lengths: tuple[int, ...] = ()  # 1 + accepted drafts, per verify reported here
 
     @property
     def finished(self) -> bool:
