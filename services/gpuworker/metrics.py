@@ -44,7 +44,7 @@ class StepTally:
     prefill: int
     proposed: int
     accepted: int
-    acceptance_lengths: tuple[int, ...]  # 1 + accepted drafts, per verified request
+    acceptance_lengths: tuple[int, ...]  # 1 + accepted drafts, per verify
     finish_reasons: tuple[str, ...]
 
     @classmethod

@@ -48,10 +48,13 @@ def _pending(rid: str):
 
 
 def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop=False, abort_at=None,
-           abort_when=None, overlap=False, **config) -> Trace:
+           abort_when=None, overlap=False, scribble=False, **config) -> Trace:
     """Run four requests (one with a small max_new_tokens, one with a stop token) to the end,
     every published block watched (``PublishWatcher``). r2 is aborted after step ``abort_at``, or
-    after the first step at which ``abort_when(engine)`` holds."""
+    after the first step at which ``abort_when(engine)`` holds. ``scribble``: after every step,
+    every free block of both pools is overwritten with garbage (the local source hands a freed
+    block straight back, contents and all: a block trimmed too early would otherwise go unseen;
+    finite, since masked positions of a request's last page are read with weight 0)."""
     ps = prompts(LENGTHS, seed=11)
     expected = {f"r{i}": p + plain_greedy(p, MAX_NEW) for i, p in enumerate(ps)}
     setup = make_setup("eagle3", scripted=expected if scripted else None, chunk_size=64, max_batch_tokens=128,
@@ -72,6 +75,10 @@ def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop
                             r.finish_reason) for rid, r in report.results.items()})
         published.append({rid: r.publishable_positions for rid, r in report.results.items()})
         watcher(report)
+        if scribble:
+            free = torch.tensor(sorted(setup.source._free), dtype=torch.long)
+            for pool in (setup.engine.target_pool, setup.engine.drafter.pool):
+                pool.data[:, free] = 100.0
         lengths.extend(length for r in report.results.values() for length in r.acceptance_lengths)
         due = len(steps) == abort_at if abort_when is None else abort_when(setup.engine)
         if due and not aborted and "r2" in setup.engine.request_ids():
@@ -254,8 +261,8 @@ def test_overlapped_fused_steps_with_a_stop_an_abort_and_forced_acceptance(force
 def test_overlapped_fused_steps_under_the_rejected_trim_policy():
     """``trim_policy="rejected"`` gives back blocks past L after every verify: while a verdict is
     on the device, L is the old one and the blocks its step writes (up to L + k) must stay."""
-    off = _trace(False, k=3, scripted=True, trim_policy="rejected")
-    on = _trace(True, k=3, scripted=True, trim_policy="rejected", overlap=True)
+    off = _trace(False, k=3, scripted=True, trim_policy="rejected", scribble=True)
+    on = _trace(True, k=3, scripted=True, trim_policy="rejected", overlap=True, scribble=True)
     assert on.engine.fused_steps >= 3
     assert _outcome(on) == _outcome(off)
     ps = prompts(LENGTHS, seed=11)
