@@ -48,21 +48,25 @@ def _pending(rid: str):
 
 
 def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop=False, abort_at=None,
-           abort_when=None, overlap=False, scribble=False, **config) -> Trace:
+           abort_when=None, overlap=False, scribble=False, stagger=False, **config) -> Trace:
     """Run four requests (one with a small max_new_tokens, one with a stop token) to the end,
     every published block watched (``PublishWatcher``). r2 is aborted after step ``abort_at``, or
     after the first step at which ``abort_when(engine)`` holds. ``scribble``: after every step,
     every free block of both pools is overwritten with garbage (the local source hands a freed
     block straight back, contents and all: a block trimmed too early would otherwise go unseen;
-    finite, since masked positions of a request's last page are read with weight 0)."""
+    finite, since masked positions of a request's last page are read with weight 0).
+    ``stagger``: r2 and r3 arrive after steps 2 and 4, their prompts beside others' decodes."""
     ps = prompts(LENGTHS, seed=11)
     expected = {f"r{i}": p + plain_greedy(p, MAX_NEW) for i, p in enumerate(ps)}
     setup = make_setup("eagle3", scripted=expected if scripted else None, chunk_size=64, max_batch_tokens=128,
                        max_draft_tokens=5, graphs="pad", fused_spec=fused, forced_acceptance=forced, overlap=overlap,
                        **config)
-    for i, p in enumerate(ps):
-        stop_ids = (expected[f"r{i}"][len(p) + 9],) if stop and i == 1 else ()
-        submit(setup, f"r{i}", p, max_new_tokens=6 if i == 3 else MAX_NEW, k=k, stop_ids=stop_ids)
+    def admit(i: int) -> None:
+        stop_ids = (expected[f"r{i}"][len(ps[i]) + 9],) if stop and i == 1 else ()
+        submit(setup, f"r{i}", ps[i], max_new_tokens=6 if i == 3 else MAX_NEW, k=k, stop_ids=stop_ids)
+
+    for i in range(2 if stagger else len(ps)):
+        admit(i)
     if extra is not None:
         extra(setup)
     steps, published, watcher, lengths, aborted = [], [], PublishWatcher(setup, 1), [], []
@@ -80,6 +84,8 @@ def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop
             for pool in (setup.engine.target_pool, setup.engine.drafter.pool):
                 pool.data[:, free] = 100.0
         lengths.extend(length for r in report.results.values() for length in r.acceptance_lengths)
+        if stagger and len(steps) in (2, 4):
+            admit(len(steps) // 2 + 1)
         due = len(steps) == abort_at if abort_when is None else abort_when(setup.engine)
         if due and not aborted and "r2" in setup.engine.request_ids():
             aborted.append(len(steps))
@@ -268,3 +274,21 @@ def test_overlapped_fused_steps_under_the_rejected_trim_policy():
     ps = prompts(LENGTHS, seed=11)
     for i, p in enumerate(ps):
         assert on.done[f"r{i}"].tokens == plain_greedy(p, 6 if i == 3 else MAX_NEW)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prompts_arriving_beside_fused_steps(overlap):
+    """Requests that arrive while others decode (a served worker's usual step): the decodes still
+    run as one fused forward and the new prompt beside it as an eager one; tokens, counts and
+    published KV as on the phase-by-phase path (step for step without overlap)."""
+    off = _trace(False, k=3, scripted=True, stagger=True)
+    on = _trace(True, k=3, scripted=True, stagger=True, overlap=overlap)
+    beside = [i for i in on.engine.fused_at if any(v[3] == v[4] + 1 and v[0] and not v[1] and v[-1] is None
+                                                    for v in on.steps[i].values())]
+    assert beside, on.engine.fused_at  # a fused step whose report has a prompt's first token
+    if overlap:
+        assert _outcome(on) == _outcome(off)
+    else:
+        assert on.steps == off.steps
+        _same_publishing(on, off)
+    _published_kv_is_final(on)

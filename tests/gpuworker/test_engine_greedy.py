@@ -108,20 +108,21 @@ def test_bucket_padded_batches_give_the_same_tokens(mode):
     assert not torch.equal(setup.engine.target_pool.layer(0)[graphs.scratch_block], scratch_before)
 
 
-@pytest.mark.parametrize("mode", ["none", "eagle3"])
-def test_prompt_chunks_beside_padded_decodes_give_the_same_tokens(mode):
+@pytest.mark.parametrize("mode, fused", [("none", False), ("eagle3", False), ("eagle3", True)])
+def test_prompt_chunks_beside_padded_decodes_give_the_same_tokens(mode, fused):
     """Requests that arrive while others decode (a served worker's usual step): the decode and
-    verify rows run padded, as their graphs replay them, and the prompt chunks as an eager
-    forward beside them in the same step (EAGLE-3: the fill likewise); tokens equal plain
-    greedy decoding."""
+    verify rows run padded, as their graphs replay them (fused: the whole speculative step as
+    one), and the prompt chunks as an eager forward beside them in the same step (EAGLE-3: the
+    fill likewise); tokens equal plain greedy decoding."""
     ps = prompts((5, 13, 22, 9), seed=7)
     expected = {f"r{i}": plain_greedy(p, MAX_NEW) for i, p in enumerate(ps)}
     scripted = {f"r{i}": p + expected[f"r{i}"] for i, p in enumerate(ps)} if mode != "none" else None
-    setup = make_setup(mode, scripted=scripted, chunk_size=8, max_batch_tokens=64, graphs="pad")
+    setup = make_setup(mode, scripted=scripted, chunk_size=8, max_batch_tokens=64, graphs="pad", fused_spec=fused)
     engine, k = setup.engine, 0 if mode == "none" else 3
     events: list[str] = []
-    graph_run, eager = engine.graphs.run, engine._eager_target
+    graph_run, eager, lanes = engine.graphs.run, engine._eager_target, engine.graphs.run_lanes
     engine.graphs.run = lambda name, layout, inputs: (events.append(name), graph_run(name, layout, inputs))[1]
+    engine.graphs.run_lanes = lambda name, q, layouts, inputs: (events.append(name), lanes(name, q, layouts, inputs))[1]
     engine._eager_target = lambda *a: (events.append("eager target"), eager(*a))[1]
     steps = []
 
@@ -136,7 +137,9 @@ def test_prompt_chunks_beside_padded_decodes_give_the_same_tokens(mode):
     done = run_until_done(setup, on_step=arrive)
     for rid, toks in expected.items():
         assert done[rid].tokens == toks, rid
-    mixed = [s for s in steps if "target" in s and "eager target" in s]
+    mixed = [s for s in steps if ("spec" if fused else "target") in s and "eager target" in s]
     assert mixed, steps  # decodes replayed (padded) beside an eager prompt chunk in one step
-    if mode == "eagle3":
+    if mode == "eagle3" and not fused:
         assert any("fill" in s for s in mixed), mixed
+    if fused:  # the fused step ran its decodes: no per-phase forward beside it but the prompt's
+        assert all("target" not in s and "chain" not in s for s in mixed), mixed

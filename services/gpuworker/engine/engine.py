@@ -505,7 +505,14 @@ class Engine:
         fill_jobs: list[FillJob] = []
         draft_tokens = lagged_draft_rows
         if fused_k:
-            draft_tokens += self._run_fused(work, fused_k)
+            # decodes in one graph; prompt chunks beside them (the scheduler puts them last) run
+            # phase by phase in a second, eager forward launched right behind it
+            prompts = [w for w in work if w.is_prefill]
+            draft_tokens += self._run_fused(work[: len(work) - len(prompts)], fused_k)
+            if prompts:
+                launched = self._run_target(prompts)
+                self._committed = True
+                fill_jobs = self._accept(prompts, *launched)
         else:
             launched = self._run_target(work) if work else None
             # the previous step's tokens, read back while the device runs this step's target forward
@@ -604,19 +611,23 @@ class Engine:
     # -- A-D fused: one forward for a greedy speculative step ---------------------------------------
 
     def _fused_k(self, work: list[ScheduledWork]) -> int:
-        """The k of a step that runs as one fused forward (``spec_step.py``), or 0: every row a
-        greedy decode (no penalties, no logprobs, no token still on the device) verifying the same
-        k >= 1 drafts, holding the one proposal and chain hidden an EAGLE-3 fill left, its draft
-        KV complete up to its target KV; the batch and k covered by the captured graphs. Pure."""
+        """The k of a step whose decodes run as one fused forward (``spec_step.py``), or 0: every
+        decode row (prompt chunks may follow them) a greedy decode (no penalties, no logprobs, no
+        token still on the device) verifying the same k >= 1 drafts, holding the one proposal and
+        chain hidden an EAGLE-3 fill left, its draft KV complete up to its target KV; the decode
+        batch and k covered by the captured graphs. Pure."""
         graphs = self.graphs
         if not work or graphs is None or not self.config.fused_spec or self.drafter is None:
             return 0
-        k = work[0].num_drafts
-        if k < 1 or not graphs.covers("spec", len(work), k):
+        decodes = [w for w in work if not w.is_prefill]
+        if not decodes or any(w.is_prefill for w in work[: len(decodes)]):
+            return 0  # none, or not all first (the scheduler's order)
+        k = decodes[0].num_drafts
+        if k < 1 or not graphs.covers("spec", len(decodes), k):
             return 0
-        for w in work:
+        for w in decodes:
             s = w.state
-            if (w.is_prefill or w.num_drafts != k or not s.spec.sampling.greedy or s.gen_counts is not None
+            if (w.num_drafts != k or not s.spec.sampling.greedy or s.gen_counts is not None
                     or s.spec.logprobs is not None or s.pending_token is not None or s.finished
                     or s.drafts is None or len(s.drafts) != 1 or s.chain_hidden is None
                     or s.pending_hidden or s.draft_len != s.target_len):
