@@ -71,8 +71,8 @@ def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop
         extra(setup)
     steps, published, watcher, lengths, aborted = [], [], PublishWatcher(setup, 1), [], []
     engine, fused_at = setup.engine, []
-    run_fused = engine._run_fused
-    engine._run_fused = lambda work, k: (fused_at.append(len(steps)), run_fused(work, k))[1]
+    launch_fused = engine._launch_fused
+    engine._launch_fused = lambda work, k: (fused_at.append(len(steps)), launch_fused(work, k))[1]
 
     def record(report):
         steps.append({rid: (r.new_token_ids, r.proposed_drafts, r.accepted_drafts, r.logical_len, r.target_len,

@@ -39,11 +39,12 @@ def prompt(seed: int, n: int = 11) -> list[int]:
 
 
 @pytest.mark.parametrize("mode,overlap,graphs", [("none", False, "off"), ("none", True, "off"), ("eagle3", False, "off"),
-                                                 ("eagle3", True, "pad")])
+                                                 ("eagle3", False, "pad"), ("eagle3", True, "pad")])
 def test_a_failing_newcomer_ends_alone_and_the_running_requests_are_unaffected(mode, overlap, graphs):
-    """("eagle3", overlap, "pad"): the step before the newcomer's is a fused speculative step
-    whose verdict is read back at the start of the failing step: that read is the outcome of a
-    completed step, so the failure still isolates the newcomer."""
+    """("eagle3", *, "pad"): the running requests' decodes run as a fused speculative step and
+    the newcomer's prompt beside it fails; with overlap, the step before's verdict is read back
+    at the start of the failing step: the outcome of a completed step. Either way the failure
+    isolates the newcomer."""
     setup = make_setup(mode, chunk_size=64, max_batch_tokens=64, overlap=overlap, graphs=graphs)
     engine = setup.engine
     engine.target = FaultyTarget(engine.target)
@@ -62,9 +63,11 @@ def test_a_failing_newcomer_ends_alone_and_the_running_requests_are_unaffected(m
     collect(engine.step())  # a and b prefill: proven
     collect(engine.step())  # and decode once (overlap: its tokens are still on their way)
     if graphs == "pad":
-        assert engine.fused_steps == 1 and engine._verdict is not None
+        assert engine.fused_steps == 1 and (engine._verdict is not None) == overlap
     submit(setup, "bad", prompt(3)[:5] + POISON + prompt(3)[5:], max_new_tokens=12, k=k)
     report = collect(engine.step())  # fails: only "bad" never completed a step
+    if graphs == "pad":
+        assert engine.fused_steps == 2  # the decodes beside it ran fused
     bad = report.results["bad"]
     assert bad.finish_reason is FinishReason.ERROR and isinstance(bad.error, RuntimeError)
     assert bad.new_token_ids == [] and "bad" not in engine.request_ids()

@@ -196,7 +196,7 @@ class Engine:
         self._ledger: dict[str, _Ledger] = {}  # the running step's record of each live request
         self._carry: _FusedCarry | None = None  # the last fused step's proposals, batched
         self._verdict: _PendingVerdict | None = None  # overlap: the last fused step's, on its way
-        self.fused_steps = 0  # steps that ran as one fused speculative forward (``_run_fused``)
+        self.fused_steps = 0  # steps whose decodes ran as one fused speculative forward (``_launch_fused``)
 
     def _make_graphs(self, target: TargetModel, draft: DraftModel | None, draft_pool: KVPool | None) -> ForwardGraphs | None:
         """The padded/captured uniform forwards (None with ``graphs="off"``): the target over
@@ -506,11 +506,20 @@ class Engine:
         draft_tokens = lagged_draft_rows
         if fused_k:
             # decodes in one graph; prompt chunks beside them (the scheduler puts them last) run
-            # phase by phase in a second, eager forward launched right behind it
+            # phase by phase in a second, eager forward launched right behind it. Nothing moves
+            # before both are launched (a failing newcomer's prompt still ends alone, see step).
             prompts = [w for w in work if w.is_prefill]
-            draft_tokens += self._run_fused(work[: len(work) - len(prompts)], fused_k)
-            if prompts:
-                launched = self._run_target(prompts)
+            verdict = self._launch_fused(work[: len(work) - len(prompts)], fused_k)
+            launched = self._run_target(prompts) if prompts else None
+            self._resolve_lagging()  # an earlier overlapped step's tokens, while the device runs this one
+            if self.config.overlap:
+                # the host goes back to its caller (streaming, publishing) while the device runs
+                # the step; the next step begins by reading the verdict, its one synchronisation
+                self._verdict = verdict
+            else:
+                self._committed = True  # from here on, request state moves: no isolation (see step)
+                draft_tokens += self._apply_verdict(verdict)
+            if launched is not None:
                 self._committed = True
                 fill_jobs = self._accept(prompts, *launched)
         else:
@@ -634,17 +643,17 @@ class Engine:
                 return 0
         return k
 
-    def _run_fused(self, work: list[ScheduledWork], k: int) -> int:
-        """A-D of a fused step (see ``_fused_k``): plan the verify and the k - 1 chain positions,
-        launch once, then apply the verdict (``_apply_verdict``) — now, or with ``overlap`` at the
-        start of the next step, so that the caller's own per-step work (streaming, publishing)
-        runs while the device does::
+    def _launch_fused(self, work: list[ScheduledWork], k: int) -> "_PendingVerdict":
+        """A-D of a fused step's decodes (see ``_fused_k``): plan the verify and the k - 1 chain
+        positions and launch once. Moves no request state: the verdict is applied by
+        ``_apply_verdict``, in this step, or with ``overlap`` at the start of the next one, so
+        that the caller's own per-step work (streaming, publishing) runs while the device does::
 
             step N:    plan, launch N ─────────────────┐ return ── caller's work ──┐
             device:                  [ fused step N .............. ]               │
             step N+1:                                  read verdict N, apply, plan, launch N+1
 
-        Returns the draft rows made final. Mutates the states, both pools and the ledger."""
+        Mutates both pools (on the device), the ledger's written ranges and the step counter."""
         states = [w.state for w in work]
         b = len(states)
         tables = [s.table_array() for s in states]
@@ -665,16 +674,8 @@ class Engine:
         out = self.graphs.run_lanes("spec", k, layouts, {"last": last, "d1": d1, "hidden": hidden, "forced": forced_t})
         self.fused_steps += 1
         # copies: a graph's outputs are rewritten by its next replay
-        verdict = _PendingVerdict(torch.cat([out["accepted"].unsqueeze(1), out["target"], out["drafts"]], dim=1),
-                                  states, k, out["next_draft"].clone(), out["next_hidden"].clone())
-        self._resolve_lagging()  # an earlier overlapped step's tokens, while the device runs this one
-        if self.config.overlap:
-            # the host goes back to its caller (streaming, publishing) while the device runs the
-            # step; the next step begins by reading the verdict, its one synchronisation
-            self._verdict = verdict
-            return 0
-        self._committed = True  # from here on, request state moves: no isolation (see step)
-        return self._apply_verdict(verdict)
+        return _PendingVerdict(torch.cat([out["accepted"].unsqueeze(1), out["target"], out["drafts"]], dim=1),
+                               states, k, out["next_draft"].clone(), out["next_hidden"].clone())
 
     def _resolve_verdict(self) -> int:
         """Apply a fused step's verdict left on the device (overlap), if any; see ``_apply_verdict``.
