@@ -33,6 +33,7 @@ class Trace:
     watcher: PublishWatcher
     lengths: list[int]  # 1 + accepted drafts of every verify the reports carried
     aborted_at: int | None  # after how many steps r2 was aborted
+    fused_at: list[int]  # indices of the steps that launched a fused forward
 
 
 def _pending(rid: str):
@@ -95,8 +96,7 @@ def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop
     # reservations are kept to the end: a released block could be handed out and rewritten
     # before a PublishWatcher compares it
     done = run_until_done(setup, on_step=record, keep=[f"r{i}" for i in range(len(ps))] + ["x"])
-    engine.fused_at = fused_at
-    return Trace(steps, done, engine, published, watcher, lengths, aborted[0] if aborted else None)
+    return Trace(steps, done, engine, published, watcher, lengths, aborted[0] if aborted else None, fused_at)
 
 
 def _same_publishing(on: Trace, off: Trace) -> None:
@@ -147,7 +147,7 @@ def test_fused_steps_with_a_stop_token_and_an_abort():
     never published); an abort between steps breaks the batch the next step would reuse."""
     on = _trace(True, k=3, scripted=True, stop=True, abort_when=_pending("r2"))
     off = _trace(False, k=3, scripted=True, stop=True, abort_at=on.aborted_at)
-    assert on.aborted_at is not None and on.engine.fused_at[-1] > on.aborted_at  # fused again after it
+    assert on.aborted_at is not None and on.fused_at[-1] > on.aborted_at  # fused again after it
     assert on.engine.fused_steps > 0 and on.steps == off.steps
     _same_publishing(on, off)
     r1 = on.done["r1"]
@@ -173,8 +173,8 @@ def test_batches_the_fused_step_cannot_take_fall_back(extra):
     assert on.steps == off.steps
     # a fused step never carried "x" (other k: only once its budget shrank into the graphs' k),
     # and verified one k in all its rows
-    assert on.engine.fused_at
-    for i in on.engine.fused_at:
+    assert on.fused_at
+    for i in on.fused_at:
         step = on.steps[i]
         assert "x" not in step or (extra == "other k" and step["x"][1] <= 3), step
         assert len({v[1] for v in step.values()}) == 1, step
@@ -283,9 +283,9 @@ def test_prompts_arriving_beside_fused_steps(overlap):
     published KV as on the phase-by-phase path (step for step without overlap)."""
     off = _trace(False, k=3, scripted=True, stagger=True)
     on = _trace(True, k=3, scripted=True, stagger=True, overlap=overlap)
-    beside = [i for i in on.engine.fused_at if any(v[3] == v[4] + 1 and v[0] and not v[1] and v[-1] is None
+    beside = [i for i in on.fused_at if any(v[3] == v[4] + 1 and v[0] and not v[1] and v[-1] is None
                                                     for v in on.steps[i].values())]
-    assert beside, on.engine.fused_at  # a fused step whose report has a prompt's first token
+    assert beside, on.fused_at  # a fused step whose report has a prompt's first token
     if overlap:
         assert _outcome(on) == _outcome(off)
     else:

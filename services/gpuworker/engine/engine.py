@@ -508,8 +508,9 @@ class Engine:
             # decodes in one graph; prompt chunks beside them (the scheduler puts them last) run
             # phase by phase in a second, eager forward launched right behind it. Nothing moves
             # before both are launched (a failing newcomer's prompt still ends alone, see step).
-            prompts = [w for w in work if w.is_prefill]
-            verdict = self._launch_fused(work[: len(work) - len(prompts)], fused_k)
+            n_dec = _leading_decodes(work)
+            prompts = work[n_dec:]
+            verdict = self._launch_fused(work[:n_dec], fused_k)
             launched = self._run_target(prompts) if prompts else None
             self._resolve_lagging()  # an earlier overlapped step's tokens, while the device runs this one
             if self.config.overlap:
@@ -628,16 +629,16 @@ class Engine:
         graphs = self.graphs
         if not work or graphs is None or not self.config.fused_spec or self.drafter is None:
             return 0
-        decodes = [w for w in work if not w.is_prefill]
-        if not decodes or any(w.is_prefill for w in work[: len(decodes)]):
-            return 0  # none, or not all first (the scheduler's order)
+        decodes = work[: _leading_decodes(work)]
+        if not decodes:
+            return 0
         k = decodes[0].num_drafts
         if k < 1 or not graphs.covers("spec", len(decodes), k):
             return 0
         for w in decodes:
             s = w.state
             if (w.num_drafts != k or not s.spec.sampling.greedy or s.gen_counts is not None
-                    or s.spec.logprobs is not None or s.pending_token is not None or s.finished
+                    or s.spec.logprobs is not None or s.pending_token is not None
                     or s.drafts is None or len(s.drafts) != 1 or s.chain_hidden is None
                     or s.pending_hidden or s.draft_len != s.target_len):
                 return 0
@@ -700,10 +701,7 @@ class Engine:
                 continue  # aborted since
             entry = self._ledger[s.request_id]
             n = row[0]
-            entry.verify(k, n)
-            s.decode_steps += 1
-            s.proposed_drafts_total += k
-            s.accepted_drafts_total += n
+            self._count_verify(entry, k, n)
             entry.emit(self._append(s, row[k + 2 : k + 2 + n] + [row[1 + n]]))
             t_old = s.target_len
             s.target_len = s.logical_len - 1  # the newest token is fed next step
@@ -745,8 +743,7 @@ class Engine:
             row += w.num_target_tokens
         input_ids = self._input_ids(pieces)
         aux = self.drafter.target_aux_layers if self.drafter is not None else ()
-        # the scheduler puts decoding requests first: [0, n_dec) decode or verify, the rest prefill
-        n_dec = next((i for i, w in enumerate(work) if w.is_prefill), len(work))
+        n_dec = _leading_decodes(work)
         decode_layout = self._layout(work[:n_dec]) if n_dec and self.graphs is not None else None
         q = decode_layout.arrays.uniform_q if decode_layout is not None else None
         if q is not None and self.graphs is not None and self.graphs.covers("target", n_dec, q):
@@ -848,8 +845,7 @@ class Engine:
                 s.tokens.append(PENDING)
                 s.pending_token = argmax[first : first + 1]
                 lagging.entries.append((s, first))
-                entry.verify(0, 0)
-                s.decode_steps += 1
+                self._count_verify(entry, 0, 0)
                 # count-based ends are known now; a stop token only when the value is read back
                 s.last_step = s.num_generated >= s.spec.max_new_tokens or s.logical_len >= self.max_seq_len
                 s.target_len = s.logical_len - 1
@@ -866,10 +862,7 @@ class Engine:
                     v = accept_greedy(draft_host.get(rid, []), greedy_host[first : first + count],
                                       self._forced(w.num_drafts))
                     n_acc, toks = v.accepted, v.tokens
-                entry.verify(w.num_drafts, n_acc)
-                s.decode_steps += 1
-                s.proposed_drafts_total += w.num_drafts
-                s.accepted_drafts_total += n_acc
+                self._count_verify(entry, w.num_drafts, n_acc)
                 self._emit(entry, raw, first, self._append(s, list(toks)))
                 s.target_len = s.logical_len - 1  # the newest token is fed next step
             s.drafts = s.draft_probs = s.chain_hidden = None
@@ -885,6 +878,16 @@ class Engine:
         if lagging is not None:
             self._lagging = lagging
         return jobs
+
+    @staticmethod
+    def _count_verify(entry: "_Ledger", proposed: int, accepted: int) -> None:
+        """One decode step verified ``proposed`` drafts and kept ``accepted``: in this step's
+        report and in the request's totals. Mutates both."""
+        entry.verify(proposed, accepted)
+        s = entry.state
+        s.decode_steps += 1
+        s.proposed_drafts_total += proposed
+        s.accepted_drafts_total += accepted
 
     @staticmethod
     def _drafts_to_host(work: list[ScheduledWork]) -> dict[str, list[int]]:
@@ -1025,13 +1028,15 @@ class Engine:
         """One batched trim of blocks no later step of a live request will write (freed by the
         source once ``fence`` completed)."""
         keeps: dict[str, int] = {}
+        rejected = self.config.trim_policy == "rejected"
         # a fused step whose verdict is still on the device (overlap) writes up to L + k
-        pending = {id(s): self._verdict.k for s in self._verdict.states} if self._verdict is not None else {}
+        verdict = self._verdict if rejected else None
+        pending = {id(s): verdict.k for s in verdict.states} if verdict is not None else {}
         for s in states:
             if s.finished:
                 continue  # the caller releases the whole reservation
             keep = max(self._most_positions(s), s.target_len, s.draft_len)
-            if self.config.trim_policy == "rejected" and not s.in_prefill:
+            if rejected and not s.in_prefill:
                 keep = s.logical_len + pending.get(id(s), 0)  # positions >= L hold only rejected or no KV
             if blocks_for(keep, self.block_size) < len(s.block_table):
                 keeps[s.request_id] = keep
@@ -1111,6 +1116,11 @@ class _Ledger:
             counts=s.counts,
             new_logprobs=self.logprobs,
         )
+
+
+def _leading_decodes(work: list[ScheduledWork]) -> int:
+    """How many rows of ``work`` are decodes: the scheduler puts them first, prompt chunks after."""
+    return next((i for i, w in enumerate(work) if w.is_prefill), len(work))
 
 
 @dataclasses.dataclass(slots=True)

@@ -221,8 +221,8 @@ class ForwardGraphs:
         if lanes is None:
             plan = self.backend.plan(self._scratch_layout(batch, q), self._kind(q))
         else:
-            plan = tuple(self.backend.plan(self._scratch_layout(batch, lq), self._kind(lq), lane=i)
-                         for i, lq in enumerate(lanes(q)))
+            qs = tuple(lanes(q))
+            plan = self._plan_lanes([self._scratch_layout(batch, lq) for lq in qs], qs)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up run: lazy inits must not happen under capture
@@ -284,9 +284,12 @@ class ForwardGraphs:
                 layout.batch_size != batch for layout in layouts):
             raise InvalidArgument(f"{name}: layouts (batch {batch}, query lengths {got}) are not covered "
                                   f"by the graphs keyed q {q} (query lengths {want})")
-        plans = tuple(self.backend.plan(self._pad(layout, padded_batch, lq), self._kind(lq), lane=i)
-                      for i, (layout, lq) in enumerate(zip(layouts, want)))
+        plans = self._plan_lanes([self._pad(layout, padded_batch, lq) for layout, lq in zip(layouts, want)], want)
         return self._execute(name, plans, inputs, batch, padded_batch, q)
+
+    def _plan_lanes(self, layouts: Sequence[BatchLayout], qs: Sequence[int]) -> tuple[AttentionPlan, ...]:
+        """Plan ``layouts[i]`` (query length ``qs[i]``) on lane ``i``: plans that live together."""
+        return tuple(self.backend.plan(layout, self._kind(lq), lane=i) for i, (layout, lq) in enumerate(zip(layouts, qs)))
 
     def _execute(self, name: str, plan, inputs: dict[str, torch.Tensor], batch: int, padded_batch: int,
                  q: int) -> dict[str, torch.Tensor]:
