@@ -12,6 +12,8 @@ vocab 32,000, bf16) with a random EAGLE-3 draft layer, every forward captured in
     k = 3   speculative, forced    plan(VERIFY q=4) | verify graph | read verdict (sync)
             acceptance a = 0..3    plan(fill q=a+1) | draft fill graph   -> d1
                                    plan(DECODE) | draft chain graph x2   -> d2, d3
+            the engine's fused     plan x k (lanes) | one graph: chain, verify, verdict, fill
+            step (same a)                             | read verdict (sync, or one step late)
 
 Each step yields a+1 tokens per request. "Alone" times are the GPU times of each graph replay
 (CUDA events); the step time is host wall time per step, planning and syncs included.
@@ -267,6 +269,29 @@ class DecodeBench:
 
             self.g_chain.append(Graph(chain))
 
+        # -- the engine's fused speculative step (``engine/spec_step.py``): chain, verify,
+        # verdict and fill in one graph over k plans (the chain's on lanes 1 .. k-1)
+        self.g_fused = None
+        if k >= 1:
+            from services.gpuworker.engine.spec_step import spec_step_forward
+
+            fwd = spec_step_forward(target, draft, backend, tpool, dpool, aux)
+            self.f_last = torch.randint(0, 1000, (B,), device=dev)
+            self.f_d1 = torch.randint(0, 1000, (B,), device=dev)
+            self.f_hidden = torch.zeros(B, H, dtype=torch.bfloat16, device=dev)
+            self.f_forced = torch.zeros(B, dtype=torch.int64, device=dev)
+            self._plan_fused(self.L - 1)
+
+            def fused():
+                out = fwd(self.f_plans, self.f_last, self.f_d1, self.f_hidden, self.f_forced)
+                # the next step's inputs, as the engine's carry hands them over
+                self.f_last.copy_(out["target"].gather(1, out["accepted"].unsqueeze(1)).squeeze(1))
+                self.f_d1.copy_(out["next_draft"])
+                self.f_hidden.copy_(out["next_hidden"])
+                return out
+
+            self.g_fused = Graph(fused)
+
     # -- planning: same lengths for the whole batch (forced acceptance keeps them in step)
     def _layout(self, cached: int, q: int):
         from services.gpuworker.attention.base import BatchLayout
@@ -280,6 +305,14 @@ class DecodeBench:
 
     def _plan_decode(self, cached: int):
         return self._plan(cached, 1)
+
+    def _plan_fused(self, cached: int):
+        """The fused step's plans, as the engine makes them: the verify (q = k + 1) on lane 0,
+        chain position j (q = 1, j - 1 past the verify's start) on lane j."""
+        plans = [self.backend.plan(self._layout(cached, self.k + 1), self.AK.VERIFY, lane=0)]
+        plans += [self.backend.plan(self._layout(cached + j - 1, 1), self.AK.DECODE, lane=j) for j in range(1, self.k)]
+        self.f_plans = tuple(plans)
+        return self.f_plans
 
     # -- steps
     def decode_step(self) -> None:
@@ -305,6 +338,18 @@ class DecodeBench:
             self.v_ids.cpu()
         self.L = new_L
 
+    def fused_step(self, a: int, read: bool = True) -> None:
+        """The engine's fused step at forced acceptance ``a``: k plans, one replay, one read-back
+        of the verdict (``read=False``: the read is left to the next step, as ``--overlap-steps``
+        does; the last one is read by ``timed``'s closing sync)."""
+        self.f_forced.fill_(a)
+        self._plan_fused(self.L - 1)
+        self.g_fused.replay()
+        out = self.g_fused.out
+        if read:
+            self.torch.cat([out["accepted"].unsqueeze(1), out["target"], out["drafts"]], dim=1).cpu()
+        self.L += a + 1
+
     def validate(self) -> dict:
         """Before timing: every stage once with a sync after it (so a fault names its stage),
         token ids in range, and graph outputs equal to eager forwards on the same plan."""
@@ -328,6 +373,12 @@ class DecodeBench:
             ids = self.v_ids.cpu()
             if not bool(((ids >= 0) & (ids < V)).all()):
                 raise RuntimeError(f"token ids out of range after a speculative step (a={a}): {ids}")
+            if self.g_fused is not None:
+                self.fused_step(a)
+                accepted = self.g_fused.out["accepted"].cpu()
+                if not bool((accepted == a).all()):
+                    raise RuntimeError(f"fused step: forced acceptance {a}, verdict {accepted.tolist()}")
+                self.L = L
         self._plan_decode(self.L - 1)
         self.g_decode.replay()
         torch.cuda.synchronize()
@@ -453,9 +504,15 @@ def model_decode(batches: list[int], k: int, ctx: int, steps: int, log) -> dict:
             alone = bench.alone_ms(a)
             step_ms = bench.timed(lambda a=a: bench.spec_step(a), steps)
             ahead_ms = bench.timed(lambda a=a: bench.spec_step(a, sync_after_verify=False), steps)
+            fused_ms = bench.timed(lambda a=a: bench.fused_step(a), steps)
+            fused_lag_ms = bench.timed(lambda a=a: bench.fused_step(a, read=False), steps)
             row["spec"][a] = {
                 "step_ms": step_ms,
                 "step_ms_no_sync_after_verify": ahead_ms,
+                "fused_step_ms": fused_ms,
+                "fused_step_ms_verdict_read_late": fused_lag_ms,
+                "fused_over_alone": fused_ms / alone["spec_sum"],
+                "fused_tokens_per_s": B * (a + 1) / fused_ms * 1e3,
                 "tokens_per_s": B * (a + 1) / step_ms * 1e3,
                 "alone_ms": alone,
                 "step_over_alone": step_ms / alone["spec_sum"],
@@ -465,7 +522,8 @@ def model_decode(batches: list[int], k: int, ctx: int, steps: int, log) -> dict:
                 f"B={B:3d} k={k} a={a}: step {step_ms:.3f} ms (plan-ahead {ahead_ms:.3f}), alone sum "
                 f"{alone['spec_sum']:.3f} ms (verify {alone['verify']:.3f} fill {alone['fill']:.3f} chain "
                 f"{'+'.join(f'{c:.3f}' for c in alone['chain'])}), ratio {step_ms / alone['spec_sum']:.2f}, "
-                f"{row['spec'][a]['tokens_per_s']:.0f} tok/s, x{row['spec'][a]['speedup_vs_plain']:.2f} vs plain"
+                f"{row['spec'][a]['tokens_per_s']:.0f} tok/s, x{row['spec'][a]['speedup_vs_plain']:.2f} vs plain; "
+                f"fused step {fused_ms:.3f} ms (verdict read late {fused_lag_ms:.3f}), ratio {fused_ms / alone['spec_sum']:.2f}"
             )
         log(
             f"B={B:3d} k=0: step {plain_ms:.3f} ms (graph alone {row['spec'][0]['alone_ms']['decode']:.3f} ms, "
@@ -494,7 +552,8 @@ def summary_table(res: dict) -> str:
         )
     model = res.get("model")
     if model:
-        lines.append(f"{'batch':>5} {'k':>2} {'a':>2} {'step ms':>8} {'tok/s':>9} {'vs plain':>8} {'step/alone':>10}")
+        lines.append(f"{'batch':>5} {'k':>2} {'a':>2} {'step ms':>8} {'tok/s':>9} {'vs plain':>8} {'step/alone':>10} "
+                     f"{'fused ms':>8} {'fused/alone':>11}")
         for row in model["rows"]:
             lines.append(
                 f"{row['batch']:>5} {0:>2} {'-':>2} {row['plain']['step_ms']:>8.3f} "
@@ -503,7 +562,8 @@ def summary_table(res: dict) -> str:
             for a, s in sorted(row["spec"].items(), key=lambda kv: int(kv[0])):
                 lines.append(
                     f"{row['batch']:>5} {row['k']:>2} {a:>2} {s['step_ms']:>8.3f} {s['tokens_per_s']:>9.0f} "
-                    f"{s['speedup_vs_plain']:>8.2f} {s['step_over_alone']:>10.2f}"
+                    f"{s['speedup_vs_plain']:>8.2f} {s['step_over_alone']:>10.2f} "
+                    f"{s.get('fused_step_ms', float('nan')):>8.3f} {s.get('fused_over_alone', float('nan')):>11.2f}"
                 )
     return "\n".join(lines)
 

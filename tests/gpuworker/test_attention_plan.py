@@ -211,3 +211,45 @@ def test_capacity_error_names_the_request():
     with pytest.raises(InvalidArgument, match=r"request 1: kv_len 9 \(cached 6 \+ query 3\) exceeds reserved "
                                               r"capacity 8 \(2 blocks of 4\)"):
         backend.plan(layout, AttentionKind.VERIFY)
+
+
+def test_shifted_and_padded_layouts_plan_like_layouts_built_from_scratch():
+    """``shifted`` (a speculative step's chain positions) and ``padded`` (a graph bucket's rows)
+    reuse the validated tables; their plans equal those of layouts validated from lists."""
+    rng = random.Random("derived")
+    for _ in range(20):
+        base = random_layout(rng, AttentionKind.VERIFY)
+        tables, cached = base.block_tables, base.cached_lens
+        for delta, q in ((0, 1), (2, 1), (1, 3)):
+            fits = all(c + delta + q <= len(t) * BS for t, c in zip(tables, cached))
+            got = base.shifted(delta, q)
+            want = BatchLayout(tables, [c + delta for c in cached], [q] * len(tables))
+            kind = AttentionKind.DECODE if q == 1 else AttentionKind.VERIFY
+            if fits:
+                _plans_equal(get_backend("torch", "cpu", GEOM).plan(got, kind),
+                             get_backend("torch", "cpu", GEOM).plan(want, kind))
+            else:  # the capacity check still sees the shifted lengths
+                with pytest.raises(InvalidArgument, match="exceeds reserved capacity"):
+                    get_backend("torch", "cpu", GEOM).plan(got, kind)
+        q = min(base.query_lens[0], BS)  # a padding row holds one page
+        base = base.shifted(0, q)
+        got = base.padded(3, 399, q)
+        want = BatchLayout(list(tables) + [[399]] * 3, list(cached) + [0] * 3, [q] * (len(tables) + 3))
+        _plans_equal(get_backend("torch", "cpu", GEOM).plan(got, AttentionKind.VERIFY),
+                     get_backend("torch", "cpu", GEOM).plan(want, AttentionKind.VERIFY))
+        assert got.arrays.widths.tolist() == want.arrays.widths.tolist()
+        assert base.padded(0, 399, q).arrays.tables.tolist() == base.arrays.tables.tolist()
+
+
+def test_shifted_and_padded_refuse_bad_arguments_and_leave_the_layout_alone():
+    base = BatchLayout([[5, 1], [2]], [3, 0], [2, 2])
+    for bad in ((-1, 1), (0, 0), (0.5, 1), (0, True)):
+        with pytest.raises(InvalidArgument):
+            base.shifted(*bad)
+    for bad in ((-1, 3), (1, -2), (1.0, 3)):
+        with pytest.raises(InvalidArgument):
+            base.padded(*bad, 2)
+    assert base.arrays.cached.tolist() == [3, 0] and base.arrays.q.tolist() == [2, 2]
+    shifted = base.shifted(1, 1)
+    assert shifted.arrays.cached.tolist() == [4, 1] and shifted.kv_lens == [5, 2] and shifted.arrays.uniform_q == 1
+    assert not shifted.arrays.cached.flags.writeable

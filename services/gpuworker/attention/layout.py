@@ -95,6 +95,34 @@ class BatchLayout:
     def capacities(self, block_size: int) -> list[int]:
         return (self._arrays.widths * block_size).tolist()  # type: ignore[attr-defined]
 
+    def shifted(self, cached_delta: int, query_len: int) -> "BatchLayout":
+        """The same requests and tables, every cached length moved by ``cached_delta`` and every
+        query length ``query_len``: a speculative step's draft-chain positions beside its verify.
+        The tables are shared, not converted or checked again. Pure."""
+        a = self._arrays  # type: ignore[attr-defined]
+        if not _is_int(cached_delta) or not _is_int(query_len) or query_len < 1:
+            raise InvalidArgument(f"shifted() needs integers and query_len >= 1, got {cached_delta!r}, {query_len!r}")
+        cached = a.cached + cached_delta
+        if int(cached.min()) < 0:
+            raise InvalidArgument(f"request {int(np.argmin(cached))}: cached_len must be >= 0 after a shift of {cached_delta}")
+        q = np.full(len(cached), query_len, dtype=np.int64)
+        return _derived(a.tables, a.widths, cached, q, a.max_block_id)
+
+    def padded(self, extra: int, block: int, query_len: int) -> "BatchLayout":
+        """This layout plus ``extra`` requests of one page (``block``), nothing cached and
+        ``query_len`` tokens each: a graph bucket's padding rows. Pure."""
+        a = self._arrays  # type: ignore[attr-defined]
+        if not _is_int(extra) or extra < 0 or not _is_int(block) or not 0 <= block <= INT32_MAX:
+            raise InvalidArgument(f"padded() needs extra >= 0 and a block id, got {extra!r}, {block!r}")
+        n = len(a.q)
+        tables = np.full((n + extra, a.tables.shape[1]), -1, dtype=np.int64)
+        tables[:n] = a.tables
+        tables[n:, 0] = block
+        widths = np.concatenate([a.widths, np.ones(extra, dtype=np.int64)])
+        cached = np.concatenate([a.cached, np.zeros(extra, dtype=np.int64)])
+        q = np.concatenate([a.q, np.full(extra, query_len, dtype=np.int64)])
+        return _derived(tables, widths, cached, q, max(a.max_block_id, block) if extra else a.max_block_id)
+
 
 # -- validation ------------------------------------------------------------------------------
 
@@ -145,6 +173,48 @@ def _validate(tables: Any, cached: Any, query: Any) -> LayoutArrays:
     for a in (q, c, kv, widths, matrix):
         a.flags.writeable = False  # shared by every plan of the layout (views of caller arrays too)
     return arrays
+
+
+def _derived(tables: np.ndarray, widths: np.ndarray, cached: np.ndarray, q: np.ndarray, max_id: int) -> BatchLayout:
+    """A layout from arrays that an already validated layout holds (tables, widths) or that its
+    derivation just made (non-negative lengths): only the length bounds are checked."""
+    kv = cached + q
+    max_kv = int(kv.max())
+    if max_kv > INT32_MAX:
+        r = int(np.argmax(kv))
+        raise InvalidArgument(f"request {r}: kv_len {max_kv} must be below 2**31 (int32 plans)")
+    q_min, q_max = int(q.min()), int(q.max())
+    uniform = q_min == q_max
+    arrays = LayoutArrays(q=q, cached=cached, kv=kv, widths=widths, tables=tables,
+                          uniform_q=q_min if uniform else None,
+                          num_tokens=q_min * len(q) if uniform else int(q.sum()),
+                          max_kv_len=max_kv, max_block_id=max_id)
+    for a in (q, cached, kv, widths, tables):
+        a.flags.writeable = False
+    layout = object.__new__(BatchLayout)
+    for name, value in (("block_tables", _TableRows(tables, widths)), ("cached_lens", cached), ("query_lens", q),
+                        ("_arrays", arrays)):
+        object.__setattr__(layout, name, value)
+    return layout
+
+
+class _TableRows:
+    """A derived layout's ``block_tables``: each request's pages (its padded row cut to its width),
+    made only when read (the planner reads ``arrays``; tests and error paths read rows)."""
+
+    __slots__ = ("_tables", "_widths")
+
+    def __init__(self, tables: np.ndarray, widths: np.ndarray):
+        self._tables, self._widths = tables, widths
+
+    def __len__(self) -> int:
+        return len(self._widths)
+
+    def __getitem__(self, r: int) -> np.ndarray:
+        return self._tables[r, : self._widths[r]]
+
+    def __iter__(self):
+        return (self._tables[r, :w] for r, w in enumerate(self._widths.tolist()))
 
 
 def _int_vector(values: Any, n: int) -> np.ndarray | None:

@@ -659,9 +659,8 @@ class Engine:
         b = len(states)
         tables = [s.table_array() for s in states]
         starts = np.fromiter((s.target_len for s in states), dtype=np.int64, count=b)
-        layouts = [BatchLayout(tables, starts, np.full(b, k + 1, dtype=np.int64))]
-        ones = np.ones(b, dtype=np.int64)
-        layouts += [BatchLayout(tables, starts + (j - 1), ones) for j in range(1, k)]
+        verify = BatchLayout(tables, starts, np.full(b, k + 1, dtype=np.int64))
+        layouts = [verify] + [verify.shifted(j - 1, 1) for j in range(1, k)]  # the chain: same tables
         forced = self._forced(k)
         last, forced_t = to_device([s.tokens[-1] for s in states] + [-1 if forced is None else forced] * b,
                                    torch.long, self.device).split([b, b])

@@ -55,7 +55,6 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-import numpy as np
 import torch
 
 from services.common.errors import InvalidArgument
@@ -356,13 +355,5 @@ class ForwardGraphs:
 
     def _pad(self, layout: BatchLayout, padded_batch: int, q: int) -> BatchLayout:
         extra = padded_batch - layout.batch_size
-        if not extra:
-            return layout
-        a = layout.arrays
-        scratch = np.array([self.scratch_block], dtype=np.int64)  # arrays beside arrays: one C-level pass
-        return BatchLayout(
-            block_tables=[np.asarray(t, dtype=np.int64) for t in layout.block_tables] + [scratch] * extra,
-            cached_lens=[int(c) for c in a.cached] + [0] * extra,
-            query_lens=[q] * (layout.batch_size + extra),
-        )
+        return layout.padded(extra, self.scratch_block, q) if extra else layout
 
