@@ -289,6 +289,7 @@ def _engine_main(settings_data: dict, metrics: bool, commands: Connection, event
     """Entry point of the engine process: build, report ready (or why not), run until told to
     stop or until the gRPC process goes away."""
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    from services.common.gc_tuning import settle_heap
     from services.gpuworker.kvstore_link import KVStoreLink
     from services.gpuworker.runtime import build_runtime
     from services.common.auth import suite_credentials
@@ -308,6 +309,7 @@ def _engine_main(settings_data: dict, metrics: bool, commands: Connection, event
         log.exception("engine start-up failed")
         events.send(("failed", f"engine start-up failed: {type(exc).__name__}: {exc}", 1))
         return
+    settle_heap(settings, "engine process")  # warmed up: what is alive now lives as long as the process
     outbox.running = lambda: runner.running
     outbox.send(("ready", facts))  # before the engine thread may send anything
     runner.start()

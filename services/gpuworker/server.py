@@ -80,6 +80,7 @@ async def start_worker(
     *,
     tracer_provider: trace.TracerProvider | None = None,
     metrics: ServiceMetrics | None = None,
+    before_register: Callable[[], object] | None = None,
 ) -> tuple[GrpcServer, EngineRunner | EngineProcess, WorkerIdentity]:
     """Load the model, build pools and engine, warm it up (kernels compiled, CUDA graphs
     captured), serve, register; health SERVING only after all of that.
@@ -88,6 +89,8 @@ async def start_worker(
     (``settings.separate_engine_process``); the runner returned has the same public surface.
     With ``settings.metrics_port`` set, metrics are recorded into ``metrics`` (a new
     :class:`ServiceMetrics` if None; pass one to read its port) and served on that port.
+    ``before_register()`` runs once the engine is warm and this server listens, before the kvstore
+    (and so any router) learns of the worker: ``tandem worker`` freezes its start-up heap there.
     """
     server_credentials, channel_credentials = suite_credentials(settings)
     warn_if_insecure(settings, log)
@@ -154,6 +157,8 @@ async def start_worker(
     if isinstance(runner, EngineRunner):
         runner.start()
     server.on_stop(lambda: runner.stop())
+    if before_register is not None:
+        before_register()
     # The kvstore may come up after us (compose, Kubernetes): wait with bounded backoff, NOT_SERVING.
     await wait_for(lambda: asyncio.to_thread(identity.register), what=f"the kvstore at {settings.kvstore}", logger=log)
     # an engine in its own process has a link of its own: it must name the same incarnation

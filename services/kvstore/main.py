@@ -11,15 +11,16 @@ log = logging.getLogger(__name__)
 
 
 async def serve(settings: KVStoreSettings) -> None:
+    from services.common.gc_tuning import THROUGHPUT, settle_heap
     from services.common.telemetry import setup_tracing
-    from services.kvstore.server import start_kvstore, tune_gc
+    from services.kvstore.server import start_kvstore
 
     setup_tracing("tandem-kvstore")
     if settings.backend == "redis":
         await serve_redis(settings)
         return
     server, _store = await start_kvstore(settings)
-    tune_gc()
+    settle_heap(settings, "kvstore", THROUGHPUT)
     server.install_signal_handlers()
     log.info("kvstore serving on %s", server.address)
     await server.wait_for_termination()
@@ -30,12 +31,13 @@ add_arguments, run = service_command(KVStoreSettings, serve)
 
 async def serve_redis(settings: KVStoreSettings) -> None:
     """Stand by for the Redis lease, then serve the recovered store (``leader``)."""
+    from services.common.gc_tuning import THROUGHPUT, settle_heap
     from services.kvstore.leader import Leadership
-    from services.kvstore.server import start_kvstore, tune_gc
+    from services.kvstore.server import start_kvstore
 
     async def start(settings, store):
         server, _ = await start_kvstore(settings, store=store)
-        tune_gc()
+        settle_heap(settings, "kvstore", THROUGHPUT)
         log.info("kvstore serving on %s (redis backend, %s)", server.address, settings.redis_url)
         return server
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 
 from opentelemetry import trace
@@ -69,16 +68,6 @@ async def start_kvstore(
     server.run_in_background(_reap_leases(store, settings.lease_ttl_s / 4))
     await server.set_serving()
     return server, store
-
-
-def tune_gc() -> None:
-    """The trie and pool allocate many small long-lived objects; with CPython's default
-    thresholds the cyclic collector rescans them every few hundred allocations (15-25 % of a
-    Reserve+Publish+Release cycle). Freeze what start-up created and collect young objects less
-    often. Process-wide: call once from the service's entry point (and benchmarks that mirror it)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
 
 
 async def _reap_leases(store: KVStore, period_s: float) -> None:

@@ -17,11 +17,15 @@ async def serve(settings: RouterSettings) -> None:
 
         await serve_procs(settings)
         return
+    from services.common.gc_tuning import settle_heap
     from services.common.telemetry import setup_tracing
     from services.router.server import start_router
 
     setup_tracing("tandem-router")
-    server, _router = await start_router(settings)
+    async def settle() -> None:  # once a worker is there, just before health says SERVING
+        settle_heap(settings, "router")
+
+    server, _router = await start_router(settings, before_serving=settle)
     server.install_signal_handlers()
     log.info("router serving on %s (kvstore %s, model %s)", server.address, settings.kvstore, settings.model)
     if _router.http_url:

@@ -300,6 +300,7 @@ def _child_main(settings: RouterSettings, index: int, log_level: int, parent: Co
 
 
 async def _serve_child(settings: RouterSettings, parent: Connection) -> None:
+    from services.common.gc_tuning import settle_heap
     from services.common.metrics import ServiceMetrics
     from services.common.telemetry import setup_tracing
     from services.router.server import start_router
@@ -308,6 +309,7 @@ async def _serve_child(settings: RouterSettings, parent: Connection) -> None:
     parent_pid = os.getppid()
 
     async def when_all_ready() -> None:
+        settle_heap(settings, f"router process {os.getpid()}")  # before SERVING: requests may follow at once
         tell(parent, {"ready": True})
         while True:
             try:

@@ -1,0 +1,74 @@
+"""Every serving process freezes its start-up heap (``services/common/gc_tuning.py``) once it is
+ready and before traffic can reach it: a worker (its gRPC process and its engine process) before it
+registers with the kvstore, each router process before its health says SERVING. Real CLI
+processes against the in-process kvstore + worker of the e2e rig; their INFO logs go to files."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from services.launcher import wait_serving
+from suite_rig import ROOT, TIMEOUT, wait_registered
+from tests.redis_server import free_port
+
+FROZEN = re.compile(r"gc_tuning(?: \[[^]]*\])?: (?P<who>.+?): (?P<n>\d+) start-up objects frozen")
+READY_TIMEOUT = 120.0  # fresh interpreters importing torch / grpc on a loaded 2-core machine
+
+
+def _spawn(args: list[str], log) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "INFO", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=log)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_worker_settles_both_its_processes_before_it_registers(suite, tmp_path):
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "wb") as log:
+        proc = _spawn(["worker", "--kvstore", suite.kv.address, "--port", "0", "--worker-id", "gc-w", "--model", "tiny",
+                       "--num-blocks", "256", "--heartbeat-s", "0.2", "--engine-process"], log)
+        try:
+            wait_registered(suite, "gc-w", timeout_s=READY_TIMEOUT)
+        finally:
+            _stop(proc)
+    text = log_path.read_text(errors="replace")
+    frozen = {m["who"]: (int(m["n"]), m.start()) for m in FROZEN.finditer(text)}
+    assert set(frozen) == {"worker", "engine process"}, text[-3000:]
+    assert min(n for n, _ in frozen.values()) > 10_000  # torch and the model at least
+    # before the kvstore (hence any router) knew the worker: its registration is logged later
+    assert max(at for _, at in frozen.values()) < text.index("serving on"), text[-3000:]
+
+
+def test_each_router_process_settles_before_serving_and_the_switch_turns_it_off(suite, tmp_path):
+    suite.add_worker("gc-w0")
+    wait_registered(suite, "gc-w0")
+    for freeze in (True, False):
+        log_path = tmp_path / f"router-{freeze}.log"
+        port = free_port()
+        with open(log_path, "wb") as log:
+            proc = _spawn(["router", "--procs", "2", "--kvstore", suite.kv.address, "--registry-ttl-s", "0",
+                           "--grace-s", "0", "--port", str(port), *([] if freeze else ["--no-gc-freeze"])], log)
+            try:
+                wait_serving(f"127.0.0.1:{port}", time.monotonic() + READY_TIMEOUT, proc)
+            finally:
+                _stop(proc)
+        text = log_path.read_text(errors="replace")
+        who = [m["who"] for m in FROZEN.finditer(text)]
+        if freeze:
+            assert len(who) == 2 and len(set(who)) == 2 and all(w.startswith("router process ") for w in who), text[-3000:]
+        else:
+            assert who == [], text[-3000:]
