@@ -40,12 +40,13 @@ class Suite:
     router: str = ""
     workers: list[str] = field(default_factory=list)
 
-    def spawn(self, name: str, argv: list[str], log_dir: Path, env_extra: dict | None = None) -> None:
+    def spawn(self, name: str, argv: list[str], log_dir: Path, env_extra: dict | None = None,
+              log_level: str = "WARNING") -> None:
         # the repo first, then whatever the caller's path had (wheels unpacked elsewhere, say)
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
         log = open(log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING", *argv],
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", log_level, *argv],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append((name, proc))
 
@@ -100,7 +101,7 @@ def pyspy_binary() -> str:
 
 
 def start_suite(log_dir: Path, workers: list[list[str]], router: list[str], *,
-                worker_env: dict | None = None, timeout_s: float = 120.0) -> Suite:
+                worker_env: dict | None = None, timeout_s: float = 120.0, log_level: str = "WARNING") -> Suite:
     """kvstore (memory) + one worker per argv in ``workers`` (``tandem worker`` flags besides
     port, kvstore and worker id) + the router (``router``: flags besides port and kvstore), as
     processes; each is SERVING (grpc health) before this returns."""
@@ -110,17 +111,18 @@ def start_suite(log_dir: Path, workers: list[list[str]], router: list[str], *,
     try:
         kv_port = free_port()
         suite.kvstore = f"127.0.0.1:{kv_port}"
-        suite.spawn("kvstore", ["kvstore", "--port", str(kv_port)], log_dir)
+        suite.spawn("kvstore", ["kvstore", "--port", str(kv_port)], log_dir, log_level=log_level)
         deadline = time.monotonic() + timeout_s
         wait_serving(suite.kvstore, deadline, suite.procs[-1][1])
         for i, argv in enumerate(workers):
             port = free_port()
             suite.workers.append(f"127.0.0.1:{port}")
             suite.spawn(f"worker{i}", ["worker", "--port", str(port), "--kvstore", suite.kvstore,
-                                       "--worker-id", f"worker{i}", *argv], log_dir, worker_env)
+                                       "--worker-id", f"worker{i}", *argv], log_dir, worker_env, log_level)
         r_port = free_port()
         suite.router = f"127.0.0.1:{r_port}"
-        suite.spawn("router", ["router", "--port", str(r_port), "--kvstore", suite.kvstore, *router], log_dir)
+        suite.spawn("router", ["router", "--port", str(r_port), "--kvstore", suite.kvstore, *router], log_dir,
+                    log_level=log_level)
         for addr, (_, proc) in zip([*suite.workers, suite.router], suite.procs[1:]):
             wait_serving(addr, deadline, proc)
         return suite

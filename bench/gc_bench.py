@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 MODES = {"default": "false", "frozen": "true"}
 SERVICES = ("KVSTORE", "WORKER", "ROUTER")
 PAUSE = re.compile(r"services\.common\.gc_tuning: (?P<who>.+?): a generation-(?P<gen>\d) garbage collection stalled it (?P<ms>\d+) ms")
+FROZEN = re.compile(r"services\.common\.gc_tuning: (?P<who>.+?): (?P<n>\d+) start-up objects frozen")
 VISIBLE_MS = 5  # a pause this long shows in a stream's inter-token gaps
 
 
@@ -84,12 +85,17 @@ async def drive(router: str, args) -> dict:
                        "p999": percentile(gaps, 0.999) * 1e3, "max": max(gaps) * 1e3 if gaps else float("nan")}}
 
 
-def pauses_in(log_dir: Path) -> dict:
+def pauses_in(log_dir: Path) -> tuple[dict, dict]:
     """Per process (as each names itself): collections of ``VISIBLE_MS`` or more, and of any length
-    logged (1 ms or more), from the warning lines of the suite's logs."""
+    logged (1 ms or more), from the warning lines of the suite's logs; and each process's start-up
+    heap as its freeze counted it (the frozen mode's log lines)."""
     out: dict[str, dict] = {}
+    heaps: dict[str, int] = {}
     for f in sorted(log_dir.glob("*.log")):
         for line in f.read_text(errors="replace").splitlines():
+            frozen = FROZEN.search(line)
+            if frozen:  # the frozen mode's start-up heap, as each process counted it
+                heaps[frozen["who"]] = int(frozen["n"])
             m = PAUSE.search(line)
             if not m:
                 continue
@@ -101,7 +107,7 @@ def pauses_in(log_dir: Path) -> dict:
             if ms >= VISIBLE_MS:
                 row["visible"] += 1
                 row["visible_ms"] += ms
-    return out
+    return out, heaps
 
 
 def run_mode(mode: str, args, model_dir: Path, log_root: Path) -> dict:
@@ -115,7 +121,8 @@ def run_mode(mode: str, args, model_dir: Path, log_root: Path) -> dict:
         os.environ[f"TANDEM_{s}_GC_WARN_MS"] = "1"
     try:
         worker = ["--model", str(model_dir), "--device", args.device, "--num-blocks", str(args.num_blocks), "--spec-mode", "none"]
-        suite = start_suite(log_dir, [worker], ["--model", str(model_dir)], timeout_s=args.startup_timeout_s)
+        suite = start_suite(log_dir, [worker], ["--model", str(model_dir)], timeout_s=args.startup_timeout_s,
+                            log_level="INFO")  # the freeze's own line counts each start-up heap
         try:
             row = asyncio.run(drive(suite.router, args))
         finally:
@@ -127,7 +134,7 @@ def run_mode(mode: str, args, model_dir: Path, log_root: Path) -> dict:
             else:
                 os.environ[k] = v
     row["mode"] = mode
-    row["pauses"] = pauses_in(log_dir)
+    row["pauses"], row["frozen_objects"] = pauses_in(log_dir)
     return row
 
 
@@ -207,6 +214,8 @@ def main() -> int:
                     g = row["gap_ms"]
                     print(f"   {row['tokens_per_s']:.0f} tok/s, {row['requests']} requests; gaps p50 {g['p50']:.1f} / p99 "
                           f"{g['p99']:.1f} / p99.9 {g['p999']:.1f} / max {g['max']:.1f} ms", flush=True)
+                    if row["frozen_objects"]:
+                        print(f"   start-up heaps frozen: {row['frozen_objects']}", flush=True)
                     for who, p in sorted(row["pauses"].items()):
                         print(f"   {who}: {p['visible']} collections >= {VISIBLE_MS} ms ({p['visible_ms']} ms), "
                               f"longest {p['longest_ms']} ms; >= 1 ms by generation {p['by_generation']}", flush=True)

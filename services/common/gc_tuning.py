@@ -1,12 +1,13 @@
-"""CPython's cyclic garbage collector in a serving process: freeze what start-up made, scan young
-objects less often, and say when a collection still stalls the process.
+"""CPython's cyclic garbage collector in a serving process: freeze what start-up made, and say
+when a collection still stalls the process.
 
 After start-up a service holds hundreds of thousands of objects that live as long as it does
-(a worker's engine process after warm-up: ~380,000 — torch, the model's modules, gRPC, protobuf).
+(a CPU worker after warm-up: ~310,000 — torch, the model's modules, gRPC, protobuf; each process
+logs its own count when it freezes them).
 With CPython's default settings every full collection traverses all of them, and nothing else in
 the process runs meanwhile: in a worker's engine process that is every running request's next
-token (177 ms a full collection on the 2-core dev VM; ``bench/gc_bench.py`` measures the pauses
-of a serving loop). ``tune_gc`` moves the start-up heap to the permanent generation
+token (~170 ms a full collection on the 2-core dev VM; ``bench/gc_bench.py`` measures the pauses
+of the served suite). ``tune_gc`` moves the start-up heap to the permanent generation
 (``gc.freeze``), so collections traverse only what was made since; a service whose throughput
 matters more than a pause of a few tens of milliseconds (the kvstore) also scans young objects
 less often (``THROUGHPUT``).
@@ -28,8 +29,8 @@ import time
 log = logging.getLogger(__name__)
 
 # (young, middle, old) collection thresholds. Latency: CPython's own; once the start-up heap is
-# frozen every collection is short (bench/gc_bench.py: none over 5 ms in a served minute on the
-# dev VM). Throughput (the kvstore, whose cycle is a few allocation-heavy microseconds): young
+# frozen every collection is short (bench/gc_bench.py, 45 s served runs on the dev VM: the
+# worker's and the router's longest 3-7 ms, against 14-172 ms unfrozen). Throughput (the kvstore, whose cycle is a few allocation-heavy microseconds): young
 # collections after 50,000 net container allocations instead of 700 (15-25 % of a kvstore cycle
 # went to collections at the default); each young collection is then longer (up to ~30 ms seen).
 LATENCY = (700, 10, 10)
@@ -81,8 +82,11 @@ class GcPauses:
         self.seconds[g] += took
         self.longest_s = max(self.longest_s, took)
         if self.warn_s is not None and took > self.warn_s:
-            log.warning("%s: a generation-%d garbage collection stalled it %.0f ms (%d objects collected)",
-                        self.name, g, took * 1e3, info.get("collected", 0))
+            try:
+                log.warning("%s: a generation-%d garbage collection stalled it %.0f ms (%d objects collected)",
+                            self.name, g, took * 1e3, info.get("collected", 0))
+            except RuntimeError:  # the collection began inside a write to the same stream (reentrant)
+                pass
 
     def as_dict(self) -> dict:
         return {"collections": list(self.count), "seconds": [round(s, 6) for s in self.seconds],
@@ -95,15 +99,16 @@ def watch_gc_pauses(name: str, warn_s: float | None = WARN_PAUSE_S) -> GcPauses:
 
 
 def settle_heap(settings, name: str, thresholds: tuple[int, int, int] = LATENCY) -> GcPauses | None:
-    """A service's end of start-up: ``tune_gc(thresholds)`` when ``settings.gc_freeze``, a pause watcher
-    when ``settings.gc_warn_ms`` is set (``TandemSettings`` fields). Process-wide; call once per
+    """A service's end of start-up: ``tune_gc(thresholds)`` when ``settings.gc_freeze`` (else the
+    collector stays as CPython set it), a pause watcher unless ``settings.gc_warn_ms`` is 0
+    (``TandemSettings`` fields). Process-wide; call once per
     process (a kvstore that becomes leader again calls it again: freezing twice is harmless, the
     watcher is installed once)."""
     global _watcher
     if settings.gc_freeze:
         frozen = tune_gc(thresholds)
         log.info("%s: %d start-up objects frozen out of the garbage collector's reach", name, frozen)
-    if settings.gc_warn_ms is None:
+    if not settings.gc_warn_ms:
         return None
     if _watcher is None:
         _watcher = watch_gc_pauses(name, settings.gc_warn_ms / 1e3)

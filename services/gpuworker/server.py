@@ -159,6 +159,7 @@ async def start_worker(
     server.on_stop(lambda: runner.stop())
     if before_register is not None:
         before_register()
+    log.info("worker %s: registering with the kvstore at %s", settings.worker_id, settings.kvstore)
     # The kvstore may come up after us (compose, Kubernetes): wait with bounded backoff, NOT_SERVING.
     await wait_for(lambda: asyncio.to_thread(identity.register), what=f"the kvstore at {settings.kvstore}", logger=log)
     # an engine in its own process has a link of its own: it must name the same incarnation

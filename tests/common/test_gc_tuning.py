@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.gc_tuning import LATENCY, THROUGHPUT, GcPauses
+from services.common.gc_tuning import THROUGHPUT, GcPauses
 from services.gpuworker.settings import WorkerSettings
 from services.kvstore.settings import KVStoreSettings
 from services.router.settings import RouterSettings
@@ -36,7 +36,7 @@ def test_pauses_are_counted_per_generation_and_long_ones_logged(caplog):
     finally:
         pauses.uninstall()
     assert pauses.count[0] >= 1 and pauses.count[2] >= 1
-    assert pauses.seconds[2] > 0 and pauses.longest_s >= max(pauses.seconds[2] / pauses.count[2], 0)
+    assert 0 < pauses.longest_s <= sum(pauses.seconds) and pauses.seconds[2] > 0
     lines = [r.getMessage() for r in caplog.records]
     assert any("test process: a generation-2 garbage collection stalled it" in m for m in lines), lines
     assert any("objects collected" in m for m in lines)
@@ -76,7 +76,7 @@ def test_tune_gc_freezes_the_start_up_heap_and_sets_the_thresholds():
         "print(json.dumps({'before': before, 'frozen': frozen, 'tracked': len(gc.get_objects()),\n"
         "                  'thresholds': gc.get_threshold(), 'freeze_count': gc.get_freeze_count()}))\n"
     )
-    assert got["frozen"] == got["freeze_count"] >= 0.9 * got["before"] > 10_000
+    assert got["freeze_count"] >= 0.9 * got["before"] > 10_000
     assert got["tracked"] < 0.05 * got["before"]  # what a full collection still traverses
     assert tuple(got["thresholds"]) == THROUGHPUT
 
@@ -87,16 +87,19 @@ def test_settle_heap_follows_the_setting_and_installs_one_watcher(freeze):
         "import gc, json\n"
         "from services.common import gc_tuning\n"
         "from services.router.settings import RouterSettings\n"
+        "default = gc.get_threshold()\n"
         f"s = RouterSettings(gc_freeze={freeze}, gc_warn_ms=20)\n"
-        "w1 = gc_tuning.settle_heap(s, 'router')\n"
+        "w1 = gc_tuning.settle_heap(s, 'router', gc_tuning.THROUGHPUT)\n"
+        "after_first = gc.get_threshold()\n"
         "w2 = gc_tuning.settle_heap(s, 'router')  # a second call (a kvstore leader again): one watcher\n"
         "hooks = sum(1 for cb in gc.callbacks if getattr(cb, '__self__', None) is w1)\n"
-        "off = gc_tuning.settle_heap(RouterSettings(gc_freeze=False, gc_warn_ms=None), 'x')\n"
-        "print(json.dumps({'frozen': gc.get_freeze_count(), 'thresholds': gc.get_threshold(), 'same': w1 is w2,\n"
-        "                  'hooks': hooks, 'warn_s': w1.warn_s, 'off': off is None}))\n"
+        "off = gc_tuning.settle_heap(RouterSettings(gc_freeze=False, gc_warn_ms=0), 'x')\n"
+        "print(json.dumps({'frozen': gc.get_freeze_count(), 'default': default, 'after_first': after_first,\n"
+        "                  'same': w1 is w2, 'hooks': hooks, 'warn_s': w1.warn_s, 'off': off is None}))\n"
     )
     assert (got["frozen"] > 0) is freeze
-    assert tuple(got["thresholds"]) == LATENCY  # CPython's own, set or left
+    # frozen: the thresholds asked for; not frozen: the collector exactly as CPython set it
+    assert tuple(got["after_first"]) == (THROUGHPUT if freeze else tuple(got["default"]))
     assert got["same"] and got["hooks"] == 1 and got["warn_s"] == pytest.approx(0.02) and got["off"]
 
 
@@ -107,6 +110,8 @@ def test_every_service_reads_the_gc_settings_from_its_environment(monkeypatch, c
     monkeypatch.setenv(f"TANDEM_{prefix}_GC_WARN_MS", "7.5")
     s = cls()
     assert s.gc_freeze is False and s.gc_warn_ms == 7.5
-    monkeypatch.setenv(f"TANDEM_{prefix}_GC_WARN_MS", "0")
+    monkeypatch.setenv(f"TANDEM_{prefix}_GC_WARN_MS", "0")  # never
+    assert cls().gc_warn_ms == 0
+    monkeypatch.setenv(f"TANDEM_{prefix}_GC_WARN_MS", "-1")
     with pytest.raises(ValueError):
         cls()

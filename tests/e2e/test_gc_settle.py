@@ -1,7 +1,7 @@
 """Every serving process freezes its start-up heap (``services/common/gc_tuning.py``) once it is
-ready and before traffic can reach it: a worker (its gRPC process and its engine process) before it
-registers with the kvstore, each router process before its health says SERVING. Real CLI
-processes against the in-process kvstore + worker of the e2e rig; their INFO logs go to files."""
+ready: a worker (its gRPC process and its engine process) before it registers with the kvstore,
+each router process before its health says SERVING, the kvstore once it serves. Real CLI processes
+against the in-process kvstore + worker of the e2e rig; their INFO logs go to files."""
 
 from __future__ import annotations
 
@@ -49,26 +49,43 @@ def test_a_worker_settles_both_its_processes_before_it_registers(suite, tmp_path
     frozen = {m["who"]: (int(m["n"]), m.start()) for m in FROZEN.finditer(text)}
     assert set(frozen) == {"worker", "engine process"}, text[-3000:]
     assert min(n for n, _ in frozen.values()) > 10_000  # torch and the model at least
-    # before the kvstore (hence any router) knew the worker: its registration is logged later
-    assert max(at for _, at in frozen.values()) < text.index("serving on"), text[-3000:]
+    # before the kvstore (hence any router) could know the worker
+    assert max(at for _, at in frozen.values()) < text.index("registering with the kvstore"), text[-3000:]
 
 
-def test_each_router_process_settles_before_serving_and_the_switch_turns_it_off(suite, tmp_path):
+def test_every_router_process_settles_before_serving_and_the_switch_turns_it_off(suite, tmp_path):
     suite.add_worker("gc-w0")
     wait_registered(suite, "gc-w0")
-    for freeze in (True, False):
-        log_path = tmp_path / f"router-{freeze}.log"
+    for procs, freeze in ((2, True), (1, True), (2, False)):
+        log_path = tmp_path / f"router-{procs}-{freeze}.log"
         port = free_port()
         with open(log_path, "wb") as log:
-            proc = _spawn(["router", "--procs", "2", "--kvstore", suite.kv.address, "--registry-ttl-s", "0",
+            proc = _spawn(["router", "--procs", str(procs), "--kvstore", suite.kv.address, "--registry-ttl-s", "0",
                            "--grace-s", "0", "--port", str(port), *([] if freeze else ["--no-gc-freeze"])], log)
             try:
                 wait_serving(f"127.0.0.1:{port}", time.monotonic() + READY_TIMEOUT, proc)
+                text = log_path.read_text(errors="replace")  # SERVING: every settle happened already
             finally:
                 _stop(proc)
-        text = log_path.read_text(errors="replace")
         who = [m["who"] for m in FROZEN.finditer(text)]
-        if freeze:
-            assert len(who) == 2 and len(set(who)) == 2 and all(w.startswith("router process ") for w in who), text[-3000:]
-        else:
+        if not freeze:
             assert who == [], text[-3000:]
+        elif procs == 1:
+            assert who == ["router"], text[-3000:]
+        else:
+            assert len(set(who)) == 2 and all(w.startswith("router process ") for w in who), text[-3000:]
+
+
+def test_the_kvstore_settles_once_it_serves(tmp_path):
+    log_path = tmp_path / "kvstore.log"
+    port = free_port()
+    with open(log_path, "wb") as log:
+        proc = _spawn(["kvstore", "--port", str(port)], log)
+        try:
+            wait_serving(f"127.0.0.1:{port}", time.monotonic() + READY_TIMEOUT, proc)
+            end = time.monotonic() + TIMEOUT  # settled right after it began serving
+            while not FROZEN.search(log_path.read_text(errors="replace")) and time.monotonic() < end:
+                time.sleep(0.05)
+        finally:
+            _stop(proc)
+    assert [m["who"] for m in FROZEN.finditer(log_path.read_text(errors="replace"))] == ["kvstore"]

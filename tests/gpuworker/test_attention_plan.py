@@ -246,9 +246,9 @@ def test_shifted_and_padded_refuse_bad_arguments_and_leave_the_layout_alone():
     for bad in ((-1, 1), (0, 0), (0.5, 1), (0, True)):
         with pytest.raises(InvalidArgument):
             base.shifted(*bad)
-    for bad in ((-1, 3), (1, -2), (1.0, 3)):
+    for bad in ((-1, 3, 2), (1, -2, 2), (1.0, 3, 2), (1, 3, 0), (1, 3, -4), (1, 3, 1.7), (1, 3, True)):
         with pytest.raises(InvalidArgument):
-            base.padded(*bad, 2)
+            base.padded(*bad)
     assert base.arrays.cached.tolist() == [3, 0] and base.arrays.q.tolist() == [2, 2]
     shifted = base.shifted(1, 1)
     assert shifted.arrays.cached.tolist() == [4, 1] and shifted.kv_lens == [5, 2] and shifted.arrays.uniform_q == 1

@@ -100,13 +100,11 @@ def checked_plans(setup: LocalSetup) -> list[int]:
     scratch = [graphs.scratch_block] if graphs is not None else None
 
     def plan(layout, kind=None, lane=0):
-        a = layout.arrays  # derived layouts (shifted, padded) hold -1-padded tables: read the real rows
-        for row, width, kv_len in zip(a.tables.tolist(), a.widths.tolist(), layout.kv_lens):
-            table = row[:width]
-            if table == scratch:  # a padding row of a graph batch: the scratch page only
+        for table, kv_len in zip(layout.block_tables, layout.kv_lens):
+            if list(table) == scratch:  # a padding row of a graph batch: the scratch page only
                 assert kv_len <= setup.engine.block_size
                 continue
-            source.owner(table, kv_len)
+            source.owner(list(table), kv_len)
         seen.append(max(layout.kv_lens))
         return original(layout, kind, lane)
 

@@ -112,8 +112,9 @@ class BatchLayout:
         """This layout plus ``extra`` requests of one page (``block``), nothing cached and
         ``query_len`` tokens each: a graph bucket's padding rows. Pure."""
         a = self._arrays  # type: ignore[attr-defined]
-        if not _is_int(extra) or extra < 0 or not _is_int(block) or not 0 <= block <= INT32_MAX:
-            raise InvalidArgument(f"padded() needs extra >= 0 and a block id, got {extra!r}, {block!r}")
+        if (not _is_int(extra) or extra < 0 or not _is_int(block) or not 0 <= block <= INT32_MAX
+                or not _is_int(query_len) or query_len < 1):
+            raise InvalidArgument(f"padded() needs extra >= 0, a block id and query_len >= 1, got {extra!r}, {block!r}, {query_len!r}")
         n = len(a.q)
         tables = np.full((n + extra, a.tables.shape[1]), -1, dtype=np.int64)
         tables[:n] = a.tables
