@@ -38,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODES = {"default": "false", "frozen": "true"}
 SERVICES = ("KVSTORE", "WORKER", "ROUTER")
-PAUSE = re.compile(r"services\.common\.gc_tuning: (?P<who>.+?): a generation-(?P<gen>\d) garbage collection stalled it (?P<ms>\d+) ms")
-FROZEN = re.compile(r"services\.common\.gc_tuning: (?P<who>.+?): (?P<n>\d+) start-up objects frozen")
+# a line of services.common.gc_tuning's, in the services' log format (a router child adds "[router i]")
+PAUSE = re.compile(r"services\.common\.gc_tuning(?: \[[^]]*\])?: (?P<who>.+?): a generation-(?P<gen>\d) garbage collection stalled it (?P<ms>\d+) ms")
+FROZEN = re.compile(r"services\.common\.gc_tuning(?: \[[^]]*\])?: (?P<who>.+?): (?P<n>\d+) start-up objects frozen")
 VISIBLE_MS = 5  # a pause this long shows in a stream's inter-token gaps
 
 
