@@ -421,7 +421,7 @@ async def bench_failover(url: str, kills: int, streams: int = 16) -> dict:
 async def main_async(args) -> dict:
     server = RedisServer(appendfsync="always")
     try:
-        out = dict(machine=machine(), command=" ".join(sys.argv), flush_at=FLUSH_AT,
+        out = dict(machine=machine(), command=" ".join(sys.argv), flush_at=FLUSH_AT, gc=args.gc,
                    redis="redis-server (real), appendonly yes, appendfsync always, loopback")
         out["load_average_start"] = os.getloadavg()
         out["cost"] = await bench_cost(server.url, args.cycles, args.reps, server.proc.pid)
@@ -494,12 +494,19 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="memory/redis runs of the cost measure (alternating)")
     ap.add_argument("--only-cost", action="store_true", help="the cost measure alone (no snapshot, Match, failover)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "durability_bench.json"))
+    ap.add_argument("--gc", choices=("service", "default"), default="service",
+                    help="the collector as `tandem kvstore` runs it (start-up heap frozen, young collections every "
+                         "50,000 allocations: services/common/gc_tuning.py) or CPython's own")
     ap.add_argument("--flush-at", type=int, default=None,
                     help="the cost runs' group commit sends a batch once it holds this many entries while nothing is "
                          "in flight (0: once per loop turn; default: the Committer's)")
     args = ap.parse_args()
     global FLUSH_AT
     FLUSH_AT = args.flush_at
+    if args.gc == "service":
+        from services.common.gc_tuning import THROUGHPUT, tune_gc
+
+        tune_gc(THROUGHPUT)  # what `tandem kvstore` does once it serves (either backend)
     result = asyncio.run(main_async(args))
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=1))
