@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 
 # (young, middle, old) collection thresholds. Latency: CPython's own; once the start-up heap is
 # frozen every collection is short (bench/gc_bench.py, 45 s served runs on the dev VM: the
-# worker's and the router's longest 3-7 ms, against 14-172 ms unfrozen). Throughput (the kvstore, whose cycle is a few allocation-heavy microseconds): young
-# collections after 50,000 net container allocations instead of 700 (15-25 % of a kvstore cycle
-# went to collections at the default); each young collection is then longer (up to ~30 ms seen).
+# worker's and the router's longest 3-7 ms, against 14-172 ms unfrozen). Throughput (the kvstore,
+# whose request cycle is tens of allocation-heavy microseconds): young collections after 50,000
+# net container allocations instead of 700 — 3-6 % off a frozen in-process cycle, for longer
+# young collections (9-31 ms seen served on the dev VM).
 LATENCY = (700, 10, 10)
 THROUGHPUT = (50_000, 20, 100)
 WARN_PAUSE_S = 0.05  # a collection this long is a visible stall of every stream the process serves
@@ -101,9 +102,8 @@ def watch_gc_pauses(name: str, warn_s: float | None = WARN_PAUSE_S) -> GcPauses:
 def settle_heap(settings, name: str, thresholds: tuple[int, int, int] = LATENCY) -> GcPauses | None:
     """A service's end of start-up: ``tune_gc(thresholds)`` when ``settings.gc_freeze`` (else the
     collector stays as CPython set it), a pause watcher unless ``settings.gc_warn_ms`` is 0
-    (``TandemSettings`` fields). Process-wide; call once per
-    process (a kvstore that becomes leader again calls it again: freezing twice is harmless, the
-    watcher is installed once)."""
+    (``TandemSettings`` fields). Process-wide; call once per process (a kvstore that becomes
+    leader again calls it again: freezing twice is harmless, the watcher is installed once)."""
     global _watcher
     if settings.gc_freeze:
         frozen = tune_gc(thresholds)
