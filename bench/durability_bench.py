@@ -495,8 +495,8 @@ def main() -> None:
     ap.add_argument("--only-cost", action="store_true", help="the cost measure alone (no snapshot, Match, failover)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "durability_bench.json"))
     ap.add_argument("--gc", choices=("service", "default"), default="service",
-                    help="the collector as `tandem kvstore` runs it (start-up heap frozen, young collections every "
-                         "50,000 allocations: services/common/gc_tuning.py) or CPython's own")
+                    help="the collector as `tandem kvstore` runs it (start-up heap frozen: services/common/gc_tuning.py) "
+                         "or as CPython starts it")
     ap.add_argument("--flush-at", type=int, default=None,
                     help="the cost runs' group commit sends a batch once it holds this many entries while nothing is "
                          "in flight (0: once per loop turn; default: the Committer's)")
@@ -504,9 +504,9 @@ def main() -> None:
     global FLUSH_AT
     FLUSH_AT = args.flush_at
     if args.gc == "service":
-        from services.common.gc_tuning import THROUGHPUT, tune_gc
+        from services.common.gc_tuning import tune_gc
 
-        tune_gc(THROUGHPUT)  # what `tandem kvstore` does once it serves (either backend)
+        tune_gc()  # what `tandem kvstore` does once it serves (either backend)
     result = asyncio.run(main_async(args))
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=1))

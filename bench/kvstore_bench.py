@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 from _common import machine  # noqa: E402
 from services.common.spec import SpecMode  # noqa: E402
-from services.common.gc_tuning import THROUGHPUT, tune_gc  # noqa: E402
+from services.common.gc_tuning import tune_gc  # noqa: E402
 from services.kvstore import types as core  # noqa: E402
 from services.kvstore.store import KVStore  # noqa: E402
 
@@ -210,7 +210,7 @@ def warmed_store(work: Workload, num_workers: int) -> KVStore:
         store.register_worker(spec)
     for i, (_, toks) in enumerate(work.warmup()):
         _cycle_inprocess(store, toks, f"warm-{i}", i)
-    tune_gc(THROUGHPUT)  # as `tandem kvstore` does after start-up
+    tune_gc()  # as `tandem kvstore` does after start-up
     return store
 
 

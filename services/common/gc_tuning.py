@@ -6,11 +6,9 @@ After start-up a service holds hundreds of thousands of objects that live as lon
 logs its own count when it freezes them).
 With CPython's default settings every full collection traverses all of them, and nothing else in
 the process runs meanwhile: in a worker's engine process that is every running request's next
-token (~170 ms a full collection on the 2-core dev VM; ``bench/gc_bench.py`` measures the pauses
+token (140-350 ms a full collection on the 2-core dev VM; ``bench/gc_bench.py`` measures the pauses
 of the served suite). ``tune_gc`` moves the start-up heap to the permanent generation
-(``gc.freeze``), so collections traverse only what was made since; a service whose throughput
-matters more than a pause of a few tens of milliseconds (the kvstore) also scans young objects
-less often (``THROUGHPUT``).
+(``gc.freeze``), so collections traverse only what was made since.
 
     start-up (imports, model, warm-up)  ──tune_gc()──▶  serving: collections see new objects only
 
@@ -28,18 +26,18 @@ import time
 
 log = logging.getLogger(__name__)
 
-# (young, middle, old) collection thresholds. Latency: CPython's own; once the start-up heap is
-# frozen every collection is short (bench/gc_bench.py, 45 s served runs on the dev VM: the
-# worker's and the router's longest 3-7 ms, against 14-172 ms unfrozen). Throughput (the kvstore,
-# whose request cycle is tens of allocation-heavy microseconds): young collections after 50,000
-# net container allocations instead of 700 — 3-6 % off a frozen in-process cycle, for longer
-# young collections (9-31 ms seen served on the dev VM).
-LATENCY = (700, 10, 10)
-THROUGHPUT = (50_000, 20, 100)
+# (young, middle, old) collection thresholds: CPython's own, for every service. Once the start-up
+# heap is frozen every collection is short (bench/gc_bench.py, 45 s served runs on the dev VM: the
+# worker's and the router's longest 3-10 ms, against 14-351 ms unfrozen). The kvstore used to
+# collect young objects every 50,000 allocations instead (15-25 % of its cycle went to collections
+# before its heap was frozen); frozen, that bought nothing measurable (in process 44-47 µs a cycle
+# either way, over gRPC 942 / 943 against 948 / 972 cycles/s, on Redis 74-79 µs either way) and
+# served it made each young collection of gRPC garbage a 9-31 ms stall (session 28).
+THRESHOLDS = (700, 10, 10)
 WARN_PAUSE_S = 0.05  # a collection this long is a visible stall of every stream the process serves
 
 
-def tune_gc(thresholds: tuple[int, int, int] = LATENCY) -> int:
+def tune_gc(thresholds: tuple[int, int, int] = THRESHOLDS) -> int:
     """Collect once, freeze every surviving object, set ``thresholds``. Returns how many objects
     were frozen. Process-wide and irreversible by design (see the module docstring)."""
     gc.collect()
@@ -99,14 +97,14 @@ def watch_gc_pauses(name: str, warn_s: float | None = WARN_PAUSE_S) -> GcPauses:
     return GcPauses(warn_s, name).install()
 
 
-def settle_heap(settings, name: str, thresholds: tuple[int, int, int] = LATENCY) -> GcPauses | None:
-    """A service's end of start-up: ``tune_gc(thresholds)`` when ``settings.gc_freeze`` (else the
+def settle_heap(settings, name: str) -> GcPauses | None:
+    """A service's end of start-up: ``tune_gc()`` when ``settings.gc_freeze`` (else the
     collector stays as CPython set it), a pause watcher unless ``settings.gc_warn_ms`` is 0
     (``TandemSettings`` fields). Process-wide; call once per process (a kvstore that becomes
     leader again calls it again: freezing twice is harmless, the watcher is installed once)."""
     global _watcher
     if settings.gc_freeze:
-        frozen = tune_gc(thresholds)
+        frozen = tune_gc()
         log.info("%s: %d start-up objects frozen out of the garbage collector's reach", name, frozen)
     if not settings.gc_warn_ms:
         return None
@@ -118,4 +116,4 @@ def settle_heap(settings, name: str, thresholds: tuple[int, int, int] = LATENCY)
 _watcher: GcPauses | None = None
 
 
-__all__ = ["GcPauses", "LATENCY", "THROUGHPUT", "WARN_PAUSE_S", "settle_heap", "tune_gc", "watch_gc_pauses"]
+__all__ = ["GcPauses", "THRESHOLDS", "WARN_PAUSE_S", "settle_heap", "tune_gc", "watch_gc_pauses"]

@@ -75,7 +75,7 @@ class TandemSettings(BaseSettings):
     tls_cert: str = Field("", description="PEM certificate of this service (mTLS on every hop; with tls_key and tls_ca; '' = insecure: every caller is trusted)")
     tls_key: str = Field("", description="PEM private key of tls_cert")
     tls_ca: str = Field("", description="PEM CA that signed every Tandem service certificate (verifies peers both ways)")
-    gc_freeze: bool = Field(True, description="once started (a worker: warmed up), move every object start-up made out of the garbage collector's reach, so that a full collection does not stall the service for the whole start-up heap; the kvstore also scans young objects less often (services/common/gc_tuning.py). Off: CPython's collector as it starts")
+    gc_freeze: bool = Field(True, description="once started (a worker: warmed up), move every object start-up made out of the garbage collector's reach, so that a full collection does not stall the service for the whole start-up heap (services/common/gc_tuning.py). Off: CPython's collector as it starts")
     gc_warn_ms: float = Field(50.0, ge=0, description="log a warning for every garbage collection that stalls this service longer than this (ms; 0 = never)")
 
     @model_validator(mode="after")

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from services.common.gc_tuning import THROUGHPUT, GcPauses
+from services.common.gc_tuning import THRESHOLDS, GcPauses
+
+RARE = (50_000, 20, 100)  # thresholds unlike CPython's, to see them set
 from services.gpuworker.settings import WorkerSettings
 from services.kvstore.settings import KVStoreSettings
 from services.router.settings import RouterSettings
@@ -69,16 +71,16 @@ def test_tune_gc_freezes_the_start_up_heap_and_sets_the_thresholds():
     got = _fresh(
         "import gc, json, time\n"
         "import torch, grpc  # a service-sized heap\n"
-        "from services.common.gc_tuning import tune_gc, THROUGHPUT\n"
+        "from services.common.gc_tuning import tune_gc\n"
         "before = len(gc.get_objects())\n"
-        "frozen = tune_gc(THROUGHPUT)\n"
+        f"frozen = tune_gc({RARE})\n"
         "t = time.perf_counter(); gc.collect(); after_ms = (time.perf_counter() - t) * 1e3\n"
         "print(json.dumps({'before': before, 'frozen': frozen, 'tracked': len(gc.get_objects()),\n"
         "                  'thresholds': gc.get_threshold(), 'freeze_count': gc.get_freeze_count()}))\n"
     )
     assert got["freeze_count"] >= 0.9 * got["before"] > 10_000
     assert got["tracked"] < 0.05 * got["before"]  # what a full collection still traverses
-    assert tuple(got["thresholds"]) == THROUGHPUT
+    assert tuple(got["thresholds"]) == RARE
 
 
 @pytest.mark.parametrize("freeze", [True, False])
@@ -87,19 +89,19 @@ def test_settle_heap_follows_the_setting_and_installs_one_watcher(freeze):
         "import gc, json\n"
         "from services.common import gc_tuning\n"
         "from services.router.settings import RouterSettings\n"
-        "default = gc.get_threshold()\n"
+        f"gc.set_threshold(*{RARE})  # something else set them: the setting decides who wins\n"
         f"s = RouterSettings(gc_freeze={freeze}, gc_warn_ms=20)\n"
-        "w1 = gc_tuning.settle_heap(s, 'router', gc_tuning.THROUGHPUT)\n"
+        "w1 = gc_tuning.settle_heap(s, 'router')\n"
         "after_first = gc.get_threshold()\n"
         "w2 = gc_tuning.settle_heap(s, 'router')  # a second call (a kvstore leader again): one watcher\n"
         "hooks = sum(1 for cb in gc.callbacks if getattr(cb, '__self__', None) is w1)\n"
         "off = gc_tuning.settle_heap(RouterSettings(gc_freeze=False, gc_warn_ms=0), 'x')\n"
-        "print(json.dumps({'frozen': gc.get_freeze_count(), 'default': default, 'after_first': after_first,\n"
+        "print(json.dumps({'frozen': gc.get_freeze_count(), 'after_first': after_first,\n"
         "                  'same': w1 is w2, 'hooks': hooks, 'warn_s': w1.warn_s, 'off': off is None}))\n"
     )
     assert (got["frozen"] > 0) is freeze
-    # frozen: the thresholds asked for; not frozen: the collector exactly as CPython set it
-    assert tuple(got["after_first"]) == (THROUGHPUT if freeze else tuple(got["default"]))
+    # frozen: the services' thresholds; not frozen: the collector left exactly as it was
+    assert tuple(got["after_first"]) == (THRESHOLDS if freeze else RARE)
     assert got["same"] and got["hooks"] == 1 and got["warn_s"] == pytest.approx(0.02) and got["off"]
 
 
