@@ -2,6 +2,7 @@
 
     start_suite(log_dir, [worker argv, ...], router argv)   kvstore + workers + router, all SERVING
     machine()                                               CPU, cores, load, date (for the JSON)
+    gc_pauses_in(log_dir)                                   the services' logged GC pauses, per process
     gpu_ms(fn)                                              median CUDA-event time of fn()
     grouped_bars(ax, groups, series)                        one bar per series in each group
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import platform
+import re
 import signal
 import socket
 import statistics
@@ -100,35 +102,70 @@ def pyspy_binary() -> str:
     return os.environ.get("PY_SPY") or shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
 
 
-def start_suite(log_dir: Path, workers: list[list[str]], router: list[str], *,
+def start_suite(log_dir: Path, workers: list[list[str]], router: list[str], *, env: dict | None = None,
                 worker_env: dict | None = None, timeout_s: float = 120.0, log_level: str = "WARNING") -> Suite:
     """kvstore (memory) + one worker per argv in ``workers`` (``tandem worker`` flags besides
     port, kvstore and worker id) + the router (``router``: flags besides port and kvstore), as
-    processes; each is SERVING (grpc health) before this returns."""
+    processes; each is SERVING (grpc health) before this returns. ``env``: extra environment of
+    every process, ``worker_env`` of the workers only (on top of ``env``)."""
     from services.launcher import wait_serving
 
     suite = Suite()
     try:
         kv_port = free_port()
         suite.kvstore = f"127.0.0.1:{kv_port}"
-        suite.spawn("kvstore", ["kvstore", "--port", str(kv_port)], log_dir, log_level=log_level)
+        suite.spawn("kvstore", ["kvstore", "--port", str(kv_port)], log_dir, env, log_level)
         deadline = time.monotonic() + timeout_s
         wait_serving(suite.kvstore, deadline, suite.procs[-1][1])
         for i, argv in enumerate(workers):
             port = free_port()
             suite.workers.append(f"127.0.0.1:{port}")
             suite.spawn(f"worker{i}", ["worker", "--port", str(port), "--kvstore", suite.kvstore,
-                                       "--worker-id", f"worker{i}", *argv], log_dir, worker_env, log_level)
+                                       "--worker-id", f"worker{i}", *argv], log_dir, {**(env or {}), **(worker_env or {})},
+                        log_level)
         r_port = free_port()
         suite.router = f"127.0.0.1:{r_port}"
-        suite.spawn("router", ["router", "--port", str(r_port), "--kvstore", suite.kvstore, *router], log_dir,
-                    log_level=log_level)
+        suite.spawn("router", ["router", "--port", str(r_port), "--kvstore", suite.kvstore, *router], log_dir, env,
+                    log_level)
         for addr, (_, proc) in zip([*suite.workers, suite.router], suite.procs[1:]):
             wait_serving(addr, deadline, proc)
         return suite
     except BaseException:
         suite.stop()
         raise
+
+
+# a line of services.common.gc_tuning's, in the services' log format (a router child adds "[router i]")
+_GC_PAUSE = re.compile(r"services\.common\.gc_tuning(?: \[[^]]*\])?: (?P<who>.+?): a generation-(?P<gen>\d) "
+                       r"garbage collection stalled it (?P<ms>\d+) ms")
+_GC_FROZEN = re.compile(r"services\.common\.gc_tuning(?: \[[^]]*\])?: (?P<who>.+?): (?P<n>\d+) start-up objects frozen")
+GC_VISIBLE_MS = 5  # a collection this long shows in a stream's inter-token gaps
+
+
+def gc_pauses_in(log_dir: Path) -> tuple[dict, dict]:
+    """The garbage collections the suite's processes logged (``TANDEM_<SERVICE>_GC_WARN_MS`` sets
+    how long one must be to be logged), per process as each names itself: how many, by generation,
+    the longest, and those of ``GC_VISIBLE_MS`` or more; and each process's start-up heap as its
+    freeze counted it (an INFO line: only with ``log_level="INFO"``). Reads the log files."""
+    out: dict[str, dict] = {}
+    heaps: dict[str, int] = {}
+    for f in sorted(log_dir.glob("*.log")):
+        for line in f.read_text(errors="replace").splitlines():
+            frozen = _GC_FROZEN.search(line)
+            if frozen:
+                heaps[frozen["who"]] = int(frozen["n"])
+            m = _GC_PAUSE.search(line)
+            if not m:
+                continue
+            ms, who = int(m["ms"]), m["who"]
+            row = out.setdefault(who, {"over_1ms": 0, "visible": 0, "visible_ms": 0, "longest_ms": 0, "by_generation": [0, 0, 0]})
+            row["over_1ms"] += 1
+            row["by_generation"][int(m["gen"])] += 1
+            row["longest_ms"] = max(row["longest_ms"], ms)
+            if ms >= GC_VISIBLE_MS:
+                row["visible"] += 1
+                row["visible_ms"] += ms
+    return out, heaps
 
 
 def machine() -> dict:

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import re
 import sys
 import tempfile
 import time
@@ -36,12 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import GC_VISIBLE_MS, gc_pauses_in, grouped_bars, machine, start_suite  # noqa: E402
+
 MODES = {"default": "false", "frozen": "true"}
 SERVICES = ("KVSTORE", "WORKER", "ROUTER")
-# a line of services.common.gc_tuning's, in the services' log format (a router child adds "[router i]")
-PAUSE = re.compile(r"services\.common\.gc_tuning(?: \[[^]]*\])?: (?P<who>.+?): a generation-(?P<gen>\d) garbage collection stalled it (?P<ms>\d+) ms")
-FROZEN = re.compile(r"services\.common\.gc_tuning(?: \[[^]]*\])?: (?P<who>.+?): (?P<n>\d+) start-up objects frozen")
-VISIBLE_MS = 5  # a pause this long shows in a stream's inter-token gaps
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -86,56 +82,20 @@ async def drive(router: str, args) -> dict:
                        "p999": percentile(gaps, 0.999) * 1e3, "max": max(gaps) * 1e3 if gaps else float("nan")}}
 
 
-def pauses_in(log_dir: Path) -> tuple[dict, dict]:
-    """Per process (as each names itself): collections of ``VISIBLE_MS`` or more, and of any length
-    logged (1 ms or more), from the warning lines of the suite's logs; and each process's start-up
-    heap as its freeze counted it (the frozen mode's log lines)."""
-    out: dict[str, dict] = {}
-    heaps: dict[str, int] = {}
-    for f in sorted(log_dir.glob("*.log")):
-        for line in f.read_text(errors="replace").splitlines():
-            frozen = FROZEN.search(line)
-            if frozen:  # the frozen mode's start-up heap, as each process counted it
-                heaps[frozen["who"]] = int(frozen["n"])
-            m = PAUSE.search(line)
-            if not m:
-                continue
-            ms, who = int(m["ms"]), m["who"]
-            row = out.setdefault(who, {"over_1ms": 0, "visible": 0, "visible_ms": 0, "longest_ms": 0, "by_generation": [0, 0, 0]})
-            row["over_1ms"] += 1
-            row["by_generation"][int(m["gen"])] += 1
-            row["longest_ms"] = max(row["longest_ms"], ms)
-            if ms >= VISIBLE_MS:
-                row["visible"] += 1
-                row["visible_ms"] += ms
-    return out, heaps
-
-
 def run_mode(mode: str, args, model_dir: Path, log_root: Path) -> dict:
-    from _common import start_suite
-
     log_dir = log_root / mode
     log_dir.mkdir()
-    saved = {k: os.environ.get(k) for k in (f"TANDEM_{s}_GC_{x}" for s in SERVICES for x in ("FREEZE", "WARN_MS"))}
-    for s in SERVICES:
-        os.environ[f"TANDEM_{s}_GC_FREEZE"] = MODES[mode]
-        os.environ[f"TANDEM_{s}_GC_WARN_MS"] = "1"
+    # every collection of 1 ms or more logged; INFO: the freeze's own line counts each start-up heap
+    env = {f"TANDEM_{s}_GC_{x}": v for s in SERVICES for x, v in (("FREEZE", MODES[mode]), ("WARN_MS", "1"))}
+    worker = ["--model", str(model_dir), "--device", args.device, "--num-blocks", str(args.num_blocks), "--spec-mode", "none"]
+    suite = start_suite(log_dir, [worker], ["--model", str(model_dir)], timeout_s=args.startup_timeout_s,
+                        env=env, log_level="INFO")
     try:
-        worker = ["--model", str(model_dir), "--device", args.device, "--num-blocks", str(args.num_blocks), "--spec-mode", "none"]
-        suite = start_suite(log_dir, [worker], ["--model", str(model_dir)], timeout_s=args.startup_timeout_s,
-                            log_level="INFO")  # the freeze's own line counts each start-up heap
-        try:
-            row = asyncio.run(drive(suite.router, args))
-        finally:
-            suite.stop()
+        row = asyncio.run(drive(suite.router, args))
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        suite.stop()
     row["mode"] = mode
-    row["pauses"], row["frozen_objects"] = pauses_in(log_dir)
+    row["pauses"], row["frozen_objects"] = gc_pauses_in(log_dir)
     return row
 
 
@@ -144,8 +104,6 @@ def plot(res: dict, png: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from _common import grouped_bars
 
     rows = res["modes"]
     several = res["args"].get("rounds", 1) > 1
@@ -166,7 +124,7 @@ def plot(res: dict, png: Path) -> None:
     for i, r in enumerate(rows):
         n = sum(p["visible"] for p in r["pauses"].values())
         total = sum(p["visible_ms"] for p in r["pauses"].values())
-        ax2.text(0.02, 0.95 - 0.07 * i, f"{label(r)}: {n} collections of {VISIBLE_MS} ms or more, {total} ms in all",
+        ax2.text(0.02, 0.95 - 0.07 * i, f"{label(r)}: {n} collections of {GC_VISIBLE_MS} ms or more, {total} ms in all",
                  transform=ax2.transAxes, fontsize=8, va="top")
     ax2.set_ylabel("longest collection, ms")
     ax2.set_title("garbage-collector pauses per process")
@@ -195,7 +153,6 @@ def main() -> int:
     if args.from_json:
         res = json.loads(args.from_json.read_text())
     else:
-        from _common import machine
         from serve_bench import SHAPES, build_model
 
         args.vocab = SHAPES[args.shape].vocab_size
@@ -218,7 +175,7 @@ def main() -> int:
                     if row["frozen_objects"]:
                         print(f"   start-up heaps frozen: {row['frozen_objects']}", flush=True)
                     for who, p in sorted(row["pauses"].items()):
-                        print(f"   {who}: {p['visible']} collections >= {VISIBLE_MS} ms ({p['visible_ms']} ms), "
+                        print(f"   {who}: {p['visible']} collections >= {GC_VISIBLE_MS} ms ({p['visible_ms']} ms), "
                               f"longest {p['longest_ms']} ms; >= 1 ms by generation {p['by_generation']}", flush=True)
         res = {"machine": machine(), "command": " ".join(["python", "bench/gc_bench.py", *sys.argv[1:]]),
                "args": {k: v for k, v in vars(args).items() if k in ("device", "shape", "concurrency", "prompt_len",

@@ -70,8 +70,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _common import free_port, gpu_ms, grouped_bars, machine, pyspy_binary, start_suite  # noqa: E402
-from gc_bench import pauses_in  # noqa: E402
+from _common import free_port, gc_pauses_in, gpu_ms, grouped_bars, machine, pyspy_binary, start_suite  # noqa: E402
 from services.common.gc_tuning import tune_gc  # noqa: E402
 from worker_bench import bench_config  # noqa: E402
 
@@ -87,6 +86,7 @@ SHAPES = {
 }
 BLOCK = WorkerSettings.model_fields["block_size"].default  # the suite runs with the worker's default
 GC_WARN_MS = 5  # the suite's processes log every garbage collection this long (their streams stall)
+GC_ENV = {f"TANDEM_{service}_GC_WARN_MS": str(GC_WARN_MS) for service in ("KVSTORE", "WORKER", "ROUTER")}
 
 
 # ------------------------------------------------------------------------------------- workload
@@ -468,7 +468,7 @@ def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log) -> 
         metrics_port = free_port()
         try:
             suite = start_suite(log_dir, [settings_flags(settings) + ["--metrics-port", str(metrics_port)]], router,
-                                timeout_s=args.startup_timeout_s)
+                                env=GC_ENV, timeout_s=args.startup_timeout_s)
         except Exception:
             print_logs(log_dir)
             raise
@@ -480,7 +480,7 @@ def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log) -> 
         if result["first_error"] or any(r["failed"] for r in result["levels"]):
             print_logs(log_dir)  # the folder is temporary: show why while it exists
         # every collection of GC_WARN_MS or more each process logged (see main): they stall its streams
-        result["gc_pauses"], _ = pauses_in(log_dir)
+        result["gc_pauses"], _ = gc_pauses_in(log_dir)
         log(f"[served a={a}] garbage collections >= {GC_WARN_MS} ms: " + (", ".join(
             f"{who} {sum(p['by_generation'])} (longest {p['longest_ms']} ms)" for who, p in sorted(result["gc_pauses"].items())) or "none"))
         suites.append({"a": a, "startup_s": time.monotonic() - t0, **result})
@@ -799,8 +799,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(args.device)  # the model build and the copy timing use the current device
         if not os.environ.get("FLASHINFER_WORKSPACE_BASE"):
             log("FLASHINFER_WORKSPACE_BASE is unset: kernels compiled now (1-2.5 min) are not kept for the next run")
-    for service in ("KVSTORE", "WORKER", "ROUTER"):  # the suite's processes log every collection this long
-        os.environ.setdefault(f"TANDEM_{service}_GC_WARN_MS", str(GC_WARN_MS))
     res: dict = {"meta": meta(args), "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     log(f"{json.dumps(res['meta'])}")
     with tempfile.TemporaryDirectory(prefix="tandem_serve_") as tmp:

@@ -14,7 +14,7 @@ of the served suite). ``tune_gc`` moves the start-up heap to the permanent gener
 
 Process-wide: call once from a service's entry point, at the end of its start-up (after a
 worker's warm-up), never from library code or tests (a frozen object is never collected).
-``watch_gc_pauses`` logs a warning for any collection longer than a threshold (SGLang's
+``GcPauses`` logs a warning for any collection longer than a threshold (SGLang's
 ``gc_warning_threshold_secs``), so a pause that remains is seen, not guessed.
 """
 
@@ -92,11 +92,6 @@ class GcPauses:
                 "longest_s": round(self.longest_s, 6)}
 
 
-def watch_gc_pauses(name: str, warn_s: float | None = WARN_PAUSE_S) -> GcPauses:
-    """Install a ``GcPauses`` hook for this process (see the class)."""
-    return GcPauses(warn_s, name).install()
-
-
 def settle_heap(settings, name: str) -> GcPauses | None:
     """A service's end of start-up: ``tune_gc()`` when ``settings.gc_freeze`` (else the
     collector stays as CPython set it), a pause watcher unless ``settings.gc_warn_ms`` is 0
@@ -109,11 +104,11 @@ def settle_heap(settings, name: str) -> GcPauses | None:
     if not settings.gc_warn_ms:
         return None
     if _watcher is None:
-        _watcher = watch_gc_pauses(name, settings.gc_warn_ms / 1e3)
+        _watcher = GcPauses(settings.gc_warn_ms / 1e3, name).install()
     return _watcher
 
 
 _watcher: GcPauses | None = None
 
 
-__all__ = ["GcPauses", "THRESHOLDS", "WARN_PAUSE_S", "settle_heap", "tune_gc", "watch_gc_pauses"]
+__all__ = ["GcPauses", "THRESHOLDS", "WARN_PAUSE_S", "settle_heap", "tune_gc"]

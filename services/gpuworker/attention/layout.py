@@ -154,37 +154,19 @@ def _validate(tables: Any, cached: Any, query: Any) -> LayoutArrays:
     matrix, widths, _, max_id = table
     if q_max > INT32_MAX or int(c.max()) > INT32_MAX or max_id > INT32_MAX:
         raise InvalidArgument("lengths and block ids must be below 2**31 (int32 plans)")
-    kv = c + q
-    max_kv = int(kv.max())
-    if max_kv > INT32_MAX:
-        r = int(np.argmax(kv))
-        raise InvalidArgument(f"request {r}: kv_len {max_kv} must be below 2**31 (int32 plans)")
-    uniform = q_min == q_max
-    arrays = LayoutArrays(
-        q=q,
-        cached=c,
-        kv=kv,
-        widths=widths,
-        tables=matrix,
-        uniform_q=q_min if uniform else None,
-        num_tokens=q_min * n if uniform else int(q.sum()),
-        max_kv_len=max_kv,
-        max_block_id=max_id,
-    )
-    for a in (q, c, kv, widths, matrix):
-        a.flags.writeable = False  # shared by every plan of the layout (views of caller arrays too)
-    return arrays
+    return _arrays_of(matrix, widths, c, q, max_id, q_min, q_max)
 
 
-def _derived(tables: np.ndarray, widths: np.ndarray, cached: np.ndarray, q: np.ndarray, max_id: int) -> BatchLayout:
-    """A layout from arrays that an already validated layout holds (tables, widths) or that its
-    derivation just made (non-negative lengths): only the length bounds are checked."""
+def _arrays_of(tables: np.ndarray, widths: np.ndarray, cached: np.ndarray, q: np.ndarray, max_id: int,
+               q_min: int, q_max: int) -> LayoutArrays:
+    """The checked arrays of a layout whose ids, widths and lengths are known good; only the KV
+    lengths' int32 bound is left to check. Makes the arrays read-only: they are shared by every
+    plan of the layout (views of caller arrays too)."""
     kv = cached + q
     max_kv = int(kv.max())
     if max_kv > INT32_MAX:
         r = int(np.argmax(kv))
         raise InvalidArgument(f"request {r}: kv_len {max_kv} must be below 2**31 (int32 plans)")
-    q_min, q_max = int(q.min()), int(q.max())
     uniform = q_min == q_max
     arrays = LayoutArrays(q=q, cached=cached, kv=kv, widths=widths, tables=tables,
                           uniform_q=q_min if uniform else None,
@@ -192,6 +174,13 @@ def _derived(tables: np.ndarray, widths: np.ndarray, cached: np.ndarray, q: np.n
                           max_kv_len=max_kv, max_block_id=max_id)
     for a in (q, cached, kv, widths, tables):
         a.flags.writeable = False
+    return arrays
+
+
+def _derived(tables: np.ndarray, widths: np.ndarray, cached: np.ndarray, q: np.ndarray, max_id: int) -> BatchLayout:
+    """A layout from arrays that an already validated layout holds (tables, widths) or that its
+    derivation just made (non-negative lengths): only the length bounds are checked."""
+    arrays = _arrays_of(tables, widths, cached, q, max_id, int(q.min()), int(q.max()))
     layout = object.__new__(BatchLayout)
     for name, value in (("block_tables", _TableRows(tables, widths)), ("cached_lens", cached), ("query_lens", q),
                         ("_arrays", arrays)):

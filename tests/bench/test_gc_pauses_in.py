@@ -1,5 +1,6 @@
-"""bench/gc_bench.py's log reading (also what serve_bench records per suite): the pause lines the
-services' ``GcPauses`` writes, and the count each freeze logs, read back per process."""
+"""bench/_common.gc_pauses_in (gc_bench's and serve_bench's reading of the suite's logs): the
+pause lines the services' ``GcPauses`` writes, and the count each freeze logs, read back per
+process."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import gc_bench  # noqa: E402
+from _common import gc_pauses_in  # noqa: E402
 
 from services.common.gc_tuning import GcPauses  # noqa: E402
 
@@ -29,7 +30,7 @@ def test_the_lines_the_watcher_writes_are_the_lines_the_bench_reads(tmp_path, ca
     assert len(records) == sum(pauses.count) >= 2
     # as a router child writes them (its format adds "[router 0]" after the logger name)
     (tmp_path / "router.log").write_text("".join(f"{PREFIX} [router 0]: {r.getMessage()}\n" for r in records))
-    got, heaps = gc_bench.pauses_in(tmp_path)
+    got, heaps = gc_pauses_in(tmp_path)
     assert heaps == {}
     assert got["router process 17"]["by_generation"] == pauses.count
 
@@ -42,7 +43,7 @@ def test_pauses_and_frozen_heaps_are_summed_per_process(tmp_path):
         f"{PREFIX}: engine process: a generation-1 garbage collection stalled it 9 ms (1 objects collected)",
         "some.other.logger: worker: a generation-2 garbage collection stalled it 999 ms (not the watcher's line)",
     ]) + "\n")
-    got, heaps = gc_bench.pauses_in(tmp_path)
+    got, heaps = gc_pauses_in(tmp_path)
     assert heaps == {"worker": 313512}
     assert set(got) == {"worker", "engine process"}
     w = got["worker"]
