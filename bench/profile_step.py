@@ -42,7 +42,8 @@ def settings_for(args, model_dir: Path, k: int):
     return WorkerSettings(model=str(model_dir), spec_mode="eagle3", **draft, device=args.device,
                           backend="flashinfer" if gpu else "torch", dtype="bfloat16" if gpu else "float32",
                           num_blocks=max(args.batch) * (-(-(args.prompt_len + (args.steps + 20) * (k + 1) + 64) // 16)) + 8,
-                          forced_acceptance=args.accept if k else None, fused_spec_steps=args.fused_spec_steps)
+                          forced_acceptance=args.accept if k else None, fused_spec_steps=args.fused_spec_steps,
+                          fused_spec_graphs=args.fused_spec_graphs)
 
 
 def profile_one(built, batch: int, k: int, args) -> dict:
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--accept", type=int, default=3, help="forced acceptance for k > 0")
     p.add_argument("--fused-spec-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="worker setting fused_spec_steps: a greedy speculative step as one graph (default on)")
+    p.add_argument("--fused-spec-graphs", choices=("one", "split"), default="one",
+                   help="worker setting fused_spec_graphs: the fused step as one graph, or a graph per chain position and one for the verify")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--top", type=int, default=25)

@@ -292,6 +292,30 @@ class DecodeBench:
 
             self.g_fused = Graph(fused)
 
+            # the same step split (``EngineConfig.fused_graphs="split"``): a graph per chain
+            # position, replayed right after its own plan, then the verify, verdict and fill
+            from services.gpuworker.engine.spec_step import chain_position_forward, verify_fill_forward
+
+            position = chain_position_forward(draft, backend, dpool)
+            verify_fill = verify_fill_forward(target, draft, backend, tpool, dpool, aux)
+            self.g_split_chain = []
+            tok, hid = self.f_d1, self.f_hidden
+            for j in range(1, k):
+                g = Graph(lambda j=j, tok=tok, hid=hid: position(self.f_plans[j], tok, hid))
+                self.g_split_chain.append(g)
+                tok, hid = g.out["tokens"], g.out["hidden"]
+
+            def split_verify():
+                chained = [g.out["tokens"] for g in self.g_split_chain]
+                ids = torch.stack([self.f_last, self.f_d1, *chained], dim=1).reshape(-1)
+                out = verify_fill(self.f_plans[0], ids, self.f_forced)
+                self.f_last.copy_(out["target"].gather(1, out["accepted"].unsqueeze(1)).squeeze(1))
+                self.f_d1.copy_(out["next_draft"])
+                self.f_hidden.copy_(out["next_hidden"])
+                return out
+
+            self.g_split_verify = Graph(split_verify)
+
     # -- planning: same lengths for the whole batch (forced acceptance keeps them in step)
     def _layout(self, cached: int, q: int):
         from services.gpuworker.attention.base import BatchLayout
@@ -353,6 +377,37 @@ class DecodeBench:
             self.torch.cat([out["accepted"].unsqueeze(1), out["target"], out["drafts"]], dim=1).cpu()
         self.L += a + 1
 
+    def split_step(self, a: int) -> None:
+        """``fused_step`` launched split: chain position j planned on lane j and replayed at once,
+        the verify (lane 0) planned while the chain runs, then its replay and the one read-back."""
+        self.f_forced.fill_(a)
+        verify = self._layout(self.L - 1, self.k + 1)
+        for j, g in enumerate(self.g_split_chain, start=1):
+            self.backend.plan(verify.shifted(j - 1, 1), self.AK.DECODE, lane=j)
+            g.replay()
+        self.backend.plan(verify, self.AK.VERIFY, lane=0)
+        self.g_split_verify.replay()
+        out = self.g_split_verify.out
+        self.torch.cat([out["accepted"].unsqueeze(1), out["target"], out["drafts"]], dim=1).cpu()
+        self.L += a + 1
+
+    def _split_equals_fused(self, a: int) -> float:
+        """From one state, the fused and the split step's verdict rows: the fraction that agree
+        (1.0 expected: the same kernels on the same plans)."""
+        saved = [t.clone() for t in (self.f_last, self.f_d1, self.f_hidden)]
+        L = self.L
+        self.fused_step(a)
+        out = self.g_fused.out
+        fused = self.torch.cat([out["target"], out["drafts"]], dim=1).cpu()
+        for t, v in zip((self.f_last, self.f_d1, self.f_hidden), saved):
+            t.copy_(v)
+        self.L = L
+        self.split_step(a)
+        out = self.g_split_verify.out
+        split = self.torch.cat([out["target"], out["drafts"]], dim=1).cpu()
+        self.L = L
+        return float((fused == split).float().mean())
+
     def validate(self) -> dict:
         """Before timing: every stage once with a sync after it (so a fault names its stage),
         token ids in range, and graph outputs equal to eager forwards on the same plan."""
@@ -382,6 +437,10 @@ class DecodeBench:
                 if not bool((accepted == a).all()):
                     raise RuntimeError(f"fused step: forced acceptance {a}, verdict {accepted.tolist()}")
                 self.L = L
+                report[f"split_vs_fused_agreement_a{a}"] = self._split_equals_fused(a)
+                accepted = self.g_split_verify.out["accepted"].cpu()
+                if not bool((accepted == a).all()):
+                    raise RuntimeError(f"split step: forced acceptance {a}, verdict {accepted.tolist()}")
         self._plan_decode(self.L - 1)
         self.g_decode.replay()
         torch.cuda.synchronize()
@@ -496,7 +555,7 @@ def model_decode(batches: list[int], k: int, ctx: int, steps: int, log) -> dict:
     for B in batches:
         t0 = time.perf_counter()
         bench = DecodeBench(target, draft, backend, tpool, dpool, B, k, ctx, pages_per_req)
-        log(f"B={B}: captured {3 + k + k - 1} graphs in {time.perf_counter() - t0:.1f}s")
+        log(f"B={B}: captured {3 + k + k - 1 + (1 + k if k else 0)} graphs in {time.perf_counter() - t0:.1f}s")
         row = {"batch": B, "ctx": ctx, "k": k, "checks": bench.validate()}
         log(f"B={B}: checks {row['checks']}")
         plain_ms = bench.timed(bench.decode_step, steps)
@@ -509,6 +568,7 @@ def model_decode(batches: list[int], k: int, ctx: int, steps: int, log) -> dict:
             ahead_ms = bench.timed(lambda a=a: bench.spec_step(a, sync_after_verify=False), steps)
             fused_ms = bench.timed(lambda a=a: bench.fused_step(a), steps)
             fused_noread_ms = bench.timed(lambda a=a: bench.fused_step(a, read=False), steps)
+            split_ms = bench.timed(lambda a=a: bench.split_step(a), steps)
             row["spec"][a] = {
                 "step_ms": step_ms,
                 "step_ms_no_sync_after_verify": ahead_ms,
@@ -516,6 +576,8 @@ def model_decode(batches: list[int], k: int, ctx: int, steps: int, log) -> dict:
                 "fused_step_ms_no_readback": fused_noread_ms,
                 "fused_over_alone": fused_ms / alone["spec_sum"],
                 "fused_tokens_per_s": B * (a + 1) / fused_ms * 1e3,
+                "split_step_ms": split_ms,
+                "split_over_alone": split_ms / alone["spec_sum"],
                 "tokens_per_s": B * (a + 1) / step_ms * 1e3,
                 "alone_ms": alone,
                 "step_over_alone": step_ms / alone["spec_sum"],
@@ -526,7 +588,8 @@ def model_decode(batches: list[int], k: int, ctx: int, steps: int, log) -> dict:
                 f"{alone['spec_sum']:.3f} ms (verify {alone['verify']:.3f} fill {alone['fill']:.3f} chain "
                 f"{'+'.join(f'{c:.3f}' for c in alone['chain'])}), ratio {step_ms / alone['spec_sum']:.2f}, "
                 f"{row['spec'][a]['tokens_per_s']:.0f} tok/s, x{row['spec'][a]['speedup_vs_plain']:.2f} vs plain; "
-                f"fused step {fused_ms:.3f} ms (no read-back {fused_noread_ms:.3f}), ratio {fused_ms / alone['spec_sum']:.2f}"
+                f"fused step {fused_ms:.3f} ms (no read-back {fused_noread_ms:.3f}), ratio {fused_ms / alone['spec_sum']:.2f}; "
+                f"split {split_ms:.3f} ms, ratio {split_ms / alone['spec_sum']:.2f}"
             )
         log(
             f"B={B:3d} k=0: step {plain_ms:.3f} ms (graph alone {row['spec'][0]['alone_ms']['decode']:.3f} ms, "
@@ -556,7 +619,7 @@ def summary_table(res: dict) -> str:
     model = res.get("model")
     if model:
         lines.append(f"{'batch':>5} {'k':>2} {'a':>2} {'step ms':>8} {'tok/s':>9} {'vs plain':>8} {'step/alone':>10} "
-                     f"{'fused ms':>8} {'fused/alone':>11}")
+                     f"{'fused ms':>8} {'fused/alone':>11} {'split ms':>8} {'split/alone':>11}")
         for row in model["rows"]:
             lines.append(
                 f"{row['batch']:>5} {0:>2} {'-':>2} {row['plain']['step_ms']:>8.3f} "
@@ -566,7 +629,8 @@ def summary_table(res: dict) -> str:
                 lines.append(
                     f"{row['batch']:>5} {row['k']:>2} {a:>2} {s['step_ms']:>8.3f} {s['tokens_per_s']:>9.0f} "
                     f"{s['speedup_vs_plain']:>8.2f} {s['step_over_alone']:>10.2f} "
-                    f"{s.get('fused_step_ms', float('nan')):>8.3f} {s.get('fused_over_alone', float('nan')):>11.2f}"
+                    f"{s.get('fused_step_ms', float('nan')):>8.3f} {s.get('fused_over_alone', float('nan')):>11.2f} "
+                    f"{s.get('split_step_ms', float('nan')):>8.3f} {s.get('split_over_alone', float('nan')):>11.2f}"
                 )
     return "\n".join(lines)
 
@@ -601,6 +665,8 @@ def plot(res: dict, png: Path) -> None:
         ratios = [
             ("phase by phase", [r["spec"][top]["step_over_alone"] for r in rows]),
             ("fused, verdict read", [r["spec"][top]["fused_over_alone"] for r in rows]),
+            *([("fused split, verdict read", [r["spec"][top]["split_over_alone"] for r in rows])]
+              if "split_over_alone" in rows0[0]["spec"][top] else []),
             # (session 28's JSON names the no-read-back time "..._verdict_read_late")
             ("fused, no read-back (bound)", [r["spec"][top].get("fused_step_ms_no_readback", r["spec"][top].get("fused_step_ms_verdict_read_late"))
                                              / r["spec"][top]["alone_ms"]["spec_sum"] for r in rows]),

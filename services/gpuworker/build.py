@@ -148,6 +148,7 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         graphs=graph_mode(settings),
         overlap=settings.overlap_steps,
         fused_spec=settings.fused_spec_steps,
+        fused_graphs=settings.fused_spec_graphs,
         prefill_wait_steps=settings.prefill_wait_steps,
         prefill_batch=settings.prefill_batch,
     )

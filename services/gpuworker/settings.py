@@ -63,6 +63,7 @@ class WorkerSettings(TandemSettings):
     cuda_graphs: bool = Field(True, description="capture decode, verify and draft-chain forwards in CUDA graphs at start-up (CUDA only; ignored on CPU)")
     overlap_steps: bool = Field(True, description="launch the next step before reading back plain greedy decode tokens (the host plans step N+1 while the device runs step N), and read a fused speculative step's verdict at the start of the next step (streaming and publishing run while the device does); output is unchanged")
     fused_spec_steps: bool = Field(True, description="run a greedy EAGLE-3 speculative step (draft chain, verify, verdict, draft fill) as one forward, one CUDA graph launch and one read-back, when graphs are on; output is unchanged")
+    fused_spec_graphs: Literal["one", "split"] = Field("one", description="how a fused speculative step launches: 'one' graph after all k attention plans, or 'split': each draft-chain position's graph right after its own plan and the verify + fill graph last, so the device runs while the later plans are made (k_max - 1 more graphs per batch bucket); output is unchanged")
     warmup: bool = Field(True, description="compile kernels and capture graphs before health says SERVING")
     extend_watermark_blocks: int = Field(2, ge=0, le=1024, description="extend a request's KV capacity ahead of need once fewer than this many blocks of headroom are left")
     extend_chunk_blocks: int = Field(4, ge=1, le=1024, description="blocks of headroom each ahead-of-need Extend asks for")

@@ -3,8 +3,10 @@ exactly as the phase-by-phase step does: the same tokens, the same accepted coun
 publishable lengths and written blocks, step for step — with scripted drafts (many accepted) and
 the random draft (few), forced acceptance, stop tokens, requests ending at different steps, an
 abort in the middle, and batches that must fall back (a sampled request, logprobs, a k the
-graphs were not made for). Graph padding runs eagerly here through the same plans and buffers
-that a captured graph replays (``graphs="pad"``)."""
+graphs were not made for) — launched as one forward after all its plans (``fused_graphs="one"``)
+or split into a forward per chain position and one for the verify and fill (``"split"``). Graph
+padding runs eagerly here through the same plans and buffers that a captured graph replays
+(``graphs="pad"``)."""
 
 from __future__ import annotations
 
@@ -119,10 +121,14 @@ def _published_kv_is_final(trace: Trace) -> None:
     assert checked >= 8
 
 
+LAUNCHES = ["one", "split"]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("scripted", [True, False])
-def test_fused_steps_equal_phase_by_phase_steps(k, scripted):
-    off, on = _trace(False, k=k, scripted=scripted), _trace(True, k=k, scripted=scripted)
+def test_fused_steps_equal_phase_by_phase_steps(k, scripted, launch):
+    off, on = _trace(False, k=k, scripted=scripted), _trace(True, k=k, scripted=scripted, fused_graphs=launch)
     assert off.engine.fused_steps == 0 and on.engine.fused_steps >= 3
     assert on.steps == off.steps
     _same_publishing(on, off)
@@ -133,19 +139,22 @@ def test_fused_steps_equal_phase_by_phase_steps(k, scripted):
         assert sum(c.counts.accepted_drafts for c in on.done.values()) > 0
 
 
+@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("forced", [0, 2, 3])
-def test_fused_steps_with_forced_acceptance(forced):
+def test_fused_steps_with_forced_acceptance(forced, launch):
     """Benchmarks' forced acceptance: the verdict is min(forced, k) drafts, then the target's token."""
-    off, on = _trace(False, k=3, scripted=False, forced=forced), _trace(True, k=3, scripted=False, forced=forced)
+    off = _trace(False, k=3, scripted=False, forced=forced)
+    on = _trace(True, k=3, scripted=False, forced=forced, fused_graphs=launch)
     assert on.engine.fused_steps > 0 and on.steps == off.steps
     verified = [v for step in on.steps for v in step.values() if v[1]]
     assert verified and all(accepted == min(forced, proposed) for _, proposed, accepted, *_ in verified)
 
 
-def test_fused_steps_with_a_stop_token_and_an_abort():
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_fused_steps_with_a_stop_token_and_an_abort(launch):
     """A stop token inside an accepted run ends the request there (its fill past the stop is
     never published); an abort between steps breaks the batch the next step would reuse."""
-    on = _trace(True, k=3, scripted=True, stop=True, abort_when=_pending("r2"))
+    on = _trace(True, k=3, scripted=True, stop=True, abort_when=_pending("r2"), fused_graphs=launch)
     off = _trace(False, k=3, scripted=True, stop=True, abort_at=on.aborted_at)
     assert on.aborted_at is not None and on.fused_at[-1] > on.aborted_at  # fused again after it
     assert on.engine.fused_steps > 0 and on.steps == off.steps
@@ -155,8 +164,9 @@ def test_fused_steps_with_a_stop_token_and_an_abort():
     assert "r2" in on.done and on.done["r2"].finish_reason is None  # aborted: never finished
 
 
+@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("extra", ["sampled", "logprobs", "other k"])
-def test_batches_the_fused_step_cannot_take_fall_back(extra):
+def test_batches_the_fused_step_cannot_take_fall_back(extra, launch):
     """One request the fused forward cannot serve (sampled, asks for logprobs, or a k outside the
     graphs) puts its whole batch on the phase-by-phase path; outputs stay the same."""
     ps = prompts((7,), seed=5)
@@ -169,7 +179,7 @@ def test_batches_the_fused_step_cannot_take_fall_back(extra):
         else:
             submit(setup, "x", ps[0], max_new_tokens=MAX_NEW, k=5)  # k + 1 > block_size: no graph
 
-    off, on = _trace(False, k=3, scripted=True, extra=add), _trace(True, k=3, scripted=True, extra=add)
+    off, on = _trace(False, k=3, scripted=True, extra=add), _trace(True, k=3, scripted=True, extra=add, fused_graphs=launch)
     assert on.steps == off.steps
     # a fused step never carried "x" (other k: only once its budget shrank into the graphs' k),
     # and verified one k in all its rows
@@ -207,6 +217,52 @@ def test_a_fused_step_is_one_forward_over_k_plans():
         assert [(e[2], e[3]) for e in plans] == [(5, 0), (1, 1), (1, 2), (1, 3)]
 
 
+def test_a_split_step_launches_each_forward_right_after_its_own_plan():
+    """``fused_graphs="split"``: chain position j is planned on lane j and run at once, the verify
+    (and fill) planned last on lane 0 and run last, so only the first plan of a step comes before
+    the device has work; no phase-by-phase forward (chain, target, fill) runs in that step. Only
+    the forwards of that launch are registered."""
+    ps = prompts(LENGTHS, seed=11)
+    setup = make_setup("eagle3", block_size=8, chunk_size=64, max_batch_tokens=128, max_draft_tokens=5, graphs="pad",
+                       fused_graphs="split")
+    engine, graphs, backend = setup.engine, setup.engine.graphs, setup.engine.backend
+    assert "spec" not in graphs._forwards
+    assert [n for n in graphs._forwards if n.startswith("spec_")] == [f"spec_chain{j}" for j in range(1, 5)] + ["spec_verify"]
+    events: list[tuple] = []
+    plan, run = backend.plan, graphs.run
+    backend.plan = lambda layout, kind=None, lane=0: (events.append(("plan", layout.arrays.uniform_q, lane)),
+                                                      plan(layout, kind, lane))[1]
+    graphs.run = lambda name, layout, inputs: (run(name, layout, inputs), events.append(("run", name)))[0]  # after its plan
+    for i, p in enumerate(ps):
+        submit(setup, f"r{i}", p, max_new_tokens=MAX_NEW, k=4)
+    per_step = []
+    run_until_done(setup, on_step=lambda _r: (per_step.append(list(events)), events.clear()))
+    fused = [step for step in per_step if ("run", "spec_verify") in step]
+    assert len(fused) == engine.fused_steps >= 3
+    for step in fused:
+        assert step == [("plan", 1, 1), ("run", "spec_chain1"), ("plan", 1, 2), ("run", "spec_chain2"),
+                        ("plan", 1, 3), ("run", "spec_chain3"), ("plan", 5, 0), ("run", "spec_verify")]
+
+
+def test_a_forward_pinned_to_a_lane_plans_there_and_bad_lanes_are_refused():
+    setup = make_setup("eagle3", max_draft_tokens=3, graphs="pad", fused_graphs="split")
+    graphs, backend = setup.engine.graphs, setup.engine.backend
+    lanes: list[int] = []
+    plan = backend.plan
+    backend.plan = lambda layout, kind=None, lane=0: (lanes.append(lane), plan(layout, kind, lane))[1]
+    tokens, hidden = torch.zeros(1, dtype=torch.long), torch.zeros(1, setup.draft.chain_hidden_size)
+    table = setup.source.reserve("q", 8)
+    out, planned = graphs.run("spec_chain2", BatchLayout([table], [2], [1]), {"tokens": tokens, "hidden": hidden})
+    assert lanes == [2] and out["tokens"].shape == (1,) and planned.batch_size == 1
+    fn = graphs._forwards["spec_chain1"][0]
+    for bad in (-1, 1.0, True):
+        with pytest.raises(InvalidArgument, match="lane must be"):
+            graphs.register("x", fn, {"tokens": ((), torch.long)}, (1,), lane=bad)
+    with pytest.raises(InvalidArgument, match="lane must be"):
+        graphs.register("x", fn, {"tokens": ((), torch.long)}, (2,), lanes=lambda q: (q, 1), lane=1)
+    assert "x" not in graphs._forwards
+
+
 def test_run_lanes_refuses_layouts_the_graph_was_not_made_for():
     setup = make_setup("eagle3", max_draft_tokens=3, graphs="pad")
     graphs = setup.engine.graphs
@@ -235,13 +291,14 @@ def _silent(trace: Trace) -> list[str]:
     return [rid for step in trace.steps for rid, v in step.items() if not v[0] and v[-1] is None]
 
 
+@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("scripted", [True, False])
-def test_overlapped_fused_steps_stream_the_same_tokens_a_step_later(k, scripted):
+def test_overlapped_fused_steps_stream_the_same_tokens_a_step_later(k, scripted, launch):
     """With ``overlap`` a fused step's verdict is read at the start of the next step: a report
     then carries the previous step's tokens; every request's tokens, counts and published
     prefix end as without it, and every published block holds the from-scratch KV."""
-    off, on = _trace(False, k=k, scripted=scripted), _trace(True, k=k, scripted=scripted, overlap=True)
+    off, on = _trace(False, k=k, scripted=scripted), _trace(True, k=k, scripted=scripted, overlap=True, fused_graphs=launch)
     assert on.engine.fused_steps >= 3
     assert _outcome(on) == _outcome(off)
     # every verify is reported once, with its own acceptance length, also where a lagged verdict
@@ -252,12 +309,14 @@ def test_overlapped_fused_steps_stream_the_same_tokens_a_step_later(k, scripted)
     _published_kv_is_final(on)
 
 
+@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("forced", [None, 2])
-def test_overlapped_fused_steps_with_a_stop_an_abort_and_forced_acceptance(forced):
+def test_overlapped_fused_steps_with_a_stop_an_abort_and_forced_acceptance(forced, launch):
     """The abort comes while r2's verdict is still on the device: nothing of it is applied, and
     its tokens are those streamed before (one step fewer than without overlap, whose abort after
     the same step came after that verdict was applied)."""
-    on = _trace(True, k=3, scripted=True, stop=True, abort_when=_pending("r2"), forced=forced, overlap=True)
+    on = _trace(True, k=3, scripted=True, stop=True, abort_when=_pending("r2"), forced=forced, overlap=True,
+                fused_graphs=launch)
     assert on.aborted_at is not None and on.engine.fused_steps > 0 and _silent(on)
     off = _trace(False, k=3, scripted=True, stop=True, abort_at=on.aborted_at - 1, forced=forced)
     assert _outcome(on) == _outcome(off)
@@ -276,13 +335,14 @@ def test_overlapped_fused_steps_under_the_rejected_trim_policy():
         assert on.done[f"r{i}"].tokens == plain_greedy(p, 6 if i == 3 else MAX_NEW)
 
 
+@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("overlap", [False, True])
-def test_prompts_arriving_beside_fused_steps(overlap):
+def test_prompts_arriving_beside_fused_steps(overlap, launch):
     """Requests that arrive while others decode (a served worker's usual step): the decodes still
     run as one fused forward and the new prompt beside it as an eager one; tokens, counts and
     published KV as on the phase-by-phase path (step for step without overlap)."""
     off = _trace(False, k=3, scripted=True, stagger=True)
-    on = _trace(True, k=3, scripted=True, stagger=True, overlap=overlap)
+    on = _trace(True, k=3, scripted=True, stagger=True, overlap=overlap, fused_graphs=launch)
     beside = [i for i in on.fused_at if any(v[3] == v[4] + 1 and v[0] and not v[1] and v[-1] is None
                                                     for v in on.steps[i].values())]
     assert beside, on.fused_at  # a fused step whose report has a prompt's first token

@@ -204,6 +204,8 @@ def test_add_request_validation():
         EngineConfig(max_batch_tokens=4, max_draft_tokens=4)
     with pytest.raises(InvalidArgument):
         EngineConfig(trim_policy="sometimes")
+    with pytest.raises(InvalidArgument, match="fused_graphs"):
+        EngineConfig(fused_graphs="two")
 
 
 def test_local_block_source_is_atomic_per_item():

@@ -46,7 +46,7 @@ from services.gpuworker.engine.sampling import (
     token_logprobs,
 )
 from services.gpuworker.engine.scheduler import ScheduledWork, draft_budget, schedule
-from services.gpuworker.engine.spec_step import spec_lanes, spec_step_forward
+from services.gpuworker.engine.spec_step import chain_position_forward, spec_lanes, spec_step_forward, verify_fill_forward
 from services.gpuworker.kv.pool import KVPool
 from services.gpuworker.model.draft import DraftModel
 from services.gpuworker.model.llama import TargetModel
@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 TRIM_POLICIES = ("unneeded", "rejected")
 MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's top_logprobs limit)
 GRAPH_MODES = ("off", "pad", "capture")
+FUSED_GRAPHS = ("one", "split")  # how a fused speculative step launches (spec_step.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +97,10 @@ class EngineConfig:
       instead of k + 1 of each. Output is token-identical; off runs the phases one by one. With
       ``overlap`` the verdict is read at the start of the next step (tokens stream one step
       later), so the caller's work between steps runs while the device does.
+    * ``fused_graphs``: how a fused step launches (``spec_step.py``): ``"one"`` forward after all
+      k plans, or ``"split"``: each chain position launched right after its own plan and the
+      verify, verdict and fill last, so the device runs while the later plans are made. Output is
+      the same; ``"split"`` captures (k_max - 1) more graphs per bucket.
     * ``prefill_wait_steps`` / ``prefill_batch``: new prompts wait up to this many steps while
       other requests decode, or until ``prefill_batch`` of them wait, so that one forward
       prefills several (``scheduler.schedule``; 0 = every prompt starts at once). Trades up to
@@ -114,6 +119,7 @@ class EngineConfig:
     check_graph_inputs: bool = False
     overlap: bool = False
     fused_spec: bool = True
+    fused_graphs: str = "one"
     prefill_wait_steps: int = 0
     prefill_batch: int = 4
 
@@ -140,6 +146,8 @@ class EngineConfig:
             raise InvalidArgument(f"trim_policy must be one of {TRIM_POLICIES}, got {self.trim_policy!r}")
         if self.graphs not in GRAPH_MODES:
             raise InvalidArgument(f"graphs must be one of {GRAPH_MODES}, got {self.graphs!r}")
+        if self.fused_graphs not in FUSED_GRAPHS:
+            raise InvalidArgument(f"fused_graphs must be one of {FUSED_GRAPHS}, got {self.fused_graphs!r}")
         if self.graph_max_batch is not None and (not isinstance(self.graph_max_batch, int) or self.graph_max_batch < 1):
             raise InvalidArgument(f"graph_max_batch must be None or >= 1, got {self.graph_max_batch!r}")
 
@@ -241,13 +249,23 @@ class Engine:
             graphs.register("fill", fill, {"ids": ((), torch.long), "context": ((3 * hidden,), dtype),
                                            "last": ((), torch.long)}, range(1, max_q + 1), per_request=("last", "logits"),
                             bounds={"ids": vocab, "last": lambda batch, q: batch * q})
-            if cfg.fused_spec and max_q > 1:
+            verdict = ("drafts", "target", "accepted", "next_draft", "next_hidden")
+            if cfg.fused_spec and max_q > 1 and cfg.fused_graphs == "one":
                 # a whole greedy speculative step as one forward over k plans (spec_step.py)
                 step = spec_step_forward(target, draft, backend, pool, draft_pool, aux)
                 inputs = {"last": ((), torch.long), "d1": ((), torch.long), "forced": ((), torch.long),
                           "hidden": ((draft.chain_hidden_size,), dtype)}
                 graphs.register("spec", step, inputs, range(1, max_q), lanes=spec_lanes, bounds={"last": vocab, "d1": vocab},
-                                per_request=(*inputs, "drafts", "target", "accepted", "next_draft", "next_hidden"))
+                                per_request=(*inputs, *verdict))
+            elif cfg.fused_spec and max_q > 1:
+                # the same step as k forwards: chain position j on lane j, then the verify + fill
+                position = chain_position_forward(draft, backend, draft_pool)
+                for j in range(1, max_q - 1):
+                    graphs.register(f"spec_chain{j}", position, {"tokens": ((), torch.long),
+                                    "hidden": ((draft.chain_hidden_size,), dtype)}, (1,), bounds={"tokens": vocab}, lane=j)
+                graphs.register("spec_verify", verify_fill_forward(target, draft, backend, pool, draft_pool, aux),
+                                {"ids": ((), torch.long), "forced": ((), torch.long)}, range(2, max_q + 1),
+                                per_request=("forced", *verdict), bounds={"ids": vocab})
         return graphs
 
     @torch.inference_mode()
@@ -633,7 +651,9 @@ class Engine:
         if not decodes:
             return 0
         k = decodes[0].num_drafts
-        if k < 1 or not graphs.covers("spec", len(decodes), k):
+        covered = (graphs.covers("spec", len(decodes), k) if self.config.fused_graphs == "one"
+                   else graphs.covers("spec_verify", len(decodes), k + 1))
+        if k < 1 or not covered:
             return 0
         for w in decodes:
             s = w.state
@@ -671,11 +691,27 @@ class Engine:
             d1, hidden = torch.cat([s.drafts for s in states]), torch.stack([s.chain_hidden for s in states])
         for s in states:
             self._ledger[s.request_id].written.append((s.target_len, s.target_len + k + 1))
-        out = self.graphs.run_lanes("spec", k, layouts, {"last": last, "d1": d1, "hidden": hidden, "forced": forced_t})
+        if self.config.fused_graphs == "one":
+            out = self.graphs.run_lanes("spec", k, layouts, {"last": last, "d1": d1, "hidden": hidden, "forced": forced_t})
+        else:
+            out = self._launch_split(layouts, last, d1, hidden, forced_t)
         self.fused_steps += 1
         # copies: a graph's outputs are rewritten by its next replay
         return _PendingVerdict(torch.cat([out["accepted"].unsqueeze(1), out["target"], out["drafts"]], dim=1),
                                states, k, out["next_draft"].clone(), out["next_hidden"].clone())
+
+    def _launch_split(self, layouts: list[BatchLayout], last, d1, hidden, forced) -> dict[str, torch.Tensor]:
+        """``fused_graphs="split"``: chain position j planned on lane j and launched at once, the
+        verify, verdict and fill planned last (on lane 0) while the chain runs. The positions are
+        distinct graphs, so each one's output stays valid through the later ones' replays (a
+        graph's outputs change only when that graph replays) and the drafts are stacked last."""
+        proposals, out = [d1], {"tokens": d1, "hidden": hidden}
+        for j, layout in enumerate(layouts[1:], start=1):
+            out, _plan = self.graphs.run(f"spec_chain{j}", layout, {"tokens": out["tokens"], "hidden": out["hidden"]})
+            proposals.append(out["tokens"])
+        ids = torch.stack([last, *proposals], dim=1).reshape(-1)
+        out, _plan = self.graphs.run("spec_verify", layouts[0], {"ids": ids, "forced": forced})
+        return out
 
     def _resolve_verdict(self) -> int:
         """Apply a fused step's verdict left on the device (overlap), if any; see ``_apply_verdict``.

@@ -33,7 +33,9 @@ graph of the same bucket was a device-side assert (``index_select`` past ``bucke
 A forward may also run over several plans (``register(lanes=...)``, ``run_lanes``): the whole
 greedy speculative step of ``spec_step.py`` attends over the verify's layout and the k - 1 draft
 chain positions' layouts, each planned on a lane of its own (its own workspace,
-``AttentionBackend.plan(lane=)``), all before the one replay that reads them.
+``AttentionBackend.plan(lane=)``), all before the one replay that reads them. A single-plan forward may be pinned to a lane of its
+own instead (``register(lane=j)``): the split speculative step chains its positions through
+forwards on lanes 1 .. k-1, each replayed right after its plan, while the previous one runs.
 
 Without CUDA (or with capture off) the same padding runs eagerly, through the same static input
 buffers, so the CPU tests exercise the exact layouts AND inputs a GPU replays; shapes without a
@@ -123,6 +125,7 @@ class ForwardGraphs:
         self._forwards: dict[str, tuple[Forward, dict[str, tuple[tuple[int, ...], torch.dtype]], tuple[int, ...]]] = {}
         self._per_request: dict[str, frozenset[str]] = {}  # forward -> inputs/outputs with a row per request
         self._lanes: dict[str, Callable[[int], Sequence[int]] | None] = {}  # forward -> its plans' query lengths
+        self._lane: dict[str, int] = {}  # single-plan forward -> the lane its plans are made on
         # forward -> input name -> one buffer for its largest shape; every graph of the forward
         # reads a leading slice of it (inputs are copied in just before a replay, and only one
         # graph replays at a time): the fill's [rows, 3H] inputs for every (bucket, q) would
@@ -149,6 +152,7 @@ class ForwardGraphs:
         per_request: Iterable[str] = (),
         bounds: dict[str, int | Bound] | None = None,
         lanes: Callable[[int], Sequence[int]] | None = None,
+        lane: int = 0,
     ) -> None:
         """Declare a forward: its input row shapes (without the token dimension) and dtypes, and
         the query lengths to capture it for. Inputs and outputs named in ``per_request`` have
@@ -159,8 +163,12 @@ class ForwardGraphs:
         ``lanes``: a forward over SEVERAL plans made before its one launch (``run_lanes``):
         ``lanes(q)`` gives the query length of each plan for the graph keyed ``q``, and the
         forward is called as ``fn(plans, **inputs)`` with plan ``i`` made on lane ``i`` (its own
-        workspace, ``AttentionBackend.plan``). Without it, ``fn(plan, **inputs)``."""
+        workspace, ``AttentionBackend.plan``). Without it, ``fn(plan, **inputs)`` with the plan
+        made on ``lane`` (its own workspace, so that a plan of this forward never rewrites one that
+        another forward's launched graph still reads)."""
         qs = tuple(sorted(set(query_lens)))
+        if not isinstance(lane, int) or isinstance(lane, bool) or lane < 0 or (lanes is not None and lane):
+            raise InvalidArgument(f"{name}: lane must be an integer >= 0 (and 0 with lanes=), got {lane!r}")
         bs = self.backend.geometry.block_size
         if lanes is not None:
             bad = [q for q in qs if not lanes(q) or any(lq < 1 or lq > bs for lq in lanes(q))]
@@ -173,6 +181,7 @@ class ForwardGraphs:
             raise InvalidArgument(f"{name}: bounds for inputs it does not take: {sorted(unknown)}")
         self._forwards[name] = (fn, inputs, qs)
         self._lanes[name] = lanes
+        self._lane[name] = lane
         self._per_request[name] = frozenset(per_request)
         self._bounds[name] = {k: (b if callable(b) else (lambda _b, _q, n=int(b): n)) for k, b in (bounds or {}).items()}
 
@@ -218,7 +227,7 @@ class ForwardGraphs:
         inputs = {k: shared[k][: batch if k in per_request else batch * q] for k in specs}
         lanes = self._lanes[name]
         if lanes is None:
-            plan = self.backend.plan(self._scratch_layout(batch, q), self._kind(q))
+            plan = self.backend.plan(self._scratch_layout(batch, q), self._kind(q), lane=self._lane[name])
         else:
             qs = tuple(lanes(q))
             plan = self._plan_lanes([self._scratch_layout(batch, lq) for lq in qs], qs)
@@ -264,7 +273,7 @@ class ForwardGraphs:
             raise InvalidArgument(f"{name} runs over several plans: use run_lanes")
         if q is None or padded_batch is None or not self.covers(name, batch, q):
             raise InvalidArgument(f"{name}: shape (batch {batch}, q {q}) is not covered by the graphs")
-        plan = self.backend.plan(self._pad(layout, padded_batch, q), self._kind(q))
+        plan = self.backend.plan(self._pad(layout, padded_batch, q), self._kind(q), lane=self._lane[name])
         return self._execute(name, plan, inputs, batch, padded_batch, q), plan
 
     def run_lanes(self, name: str, q: int, layouts: Sequence[BatchLayout], inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

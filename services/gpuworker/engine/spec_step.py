@@ -24,9 +24,21 @@ reads them, and causal attention keeps them out of rows ``<= n``::
     position:   T ........ T+n | T+n+1 ....... T+k
     fill rows:  final (n + 1)  | rejected: speculative draft KV, rewritten next step
 
-The host plans all k plans before the launch (the chain's on lanes 1 .. k-1, see
-``AttentionBackend.plan``), then reads back ``accepted``, ``target`` and ``drafts`` in one copy.
-Tokens equal the unfused step's: the same layers over the same positions and plans.
+Two ways to launch it (``EngineConfig.fused_graphs``):
+
+* ``"one"``: the host makes all k plans (the chain's on lanes 1 .. k-1, see
+  ``AttentionBackend.plan``), then launches ONE forward (``spec_step_forward``). The device
+  idles through every plan of the step.
+* ``"split"``: each chain position is a forward of its own on its own lane
+  (``chain_position_forward``), launched as soon as it is planned, and the verify, verdict and
+  fill one more (``verify_fill_forward``), so that only the first plan runs with the device idle::
+
+      host:    plan 1 | launch | plan 2 | launch | plan 0 (verify) | launch | return
+      device:           [chain 1 ]        [chain 2 ]                 [verify · verdict · fill]
+
+Either way nothing is read back inside the step; the host then reads ``accepted``, ``target`` and
+``drafts`` in one copy. Tokens equal the unfused step's: the same layers over the same positions
+and plans.
 """
 
 from __future__ import annotations
@@ -43,6 +55,47 @@ def spec_lanes(k: int) -> tuple[int, ...]:
     return (k + 1,) + (1,) * (k - 1)
 
 
+def chain_position_forward(draft: DraftModel, backend, draft_pool: KVPool):
+    """``fn(plan, tokens [B], hidden [B, Hc]) -> {"tokens", "hidden"}``: one greedy chain position
+    (the EAGLE-3 layer fed its own last proposal and hidden row; ``tokens`` the argmax). Mutates
+    the draft pool at the plan's positions."""
+
+    def run(plan, tokens, hidden):
+        out = draft(tokens, hidden, plan, backend, draft_pool, context_is_aux=False)
+        return {"tokens": torch.argmax(out.logits, dim=-1), "hidden": out.hidden}
+
+    return run
+
+
+def verify_fill_forward(target: TargetModel, draft: DraftModel, backend, target_pool: KVPool, draft_pool: KVPool,
+                        aux_layers: tuple[int, ...]):
+    """``fn(plan, ids [B * (k + 1)], forced [B]) -> per-request outputs``: the verify over each
+    request's ``[t[L-1], d1 .. dk]`` (``ids``, request-major), the verdict and the fill, all on
+    the verify's plan. Outputs as ``spec_step_forward``'s (``drafts`` are ``ids``' last k columns).
+    Mutates both pools."""
+
+    def run(plan, ids, forced):
+        batch = forced.shape[0]
+        k = ids.shape[0] // batch - 1
+        drafts = ids.view(batch, k + 1)[:, 1:]
+        out = target(ids, plan, backend, target_pool, aux_layers=aux_layers)
+        greedy = torch.argmax(out.logits, dim=-1).view(batch, k + 1)
+        matched = (drafts == greedy[:, :k]).long().cumprod(dim=1).sum(dim=1)
+        accepted = torch.where(forced >= 0, forced.clamp(max=k), matched)
+        cols = torch.arange(k + 1, device=ids.device).unsqueeze(0)
+        n = accepted.unsqueeze(1)
+        bonus = greedy.gather(1, n)
+        padded = torch.cat([drafts, torch.zeros_like(bonus)], dim=1)
+        fill_ids = torch.where(cols < n, padded, torch.where(cols == n, bonus, torch.zeros_like(padded))).reshape(-1)
+        context = out.aux_hidden if aux_layers else out.hidden
+        last_rows = torch.arange(batch, device=ids.device) * (k + 1) + accepted
+        fill = draft(fill_ids, context, plan, backend, draft_pool, context_is_aux=True, logits_indices=last_rows)
+        return {"drafts": drafts, "target": greedy, "accepted": accepted,
+                "next_draft": torch.argmax(fill.logits, dim=-1), "next_hidden": fill.hidden.index_select(0, last_rows)}
+
+    return run
+
+
 def spec_step_forward(target: TargetModel, draft: DraftModel, backend, target_pool: KVPool, draft_pool: KVPool,
                       aux_layers: tuple[int, ...]):
     """``fn(plans, last [B], d1 [B], hidden [B, Hc], forced [B]) -> per-request outputs``:
@@ -53,32 +106,18 @@ def spec_step_forward(target: TargetModel, draft: DraftModel, backend, target_po
     * ``next_draft`` [B], ``next_hidden`` [B, Hc]: the fill's proposal d1' and the draft layer's
       hidden at the newest position (what the next step's chain reads).
 
-    Mutates both pools (see the module docstring for positions). The same function runs eagerly
-    (graph padding on CPU) and under a graph."""
+    The chain positions and ``verify_fill_forward`` in one forward (``"one"`` above). Mutates both
+    pools (see the module docstring for positions). The same function runs eagerly (graph padding
+    on CPU) and under a graph."""
+    position = chain_position_forward(draft, backend, draft_pool)
+    verify_fill = verify_fill_forward(target, draft, backend, target_pool, draft_pool, aux_layers)
 
     def run(plans, last, d1, hidden, forced):
-        verify, chain = plans[0], plans[1:]
-        batch, k = last.shape[0], len(chain) + 1
-        proposals, token, h = [d1], d1, hidden
-        for plan in chain:
-            out = draft(token, h, plan, backend, draft_pool, context_is_aux=False)
-            token, h = torch.argmax(out.logits, dim=-1), out.hidden
-            proposals.append(token)
-        drafts = torch.stack(proposals, dim=1)
-        ids = torch.cat([last.unsqueeze(1), drafts], dim=1).reshape(-1)
-        out = target(ids, verify, backend, target_pool, aux_layers=aux_layers)
-        greedy = torch.argmax(out.logits, dim=-1).view(batch, k + 1)
-        matched = (drafts == greedy[:, :k]).long().cumprod(dim=1).sum(dim=1)
-        accepted = torch.where(forced >= 0, forced.clamp(max=k), matched)
-        cols = torch.arange(k + 1, device=last.device).unsqueeze(0)
-        n = accepted.unsqueeze(1)
-        bonus = greedy.gather(1, n)
-        padded = torch.cat([drafts, torch.zeros_like(bonus)], dim=1)
-        fill_ids = torch.where(cols < n, padded, torch.where(cols == n, bonus, torch.zeros_like(padded))).reshape(-1)
-        context = out.aux_hidden if aux_layers else out.hidden
-        last_rows = torch.arange(batch, device=last.device) * (k + 1) + accepted
-        fill = draft(fill_ids, context, verify, backend, draft_pool, context_is_aux=True, logits_indices=last_rows)
-        return {"drafts": drafts, "target": greedy, "accepted": accepted,
-                "next_draft": torch.argmax(fill.logits, dim=-1), "next_hidden": fill.hidden.index_select(0, last_rows)}
+        proposals, out = [d1], {"tokens": d1, "hidden": hidden}
+        for plan in plans[1:]:
+            out = position(plan, out["tokens"], out["hidden"])
+            proposals.append(out["tokens"])
+        ids = torch.stack([last, *proposals], dim=1).reshape(-1)
+        return verify_fill(plans[0], ids, forced)
 
     return run

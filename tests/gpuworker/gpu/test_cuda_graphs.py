@@ -37,21 +37,28 @@ def graph_setup(models, graphs: str, **config) -> LocalSetup:
     return LocalSetup(engine, source, target, draft)
 
 
-@pytest.mark.parametrize("k, fused, overlap", [(0, True, False), (3, True, False), (3, False, False), (3, True, True)],
-                         ids=["k0", "k3-fused", "k3-phases", "k3-fused-overlap"])
+@pytest.mark.parametrize("k, fused, overlap, launch",
+                         [(0, True, False, "one"), (3, True, False, "one"), (3, False, False, "one"),
+                          (3, True, True, "one"), (3, True, False, "split"), (3, True, True, "split")],
+                         ids=["k0", "k3-fused", "k3-phases", "k3-fused-overlap", "k3-split", "k3-split-overlap"])
 @torch.inference_mode()
-def test_graph_replay_equals_eager(models, k, fused, overlap):
-    """Fused speculative steps (one graph over the chain, verify, verdict and fill; with overlap
-    the verdict read back at the next step's start) and the phase-by-phase ones each replay
-    exactly what their eager padded runs compute."""
+def test_graph_replay_equals_eager(models, k, fused, overlap, launch):
+    """Fused speculative steps (one graph over the chain, verify, verdict and fill, or ``split``:
+    a graph per chain position on its own lane, then one for the verify, verdict and fill, the
+    drafts read from the earlier graphs' outputs; with overlap the verdict read back at the next
+    step's start) and the phase-by-phase ones each replay exactly what their eager padded runs
+    compute."""
     outputs = {}
     for graphs in ("pad", "capture"):
-        setup = graph_setup(models, graphs, chunk_size=32, max_batch_tokens=128, fused_spec=fused, overlap=overlap)
+        setup = graph_setup(models, graphs, chunk_size=32, max_batch_tokens=128, fused_spec=fused, overlap=overlap,
+                            fused_graphs=launch)
         captured = setup.engine.warmup()
         if graphs == "capture":
             # target and EAGLE-3 fill for q = 1..9, the chain, and (fused) the whole step for
-            # k = 1..8, for every bucket up to 8 (1, 2, 4, 8)
-            assert captured == 4 * (9 + 1 + 9 + (8 if fused else 0))
+            # k = 1..8 (split: chain positions 1..7 and the verify + fill for k = 1..8), for
+            # every bucket up to 8 (1, 2, 4, 8)
+            spec = (7 + 8 if launch == "split" else 8) if fused else 0
+            assert captured == 4 * (9 + 1 + 9 + spec)
         for i, p in enumerate(prompts()):
             submit(setup, f"r{i}", p, max_new_tokens=MAX_NEW, k=k)
         outputs[graphs] = {rid: c.tokens for rid, c in run_until_done(setup).items()}
