@@ -379,7 +379,10 @@ class DecodeBench:
 
     def split_step(self, a: int) -> None:
         """``fused_step`` launched split: chain position j planned on lane j and replayed at once,
-        the verify (lane 0) planned while the chain runs, then its replay and the one read-back."""
+        the verify (lane 0) planned while the chain runs, then its replay and the one read-back.
+        Leaner than the engine's: each graph here has a memory pool of its own and reads the
+        previous one's outputs in place, where the engine stages each position's two inputs and
+        copies each proposal out (a few small copies a position, queued while the device runs)."""
         self.f_forced.fill_(a)
         verify = self._layout(self.L - 1, self.k + 1)
         for j, g in enumerate(self.g_split_chain, start=1):
@@ -392,19 +395,25 @@ class DecodeBench:
         self.L += a + 1
 
     def _split_equals_fused(self, a: int) -> float:
-        """From one state, the fused and the split step's verdict rows: the fraction that agree
-        (1.0 expected: the same kernels on the same plans)."""
+        """From one state, the fused and the split step's outputs (verdict rows, the fill's next
+        proposal and hidden row): the fraction of them that agree exactly. 1.0 is expected (the
+        same kernels on the same plans); a split step reading a clobbered proposal shows as a
+        fraction far below it (``validate`` stops the run under 0.99)."""
+        torch = self.torch
+
+        def outputs(out) -> torch.Tensor:
+            rows = torch.cat([out["target"], out["drafts"], out["next_draft"].unsqueeze(1)], dim=1)
+            return torch.cat([rows.float().cpu().flatten(), out["next_hidden"].float().cpu().flatten()])
+
         saved = [t.clone() for t in (self.f_last, self.f_d1, self.f_hidden)]
         L = self.L
         self.fused_step(a)
-        out = self.g_fused.out
-        fused = self.torch.cat([out["target"], out["drafts"]], dim=1).cpu()
+        fused = outputs(self.g_fused.out)
         for t, v in zip((self.f_last, self.f_d1, self.f_hidden), saved):
             t.copy_(v)
         self.L = L
         self.split_step(a)
-        out = self.g_split_verify.out
-        split = self.torch.cat([out["target"], out["drafts"]], dim=1).cpu()
+        split = outputs(self.g_split_verify.out)
         self.L = L
         return float((fused == split).float().mean())
 
@@ -437,7 +446,9 @@ class DecodeBench:
                 if not bool((accepted == a).all()):
                     raise RuntimeError(f"fused step: forced acceptance {a}, verdict {accepted.tolist()}")
                 self.L = L
-                report[f"split_vs_fused_agreement_a{a}"] = self._split_equals_fused(a)
+                agree = report[f"split_vs_fused_agreement_a{a}"] = self._split_equals_fused(a)
+                if agree < 0.99:
+                    raise RuntimeError(f"split step disagrees with the fused step (a={a}): {agree:.3f} of outputs equal")
                 accepted = self.g_split_verify.out["accepted"].cpu()
                 if not bool((accepted == a).all()):
                     raise RuntimeError(f"split step: forced acceptance {a}, verdict {accepted.tolist()}")

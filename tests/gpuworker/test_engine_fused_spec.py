@@ -17,6 +17,7 @@ import torch
 
 from services.common.errors import InvalidArgument
 from services.gpuworker.attention.base import BatchLayout
+from services.gpuworker.engine.graphs import ForwardGraphs
 from services.gpuworker.engine.local import run_until_done, submit
 from services.gpuworker.engine.sampling import SamplingParams
 from test_engine_published_kv import PublishWatcher
@@ -217,6 +218,43 @@ def test_a_fused_step_is_one_forward_over_k_plans():
         assert [(e[2], e[3]) for e in plans] == [(5, 0), (1, 1), (1, 2), (1, 3)]
 
 
+def _strict_graph_outputs(monkeypatch) -> None:
+    """Hold the engine to ``graphs.py``'s contract on the CPU: a graph's outputs are valid only
+    until the next replay of ANY graph (they share one memory pool). Every run returns its
+    outputs in buffers of its own (forward, bucket, q), and poisons every other graph's."""
+    execute = ForwardGraphs._execute
+
+    def strict(self, name, plan, inputs, batch, padded_batch, q):
+        out = execute(self, name, plan, inputs, batch, padded_batch, q)
+        held = self.__dict__.setdefault("_held_outputs", {})
+        key = (name, padded_batch, q)
+        for other, buffers in held.items():
+            if other != key:
+                for t in buffers.values():
+                    t.fill_(7)
+        mine = held.setdefault(key, {})
+        for k, v in out.items():
+            if k not in mine or mine[k].shape != v.shape:
+                mine[k] = torch.empty_like(v)
+            mine[k].copy_(v)
+        return dict(mine)
+
+    monkeypatch.setattr(ForwardGraphs, "_execute", strict)
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fused_steps_read_no_graph_output_after_another_replay(monkeypatch, launch, overlap):
+    """Under that contract (a split step's chain positions are separate graphs, so a proposal
+    must be copied out before the next position replays) the fused steps still give the
+    phase-by-phase tokens: k = 3, scripted drafts, so most proposals become output."""
+    _strict_graph_outputs(monkeypatch)
+    off = _trace(False, k=3, scripted=True)
+    on = _trace(True, k=3, scripted=True, fused_graphs=launch, overlap=overlap)
+    assert on.engine.fused_steps >= 3 and sum(c.counts.accepted_drafts for c in on.done.values()) > 0
+    assert _outcome(on) == _outcome(off)
+
+
 def test_a_split_step_launches_each_forward_right_after_its_own_plan():
     """``fused_graphs="split"``: chain position j is planned on lane j and run at once, the verify
     (and fill) planned last on lane 0 and run last, so only the first plan of a step comes before
@@ -255,7 +293,7 @@ def test_a_forward_pinned_to_a_lane_plans_there_and_bad_lanes_are_refused():
     out, planned = graphs.run("spec_chain2", BatchLayout([table], [2], [1]), {"tokens": tokens, "hidden": hidden})
     assert lanes == [2] and out["tokens"].shape == (1,) and planned.batch_size == 1
     fn = graphs._forwards["spec_chain1"][0]
-    for bad in (-1, 1.0, True):
+    for bad in (-1, 1.0, True, 64):
         with pytest.raises(InvalidArgument, match="lane must be"):
             graphs.register("x", fn, {"tokens": ((), torch.long)}, (1,), lane=bad)
     with pytest.raises(InvalidArgument, match="lane must be"):

@@ -702,15 +702,17 @@ class Engine:
 
     def _launch_split(self, layouts: list[BatchLayout], last, d1, hidden, forced) -> dict[str, torch.Tensor]:
         """``fused_graphs="split"``: chain position j planned on lane j and launched at once, the
-        verify, verdict and fill planned last (on lane 0) while the chain runs. The positions are
-        distinct graphs, so each one's output stays valid through the later ones' replays (a
-        graph's outputs change only when that graph replays) and the drafts are stacked last."""
-        proposals, out = [d1], {"tokens": d1, "hidden": hidden}
+        verify, verdict and fill planned last (on lane 0) while the chain runs. All graphs share
+        one memory pool, so a later replay may overwrite an earlier graph's outputs (which of
+        them depends on the capture order): each proposal is copied into the verify's ids as
+        soon as its graph is queued, and the next position's inputs are staged before it runs."""
+        ids = torch.empty((last.shape[0], len(layouts) + 1), dtype=torch.long, device=last.device)
+        ids[:, 0], ids[:, 1] = last, d1
+        out = {"tokens": d1, "hidden": hidden}
         for j, layout in enumerate(layouts[1:], start=1):
             out, _plan = self.graphs.run(f"spec_chain{j}", layout, {"tokens": out["tokens"], "hidden": out["hidden"]})
-            proposals.append(out["tokens"])
-        ids = torch.stack([last, *proposals], dim=1).reshape(-1)
-        out, _plan = self.graphs.run("spec_verify", layouts[0], {"ids": ids, "forced": forced})
+            ids[:, j + 1].copy_(out["tokens"])
+        out, _plan = self.graphs.run("spec_verify", layouts[0], {"ids": ids.view(-1), "forced": forced})
         return out
 
     def _resolve_verdict(self) -> int:

@@ -60,7 +60,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from services.common.errors import InvalidArgument
-from services.gpuworker.attention.base import AttentionBackend, AttentionKind, AttentionPlan, BatchLayout
+from services.gpuworker.attention.base import MAX_LANES, AttentionBackend, AttentionKind, AttentionPlan, BatchLayout
 
 log = logging.getLogger(__name__)
 
@@ -164,11 +164,15 @@ class ForwardGraphs:
         ``lanes(q)`` gives the query length of each plan for the graph keyed ``q``, and the
         forward is called as ``fn(plans, **inputs)`` with plan ``i`` made on lane ``i`` (its own
         workspace, ``AttentionBackend.plan``). Without it, ``fn(plan, **inputs)`` with the plan
-        made on ``lane`` (its own workspace, so that a plan of this forward never rewrites one that
-        another forward's launched graph still reads)."""
+        made on ``lane``: forwards planned one after another within a step (the split
+        speculative step's chain positions) each keep a workspace of their own, so a plan never
+        waits for the previous plan of its key (FlashInfer's pinned staging) and each graph
+        reads its own buffers. Forwards on one lane share its workspaces (each replay follows
+        its own plan)."""
         qs = tuple(sorted(set(query_lens)))
-        if not isinstance(lane, int) or isinstance(lane, bool) or lane < 0 or (lanes is not None and lane):
-            raise InvalidArgument(f"{name}: lane must be an integer >= 0 (and 0 with lanes=), got {lane!r}")
+        if (not isinstance(lane, int) or isinstance(lane, bool) or not 0 <= lane < MAX_LANES
+                or (lanes is not None and lane)):
+            raise InvalidArgument(f"{name}: lane must be an integer in [0, {MAX_LANES}) (0 with lanes=), got {lane!r}")
         bs = self.backend.geometry.block_size
         if lanes is not None:
             bad = [q for q in qs if not lanes(q) or any(lq < 1 or lq > bs for lq in lanes(q))]

@@ -37,21 +37,24 @@ def graph_setup(models, graphs: str, **config) -> LocalSetup:
     return LocalSetup(engine, source, target, draft)
 
 
-@pytest.mark.parametrize("k, fused, overlap, launch",
-                         [(0, True, False, "one"), (3, True, False, "one"), (3, False, False, "one"),
-                          (3, True, True, "one"), (3, True, False, "split"), (3, True, True, "split")],
-                         ids=["k0", "k3-fused", "k3-phases", "k3-fused-overlap", "k3-split", "k3-split-overlap"])
+@pytest.mark.parametrize("k, fused, overlap, launch, forced",
+                         [(0, True, False, "one", None), (3, True, False, "one", None), (3, False, False, "one", None),
+                          (3, True, True, "one", None), (3, True, False, "split", None), (3, True, True, "split", None),
+                          (3, True, False, "one", 3), (3, True, True, "split", 3)],
+                         ids=["k0", "k3-fused", "k3-phases", "k3-fused-overlap", "k3-split", "k3-split-overlap",
+                              "k3-fused-forced3", "k3-split-overlap-forced3"])
 @torch.inference_mode()
-def test_graph_replay_equals_eager(models, k, fused, overlap, launch):
+def test_graph_replay_equals_eager(models, k, fused, overlap, launch, forced):
     """Fused speculative steps (one graph over the chain, verify, verdict and fill, or ``split``:
     a graph per chain position on its own lane, then one for the verify, verdict and fill, the
-    drafts read from the earlier graphs' outputs; with overlap the verdict read back at the next
-    step's start) and the phase-by-phase ones each replay exactly what their eager padded runs
-    compute."""
+    drafts copied out of the earlier graphs' outputs; with overlap the verdict read back at the
+    next step's start) and the phase-by-phase ones each replay exactly what their eager padded
+    runs compute: tokens and counts. The random draft's proposals are rarely accepted, so only
+    forced acceptance (every proposal becomes output) shows a chain that replayed wrong."""
     outputs = {}
     for graphs in ("pad", "capture"):
         setup = graph_setup(models, graphs, chunk_size=32, max_batch_tokens=128, fused_spec=fused, overlap=overlap,
-                            fused_graphs=launch)
+                            fused_graphs=launch, forced_acceptance=forced)
         captured = setup.engine.warmup()
         if graphs == "capture":
             # target and EAGLE-3 fill for q = 1..9, the chain, and (fused) the whole step for
@@ -61,7 +64,7 @@ def test_graph_replay_equals_eager(models, k, fused, overlap, launch):
             assert captured == 4 * (9 + 1 + 9 + spec)
         for i, p in enumerate(prompts()):
             submit(setup, f"r{i}", p, max_new_tokens=MAX_NEW, k=k)
-        outputs[graphs] = {rid: c.tokens for rid, c in run_until_done(setup).items()}
+        outputs[graphs] = {rid: (c.tokens, c.counts) for rid, c in run_until_done(setup).items()}
         assert (setup.engine.fused_steps > 0) == (k > 0 and fused)
         if graphs == "capture":
             assert setup.engine.graphs.replays > 0
