@@ -1,0 +1,250 @@
+"""Host cost of an engine step with the device taken out (CPU): the Python a GPU worker spends per
+step, and the part of it the device waits for.
+
+On the GPU the engine's forwards are graph replays that return at once; what bounds a step at
+high batch is the host: reading the verdict, moving request state, scheduling, laying out and
+planning the next forwards. This script measures exactly that on any machine: the engine runs
+as served (graph padding, overlapped steps, fused speculative steps, forced acceptance), the
+attention planner is the shared one every backend runs (``AttentionBackend._common_plan``, not
+FlashInfer's own ``wrapper.plan``, which comes on top on the GPU), and once every request
+decodes the registered forwards are swapped for null ones (outputs of the right shapes, no
+compute). Per step it records:
+
+    total     wall time of ``Engine.step()`` (host only: nothing waits for a device here)
+    exposed   from reading the previous fused step's verdict to the first forward of this one:
+              on the GPU the device is idle for this long every step (the verdict is read when
+              the device is done, and nothing runs until the next launch)
+
+    one step with overlap (``--overlap-steps``), fused k = 3:
+
+      host:    ... | read verdict N ─ apply ─ schedule ─ layouts ─ plan ─┐ launch N+1 ─ trim, report ─ return
+      device:  [ step N ]                                                 └ [ step N+1 ..........
+                         |<──────────────── exposed ─────────────────────>|
+
+Run:   python bench/engine_host_bench.py                       # B = 1, 16, 64; k = 0 and 3 (one, split)
+       python bench/engine_host_bench.py --profile 64          # plus a cProfile of fused steps at B = 64
+       python bench/engine_host_bench.py --out docs/engine_host_bench.json --png docs/img/engine_host_bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import platform
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from services.common.spec import SpecMode  # noqa: E402
+from services.gpuworker.attention.torch_backend import TorchBackend  # noqa: E402
+from services.gpuworker.engine import engine as engine_module  # noqa: E402
+from services.gpuworker.engine.capacity import LocalBlockSource  # noqa: E402
+from services.gpuworker.engine.engine import Engine, EngineConfig  # noqa: E402
+from services.gpuworker.engine.local import LocalSetup, submit  # noqa: E402
+from services.gpuworker.model.loader import load_model  # noqa: E402
+
+BLOCK = 16
+PROMPT = 64
+
+
+class PlanOnlyAfterWarmup(TorchBackend):
+    """The torch backend until ``null`` is set; then the shared planner only (the torch backend's
+    own mask building is CPU-specific: no GPU backend pays it)."""
+
+    null = False
+
+    def _finish_plan(self, plan, ws) -> None:
+        if not self.null:
+            super()._finish_plan(plan, ws)
+
+
+def null_forwards(graphs, k: int, hidden: int, vocab: int) -> None:
+    """Swap every registered forward for one that returns preallocated outputs of its shapes
+    (what a graph replay hands back) and computes nothing; a fused step's verdict accepts
+    ``forced`` drafts, as the real one does under forced acceptance."""
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def zeros(*shape, dtype=torch.long) -> torch.Tensor:
+        key = (shape, dtype)
+        if key not in cache:
+            cache[key] = torch.zeros(shape, dtype=dtype)
+        return cache[key]
+
+    def verdict(ids, forced):
+        b = forced.shape[0]
+        q = ids.shape[0] // b
+        return {"drafts": ids.view(b, q)[:, 1:], "target": zeros(b, q), "accepted": forced.clamp(max=q - 1),
+                "next_draft": zeros(b), "next_hidden": zeros(b, hidden, dtype=torch.float32)}
+
+    fns = {
+        "target": lambda plan, ids: {"logits": zeros(ids.shape[0], vocab, dtype=torch.float32),
+                                     "hidden": zeros(ids.shape[0], hidden, dtype=torch.float32)},
+        "spec": lambda plans, last, d1, hidden, forced: verdict(
+            torch.stack([last, d1] + [zeros(last.shape[0])] * (len(plans) - 1), dim=1).reshape(-1), forced),
+        "spec_verify": lambda plan, ids, forced: verdict(ids, forced),
+    }
+    for name, (fn, inputs, qs) in list(graphs._forwards.items()):
+        if name.startswith("spec_chain"):
+            new = lambda plan, tokens, hidden: {"tokens": zeros(tokens.shape[0]), "hidden": hidden}  # noqa: E731
+        elif name in fns:
+            new = fns[name]
+        else:
+            continue  # phase-by-phase forwards (chain, fill) do not run in these steps
+        graphs._forwards[name] = (new, inputs, qs)
+
+
+def run_case(models, batch: int, k: int, launch: str, steps: int, profile: bool = False) -> dict:
+    target, draft = models
+    backend = PlanOnlyAfterWarmup("cpu", target.attention_geometry(BLOCK))
+    per_request = -(-(PROMPT + (steps + 40) * (k + 1) + 16) // BLOCK)
+    blocks = batch * per_request
+    source = LocalBlockSource(blocks, BLOCK)
+    config = EngineConfig(graphs="pad", overlap=True, fused_spec=k > 0, fused_graphs=launch, max_draft_tokens=max(k, 1),
+                          forced_acceptance=k if k else None, max_batch_size=batch, max_batch_tokens=4096, chunk_size=4096)
+    engine = Engine(target, draft if k else None, backend, target.new_kv_pool(blocks + 1, BLOCK),
+                    draft.new_kv_pool(blocks + 1, BLOCK) if k else None, source, config)
+    setup = LocalSetup(engine, source, target, draft if k else None)
+    for i in range(batch):
+        submit(setup, f"r{i}", [(7 * i + j) % 200 + 1 for j in range(PROMPT)], max_new_tokens=10**6, k=k)
+    for _ in range(4):  # prefill, then the first decodes (real forwards)
+        engine.step()
+    null_forwards(engine.graphs, k, target.config.hidden_size, target.config.vocab_size)
+    backend.null = True
+
+    marks: dict[str, float] = {}
+    read = engine_module._Readback.values
+    first_forward = {}
+
+    def values(self):
+        out = read(self)
+        marks["read"] = time.perf_counter()
+        return out
+
+    for name, (fn, inputs, qs) in list(engine.graphs._forwards.items()):
+        if name in ("target", "spec", "spec_chain1", "spec_verify"):
+            def timed(*a, _fn=fn, **kw):
+                marks.setdefault("forward", time.perf_counter())
+                return _fn(*a, **kw)
+            first_forward[name] = timed
+            engine.graphs._forwards[name] = (timed, inputs, qs)
+    engine_module._Readback.values = values
+    totals, exposed = [], []
+    prof = cProfile.Profile() if profile else None
+    try:
+        for i in range(steps + 10):
+            marks.clear()
+            if prof is not None and i == 10:
+                prof.enable()
+            t0 = time.perf_counter()
+            engine.step()
+            t1 = time.perf_counter()
+            if i >= 10:
+                totals.append(t1 - t0)
+                if k and "read" in marks and "forward" in marks and marks["forward"] > marks["read"]:
+                    exposed.append(marks["forward"] - marks["read"])
+        if prof is not None:
+            prof.disable()
+    finally:
+        engine_module._Readback.values = read
+    if k and engine.fused_steps < steps:
+        raise RuntimeError(f"only {engine.fused_steps} of {steps} steps ran fused (B={batch}, k={k})")
+    row = {"batch": batch, "k": k, "launch": launch if k else "-", "steps": steps,
+           "total_us": statistics.median(totals) * 1e6, "total_min_us": min(totals) * 1e6,
+           "exposed_us": statistics.median(exposed) * 1e6 if exposed else None,
+           "tokens_per_step": batch * (k + 1)}
+    row["host_bound_tokens_per_s"] = row["tokens_per_step"] / row["total_us"] * 1e6
+    if prof is not None:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        row["profile"] = out.getvalue()
+    return row
+
+
+def plot(res: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    cases = sorted({(r["k"], r["launch"]) for r in rows})
+    batches = sorted({r["batch"] for r in rows})
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(cases)
+    for i, (k, launch) in enumerate(cases):
+        xs = [b + 0 for b in range(len(batches))]
+        tot = [next((r["total_us"] for r in rows if r["batch"] == b and r["k"] == k and r["launch"] == launch), 0) for b in batches]
+        exp = [next((r["exposed_us"] or 0 for r in rows if r["batch"] == b and r["k"] == k and r["launch"] == launch), 0) for b in batches]
+        pos = [x + (i - (len(cases) - 1) / 2) * width for x in xs]
+        label = f"k={k}" + (f", {launch}" if k else "")
+        bars = ax.bar(pos, tot, width, label=f"{label}: whole step", alpha=0.45)
+        ax.bar(pos, exp, width, label=f"{label}: device idle (verdict → launch)", color=bars[0].get_facecolor(), alpha=1.0,
+               hatch="//" if k else None)
+    ax.set_xticks(range(len(batches)), [str(b) for b in batches])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("host µs per engine step (median)")
+    ax.set_title(f"engine host cost per step, forwards nulled — {res['meta']['machine']}, {res['meta']['date']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=3, help="each case this many times, interleaved; the best median kept")
+    ap.add_argument("--profile", type=int, help="cProfile the fused steps (split) of this batch size")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--png", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    target, draft, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3, device="cpu", seed=0)
+    cases = [(b, 0, "one") for b in map(int, args.batches.split(","))]
+    if args.k:
+        cases += [(b, args.k, launch) for b in map(int, args.batches.split(",")) for launch in ("one", "split")]
+    best: dict[tuple, dict] = {}
+    with torch.inference_mode():
+        for r in range(args.rounds):
+            for b, k, launch in cases:
+                row = run_case((target, draft), b, k, launch, args.steps)
+                key = (b, k, launch)
+                if key not in best or row["total_us"] < best[key]["total_us"]:
+                    best[key] = row
+                exposed = f", exposed {row['exposed_us']:.0f}" if row["exposed_us"] is not None else ""
+                print(f"[round {r + 1}/{args.rounds}] B={b:3d} k={k} {row['launch']:>5}: step {row['total_us']:.0f} us{exposed}",
+                      flush=True)
+        if args.profile:
+            row = run_case((target, draft), args.profile, args.k, "split", args.steps, profile=True)
+            print(row["profile"])
+    rows = [best[c] for c in cases]
+    print("\n| batch | k | launch | host µs / step | device idle µs / step (verdict → launch) | host-bound tokens/s |")
+    print("|---:|---:|---|---:|---:|---:|")
+    for row in rows:
+        exposed = f"{row['exposed_us']:.0f}" if row["exposed_us"] is not None else "-"
+        print(f"| {row['batch']} | {row['k']} | {row['launch']} | {row['total_us']:.0f} | {exposed} | {row['host_bound_tokens_per_s']:,.0f} |")
+    meta = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip() + f", Python {platform.python_version()}",
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": " ".join(sys.argv), "torch": torch.__version__}
+    res = {"meta": meta, "rows": rows}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1))
+    if args.png:
+        plot(res, args.png)
+
+
+if __name__ == "__main__":
+    main()
