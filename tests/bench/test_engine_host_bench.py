@@ -1,0 +1,40 @@
+"""bench/engine_host_bench.py's harness: with the forwards nulled the engine still runs its real
+per-step bookkeeping (every request moves by k + 1 tokens a step under forced acceptance, every
+step fused), and the device-idle interval it reports lies inside the step."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import engine_host_bench as ehb  # noqa: E402
+
+from services.common.spec import SpecMode  # noqa: E402
+from services.gpuworker.model.loader import load_model  # noqa: E402
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def models():
+    target, draft, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3, device="cpu", seed=0)
+    return target, draft
+
+
+@pytest.mark.parametrize("k, launch", [(3, "one"), (3, "split"), (0, "one")])
+@torch.inference_mode()
+def test_nulled_steps_move_every_request_as_real_ones(models, k, launch):
+    row = ehb.run_case(models, 3, k, launch, STEPS)
+    # the timed steps and the ten unmeasured ones before them (overlap: each step applies the
+    # previous one's verdict or tokens, one on its way at either end)
+    assert row["tokens_moved_per_request"] == [(STEPS + 10) * (k + 1)]
+    assert row["batch"] == 3 and row["tokens_per_step"] == 3 * (k + 1)
+    if k:
+        assert row["exposed_us"] is not None and 0 < row["exposed_us"] < row["total_us"]  # an interval inside the step
+    else:
+        assert row["exposed_us"] is None
