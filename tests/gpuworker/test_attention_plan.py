@@ -214,8 +214,9 @@ def test_capacity_error_names_the_request():
 
 
 def test_shifted_and_padded_layouts_plan_like_layouts_built_from_scratch():
-    """``shifted`` (a speculative step's chain positions) and ``padded`` (a graph bucket's rows)
-    reuse the validated tables; their plans equal those of layouts validated from lists."""
+    """``shifted`` (a speculative step's chain positions), ``padded`` (a graph bucket's rows) and
+    ``with_cached_lens`` (the next fused step of the same batch) reuse the validated tables; their
+    plans equal those of layouts validated from lists."""
     rng = random.Random("derived")
     for _ in range(20):
         base = random_layout(rng, AttentionKind.VERIFY)
@@ -239,6 +240,16 @@ def test_shifted_and_padded_layouts_plan_like_layouts_built_from_scratch():
                      get_backend("torch", "cpu", GEOM).plan(want, AttentionKind.VERIFY))
         assert got.arrays.widths.tolist() == want.arrays.widths.tolist()
         assert base.padded(0, 399, q).arrays.tables.tolist() == base.arrays.tables.tolist()
+        # the next step of the same batch: new cached lengths (some fit, some may not)
+        moved = np.array([rng.randrange(0, len(t) * BS) for t in tables], dtype=np.int64)
+        got = base.with_cached_lens(moved)
+        want = BatchLayout(tables, moved.tolist(), [q] * len(tables))
+        if all(c + q <= len(t) * BS for t, c in zip(tables, moved.tolist())):
+            _plans_equal(get_backend("torch", "cpu", GEOM).plan(got, AttentionKind.VERIFY),
+                         get_backend("torch", "cpu", GEOM).plan(want, AttentionKind.VERIFY))
+        else:
+            with pytest.raises(InvalidArgument, match="exceeds reserved capacity"):
+                get_backend("torch", "cpu", GEOM).plan(got, AttentionKind.VERIFY)
 
 
 def test_shifted_and_padded_refuse_bad_arguments_and_leave_the_layout_alone():
@@ -249,6 +260,9 @@ def test_shifted_and_padded_refuse_bad_arguments_and_leave_the_layout_alone():
     for bad in ((-1, 3, 2), (1, -2, 2), (1.0, 3, 2), (1, 3, 0), (1, 3, -4), (1, 3, 1.7), (1, 3, True)):
         with pytest.raises(InvalidArgument):
             base.padded(*bad)
+    for bad in ([4, 1], np.array([4.0, 1.0]), np.array([4, 1], dtype=np.int32), np.array([4, 1, 0]), np.array([4, -1])):
+        with pytest.raises(InvalidArgument):
+            base.with_cached_lens(bad)
     assert base.arrays.cached.tolist() == [3, 0] and base.arrays.q.tolist() == [2, 2]
     shifted = base.shifted(1, 1)
     assert shifted.arrays.cached.tolist() == [4, 1] and shifted.kv_lens == [5, 2] and shifted.arrays.uniform_q == 1

@@ -108,6 +108,18 @@ class BatchLayout:
         q = np.full(len(cached), query_len, dtype=np.int64)
         return _derived(a.tables, a.widths, cached, q, a.max_block_id)
 
+    def with_cached_lens(self, cached_lens: np.ndarray) -> "BatchLayout":
+        """The same requests, tables and query lengths over new cached lengths (an int64 array
+        [B], each >= 0): the next speculative step of an unchanged batch, whose tables need no
+        conversion or check again. Pure."""
+        a = self._arrays  # type: ignore[attr-defined]
+        if (not isinstance(cached_lens, np.ndarray) or cached_lens.dtype != np.int64
+                or cached_lens.shape != a.cached.shape):
+            raise InvalidArgument(f"with_cached_lens() needs an int64 array of shape {a.cached.shape}")
+        if len(cached_lens) and int(cached_lens.min()) < 0:
+            raise InvalidArgument(f"request {int(np.argmin(cached_lens))}: cached_len must be >= 0")
+        return _derived(a.tables, a.widths, cached_lens, a.q, a.max_block_id)
+
     def padded(self, extra: int, block: int, query_len: int) -> "BatchLayout":
         """This layout plus ``extra`` requests of one page (``block``), nothing cached and
         ``query_len`` tokens each: a graph bucket's padding rows. Pure."""

@@ -203,6 +203,7 @@ class Engine:
         self._in_step: list[RequestState] = []  # the states the running step scheduled
         self._ledger: dict[str, _Ledger] = {}  # the running step's record of each live request
         self._carry: _FusedCarry | None = None  # the last fused step's proposals, batched
+        self._forced_rows: dict[tuple[int, int], torch.Tensor] = {}  # (batch, forced or -1) -> its input rows
         self._verdict: _PendingVerdict | None = None  # overlap: the last fused step's, on its way
         self.fused_steps = 0  # steps whose decodes ran as one fused speculative forward (``_launch_fused``)
 
@@ -679,15 +680,22 @@ class Engine:
         b = len(states)
         tables = [s.table_array() for s in states]
         starts = np.fromiter((s.target_len for s in states), dtype=np.int64, count=b)
-        verify = BatchLayout(tables, starts, np.full(b, k + 1, dtype=np.int64))
+        carry = self._carry  # the last fused step's, when it ran these requests in this order
+        same = carry is not None and len(carry.drafts) == b and all(s.drafts is d for s, d in zip(states, carry.drafts))
+        if same and carry.verify.arrays.uniform_q == k + 1 and all(t is u for t, u in zip(tables, carry.tables)):
+            verify = carry.verify.with_cached_lens(starts)  # same tables: no conversion, no check
+        else:
+            verify = BatchLayout(tables, starts, np.full(b, k + 1, dtype=np.int64))
         layouts = [verify] + [verify.shifted(j - 1, 1) for j in range(1, k)]  # the chain: same tables
         forced = self._forced(k)
-        last, forced_t = to_device([s.tokens[-1] for s in states] + [-1 if forced is None else forced] * b,
-                                   torch.long, self.device).split([b, b])
-        carry = self._carry
-        if carry is not None and len(carry.drafts) == b and all(s.drafts is d for s, d in zip(states, carry.drafts)):
-            d1, hidden = carry.next_draft, carry.next_hidden  # the same requests, in order: no gather
+        forced_t = self._forced_rows.get((b, -1 if forced is None else forced))
+        if forced_t is None:  # inputs are copied into the graphs' buffers: one tensor serves every step
+            forced_t = self._forced_rows[(b, -1 if forced is None else forced)] = to_device(
+                [-1 if forced is None else forced] * b, torch.long, self.device)
+        if same:  # the same requests, in order: their newest tokens and proposals are on the device
+            last, d1, hidden = carry.last, carry.next_draft, carry.next_hidden
         else:
+            last = to_device([s.tokens[-1] for s in states], torch.long, self.device)
             d1, hidden = torch.cat([s.drafts for s in states]), torch.stack([s.chain_hidden for s in states])
         for s in states:
             self._ledger[s.request_id].written.append((s.target_len, s.target_len + k + 1))
@@ -696,9 +704,12 @@ class Engine:
         else:
             out = self._launch_split(layouts, last, d1, hidden, forced_t)
         self.fused_steps += 1
+        # each request's newest token after the verdict: the target's token after its accepted run
+        # (a request whose stop rule cut the run short ends, and with it the next step's match)
+        bonus = out["target"].gather(1, out["accepted"].unsqueeze(1)).squeeze(1)
         # copies: a graph's outputs are rewritten by its next replay
         return _PendingVerdict(torch.cat([out["accepted"].unsqueeze(1), out["target"], out["drafts"]], dim=1),
-                               states, k, out["next_draft"].clone(), out["next_hidden"].clone())
+                               states, k, out["next_draft"].clone(), out["next_hidden"].clone(), bonus, verify, tables)
 
     def _launch_split(self, layouts: list[BatchLayout], last, d1, hidden, forced) -> dict[str, torch.Tensor]:
         """``fused_graphs="split"``: chain position j planned on lane j and launched at once, the
@@ -753,7 +764,8 @@ class Engine:
             else:
                 s.drafts = s.chain_hidden = None
             kept.append(s.drafts)
-        self._carry = _FusedCarry(kept, verdict.next_draft, verdict.next_hidden)
+        self._carry = _FusedCarry(kept, verdict.next_draft, verdict.next_hidden, verdict.next_last, verdict.verify,
+                                  verdict.tables)
         return draft_rows
 
     # -- B + C. target forward and acceptance ----------------------------------------------------
@@ -1171,11 +1183,16 @@ def _leading_decodes(work: list[ScheduledWork]) -> int:
 class _FusedCarry:
     """A fused step's proposals for the next one as the batch tensors they came in: a next step
     over the same requests in the same order feeds them as they are (``drafts[i]`` is the view
-    request i holds; any change to a request's proposals breaks the identity and the match)."""
+    request i holds; any change to a request's proposals breaks the identity and the match),
+    with each request's newest token (``last``) and, while no table was replaced, the verify's
+    layout to move to the new lengths (``verify`` over ``tables``)."""
 
     drafts: list[torch.Tensor | None]
     next_draft: torch.Tensor
     next_hidden: torch.Tensor
+    last: torch.Tensor
+    verify: BatchLayout
+    tables: list[np.ndarray]
 
 
 class _Readback:
@@ -1206,10 +1223,12 @@ class _LaggingTokens(_Readback):
 
 class _PendingVerdict(_Readback):
     """A fused step's verdict rows ``[accepted, target argmax (k + 1), drafts (k)]`` per request
-    of ``states``, and its next proposals (device tensors, copies of the graph's outputs)."""
+    of ``states``, its next proposals and each request's newest token (device tensors, copies of
+    the graph's outputs), and the verify's layout over ``tables`` (what ``_FusedCarry`` hands on)."""
 
     def __init__(self, rows: torch.Tensor, states: list[RequestState], k: int, next_draft: torch.Tensor,
-                 next_hidden: torch.Tensor):
+                 next_hidden: torch.Tensor, next_last: torch.Tensor, verify: BatchLayout, tables: list[np.ndarray]):
         super().__init__(rows)
         self.states, self.k = states, k
-        self.next_draft, self.next_hidden = next_draft, next_hidden
+        self.next_draft, self.next_hidden, self.next_last = next_draft, next_hidden, next_last
+        self.verify, self.tables = verify, tables
