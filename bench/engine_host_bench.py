@@ -12,8 +12,9 @@ compute). Per step it records:
 
     total     wall time of ``Engine.step()`` (host only: nothing waits for a device here)
     exposed   from reading the previous fused step's verdict to the first forward of this one:
-              on the GPU the device is idle for this long every step (the verdict is read when
-              the device is done, and nothing runs until the next launch)
+              on the GPU the device is idle at least this long every step (the verdict is read
+              when the device is done, and nothing runs until the next launch); more when the
+              host is the bottleneck (the rest of the step's host work then outlasts the device)
 
     one step with overlap (``--overlap-steps``), fused k = 3:
 
@@ -68,11 +69,13 @@ class PlanOnlyAfterWarmup(TorchBackend):
             super()._finish_plan(plan, ws)
 
 
-def null_forwards(graphs, k: int, hidden: int, vocab: int) -> None:
+def null_forwards(graphs, hidden: int, chain_hidden: int, dtype: torch.dtype, vocab: int) -> dict[str, int]:
     """Swap every registered forward for one that returns preallocated outputs of its shapes
     (what a graph replay hands back) and computes nothing; a fused step's verdict accepts
-    ``forced`` drafts, as the real one does under forced acceptance."""
+    ``forced`` drafts, as the real one does under forced acceptance (which it needs). Returns
+    the calls per forward name, counted as they come."""
     cache: dict[tuple, torch.Tensor] = {}
+    calls: dict[str, int] = {}
 
     def zeros(*shape, dtype=torch.long) -> torch.Tensor:
         key = (shape, dtype)
@@ -81,14 +84,16 @@ def null_forwards(graphs, k: int, hidden: int, vocab: int) -> None:
         return cache[key]
 
     def verdict(ids, forced):
+        if bool((forced < 0).any()):
+            raise RuntimeError("null forwards need forced acceptance (their verdict is the forced count)")
         b = forced.shape[0]
         q = ids.shape[0] // b
         return {"drafts": ids.view(b, q)[:, 1:], "target": zeros(b, q), "accepted": forced.clamp(max=q - 1),
-                "next_draft": zeros(b), "next_hidden": zeros(b, hidden, dtype=torch.float32)}
+                "next_draft": zeros(b), "next_hidden": zeros(b, chain_hidden, dtype=dtype)}
 
     fns = {
-        "target": lambda plan, ids: {"logits": zeros(ids.shape[0], vocab, dtype=torch.float32),
-                                     "hidden": zeros(ids.shape[0], hidden, dtype=torch.float32)},
+        "target": lambda plan, ids: {"logits": zeros(ids.shape[0], vocab, dtype=dtype),
+                                     "hidden": zeros(ids.shape[0], hidden, dtype=dtype)},
         "spec": lambda plans, last, d1, hidden, forced: verdict(
             torch.stack([last, d1] + [zeros(last.shape[0])] * (len(plans) - 1), dim=1).reshape(-1), forced),
         "spec_verify": lambda plan, ids, forced: verdict(ids, forced),
@@ -100,12 +105,19 @@ def null_forwards(graphs, k: int, hidden: int, vocab: int) -> None:
             new = fns[name]
         else:
             continue  # phase-by-phase forwards (chain, fill) do not run in these steps
-        graphs._forwards[name] = (new, inputs, qs)
+
+        def counted(*a, _new=new, _name=name, **kw):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _new(*a, **kw)
+        graphs._forwards[name] = (counted, inputs, qs)
+    return calls
 
 
 def run_case(models, batch: int, k: int, launch: str, steps: int, profile: bool = False) -> dict:
     target, draft = models
     backend = PlanOnlyAfterWarmup("cpu", target.attention_geometry(BLOCK))
+    if PROMPT + (steps + 14 + 2) * (k + 1) >= target.config.max_seq_len:
+        raise ValueError(f"{steps} steps of k = {k} pass the model's max_seq_len ({target.config.max_seq_len}): fewer --steps")
     per_request = -(-(PROMPT + (steps + 40) * (k + 1) + 16) // BLOCK)
     blocks = batch * per_request
     source = LocalBlockSource(blocks, BLOCK)
@@ -118,29 +130,28 @@ def run_case(models, batch: int, k: int, launch: str, steps: int, profile: bool 
         submit(setup, f"r{i}", [(7 * i + j) % 200 + 1 for j in range(PROMPT)], max_new_tokens=10**6, k=k)
     for _ in range(4):  # prefill, then the first decodes (real forwards)
         engine.step()
-    null_forwards(engine.graphs, k, target.config.hidden_size, target.config.vocab_size)
+    calls = null_forwards(engine.graphs, target.config.hidden_size, draft.chain_hidden_size,
+                          target.embed_tokens.weight.dtype, target.config.vocab_size)
     backend.null = True
 
     marks: dict[str, float] = {}
     read = engine_module._Readback.values
-    first_forward = {}
 
-    def values(self):
-        out = read(self)
-        marks["read"] = time.perf_counter()
-        return out
+    def values(self):  # from the read on (its wait and its copy to lists), the device has nothing to run
+        marks.setdefault("read", time.perf_counter())  # the step's first read: the verdict
+        return read(self)
 
     for name, (fn, inputs, qs) in list(engine.graphs._forwards.items()):
         if name in ("target", "spec", "spec_chain1", "spec_verify"):
             def timed(*a, _fn=fn, **kw):
                 marks.setdefault("forward", time.perf_counter())
                 return _fn(*a, **kw)
-            first_forward[name] = timed
             engine.graphs._forwards[name] = (timed, inputs, qs)
     engine_module._Readback.values = values
     totals, exposed = [], []
     prof = cProfile.Profile() if profile else None
     lengths = {rid: engine.state(rid).logical_len for rid in engine.request_ids()}
+    fused_before = engine.fused_steps
     try:
         for i in range(steps + 10):
             marks.clear()
@@ -157,15 +168,15 @@ def run_case(models, batch: int, k: int, launch: str, steps: int, profile: bool 
             prof.disable()
     finally:
         engine_module._Readback.values = read
-    if k and engine.fused_steps < steps:
-        raise RuntimeError(f"only {engine.fused_steps} of {steps} steps ran fused (B={batch}, k={k})")
+    if k and engine.fused_steps - fused_before != steps + 10:
+        raise RuntimeError(f"only {engine.fused_steps - fused_before} of {steps + 10} steps ran fused (B={batch}, k={k})")
     # the bookkeeping ran as in real steps: every request moved by k + 1 tokens a step (forced
     # acceptance; with overlap the last step's verdict is still on its way)
     moved = sorted({engine.state(rid).logical_len - n for rid, n in lengths.items()})
     row = {"batch": batch, "k": k, "launch": launch if k else "-", "steps": steps,
            "total_us": statistics.median(totals) * 1e6, "total_min_us": min(totals) * 1e6,
            "exposed_us": statistics.median(exposed) * 1e6 if exposed else None,
-           "tokens_per_step": batch * (k + 1), "tokens_moved_per_request": moved}
+           "tokens_per_step": batch * (k + 1), "tokens_moved_per_request": moved, "null_calls": dict(calls)}
     row["host_bound_tokens_per_s"] = row["tokens_per_step"] / row["total_us"] * 1e6
     if prof is not None:
         out = io.StringIO()

@@ -34,7 +34,11 @@ def test_nulled_steps_move_every_request_as_real_ones(models, k, launch):
     # previous one's verdict or tokens, one on its way at either end)
     assert row["tokens_moved_per_request"] == [(STEPS + 10) * (k + 1)]
     assert row["batch"] == 3 and row["tokens_per_step"] == 3 * (k + 1)
+    # the null forwards ran, once a step per forward of the launch
+    want = {"target": STEPS + 10} if not k else (
+        {"spec": STEPS + 10} if launch == "one" else {"spec_chain1": STEPS + 10, "spec_chain2": STEPS + 10, "spec_verify": STEPS + 10})
+    assert row["null_calls"] == want
     if k:
-        assert row["exposed_us"] is not None and 0 < row["exposed_us"] < row["total_us"]  # an interval inside the step
+        assert row["exposed_us"] is not None and 0 < row["exposed_us"] < row["total_us"]  # recorded, inside the step
     else:
         assert row["exposed_us"] is None

@@ -260,6 +260,11 @@ def test_shifted_and_padded_refuse_bad_arguments_and_leave_the_layout_alone():
     for bad in ((-1, 3, 2), (1, -2, 2), (1.0, 3, 2), (1, 3, 0), (1, 3, -4), (1, 3, 1.7), (1, 3, True)):
         with pytest.raises(InvalidArgument):
             base.padded(*bad)
+    lens = np.array([4, 1], dtype=np.int64)
+    moved = base.with_cached_lens(lens)
+    lens[0] = 9  # the caller's array stays the caller's: the layout copied it
+    assert moved.arrays.cached.tolist() == [4, 1] and moved.kv_lens == [6, 3] and not moved.arrays.cached.flags.writeable
+    assert lens.flags.writeable
     for bad in ([4, 1], np.array([4.0, 1.0]), np.array([4, 1], dtype=np.int32), np.array([4, 1, 0]), np.array([4, -1])):
         with pytest.raises(InvalidArgument):
             base.with_cached_lens(bad)

@@ -255,6 +255,37 @@ def test_fused_steps_read_no_graph_output_after_another_replay(monkeypatch, laun
     assert _outcome(on) == _outcome(off)
 
 
+def _swap_outcome(fused: bool, r0_new: int, r2_at: int, **config) -> dict:
+    ps = prompts((9, 14, 6), seed=3)
+    expected = {f"r{i}": p + plain_greedy(p, 12) for i, p in enumerate(ps)}
+    setup = make_setup("eagle3", scripted=expected, chunk_size=64, max_batch_tokens=128, max_draft_tokens=3,
+                       graphs="pad", fused_spec=fused, **config)
+    submit(setup, "r0", ps[0], max_new_tokens=r0_new, k=3)
+    submit(setup, "r1", ps[1], max_new_tokens=12, k=3)
+    steps = []
+
+    def admit(_report):
+        steps.append(None)
+        if len(steps) == r2_at:
+            submit(setup, "r2", ps[2], max_new_tokens=12, k=3)
+
+    done = run_until_done(setup, on_step=admit)
+    return {rid: (c.tokens, c.counts) for rid, c in done.items()}
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_batch_of_the_same_size_with_another_request_is_not_the_last_ones(launch, overlap):
+    """r0 ends about when r2's prompt is done, so a fused batch [r1, r2] follows [r0, r1]: as many
+    requests, not the same ones. The last step's tokens, proposals and layout must not be reused
+    (only an unchanged batch may): tokens and counts as phase by phase, over arrival times."""
+    for r0_new in (4, 5, 6, 7):
+        for r2_at in (1, 2, 3):
+            on = _swap_outcome(True, r0_new, r2_at, fused_graphs=launch, overlap=overlap)
+            off = _swap_outcome(False, r0_new, r2_at)
+            assert on == off, (r0_new, r2_at)
+
+
 def test_a_split_step_launches_each_forward_right_after_its_own_plan():
     """``fused_graphs="split"``: chain position j is planned on lane j and run at once, the verify
     (and fill) planned last on lane 0 and run last, so only the first plan of a step comes before

@@ -118,7 +118,7 @@ class BatchLayout:
             raise InvalidArgument(f"with_cached_lens() needs an int64 array of shape {a.cached.shape}")
         if len(cached_lens) and int(cached_lens.min()) < 0:
             raise InvalidArgument(f"request {int(np.argmin(cached_lens))}: cached_len must be >= 0")
-        return _derived(a.tables, a.widths, cached_lens, a.q, a.max_block_id)
+        return _derived(a.tables, a.widths, cached_lens.copy(), a.q, a.max_block_id)  # ours: flags, no aliasing
 
     def padded(self, extra: int, block: int, query_len: int) -> "BatchLayout":
         """This layout plus ``extra`` requests of one page (``block``), nothing cached and

@@ -1055,7 +1055,7 @@ class Engine:
         emitted = [int(t) for t in tokens]
         stop = s.spec.stop_ids
         if (s.num_generated + len(emitted) < s.spec.max_new_tokens and s.logical_len + len(emitted) < self.max_seq_len
-                and not (stop and any(t in stop for t in emitted))):
+                and not (len(stop) and any(t in stop for t in emitted))):
             s.tokens.extend(emitted)  # no stop rule fires (the loop below would take them all)
         else:
             for i, t in enumerate(emitted):
