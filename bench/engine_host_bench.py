@@ -43,8 +43,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common
 
 import torch  # noqa: E402
+
+from _common import grouped_bars  # noqa: E402
 
 from services.common.spec import SpecMode  # noqa: E402
 from services.gpuworker.attention.torch_backend import TorchBackend  # noqa: E402
@@ -191,22 +194,17 @@ def plot(res: dict, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = res["rows"]
-    cases = sorted({(r["k"], r["launch"]) for r in rows})
-    batches = sorted({r["batch"] for r in rows})
+    by = {(r["batch"], r["k"], r["launch"]): r for r in res["rows"]}
+    cases = sorted({(k, launch) for _, k, launch in by})
+    batches = sorted({b for b, _, _ in by})
+    labels = [f"k={k}" + (f", {launch}" if k else "") for k, launch in cases]
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    width = 0.8 / len(cases)
-    for i, (k, launch) in enumerate(cases):
-        xs = [b + 0 for b in range(len(batches))]
-        tot = [next((r["total_us"] for r in rows if r["batch"] == b and r["k"] == k and r["launch"] == launch), 0) for b in batches]
-        exp = [next((r["exposed_us"] or 0 for r in rows if r["batch"] == b and r["k"] == k and r["launch"] == launch), 0) for b in batches]
-        pos = [x + (i - (len(cases) - 1) / 2) * width for x in xs]
-        label = f"k={k}" + (f", {launch}" if k else "")
-        bars = ax.bar(pos, tot, width, label=f"{label}: whole step", alpha=0.45)
+    centres = grouped_bars(ax, [str(b) for b in batches], alpha=0.45, series=[
+        (f"{label}: whole step", [by[(b, k, launch)]["total_us"] for b in batches]) for label, (k, launch) in zip(labels, cases)])
+    for label, (k, launch), xs, bars in zip(labels, cases, centres, list(ax.containers)):
         if k:  # overlapped plain decode hides its host work behind the device's step
-            ax.bar(pos, exp, width, label=f"{label}: device idle (verdict → launch)", color=bars[0].get_facecolor(),
-                   alpha=1.0, hatch="//")
-    ax.set_xticks(range(len(batches)), [str(b) for b in batches])
+            ax.bar(xs, [by[(b, k, launch)]["exposed_us"] for b in batches], 0.8 / len(cases), hatch="//",
+                   color=bars[0].get_facecolor(), alpha=1.0, label=f"{label}: device idle (verdict → launch)")
     ax.set_xlabel("batch size")
     ax.set_ylabel("host µs per engine step (median)")
     ax.set_title(f"engine host cost per step, forwards nulled — {res['meta']['machine']}, {res['meta']['date']}")

@@ -652,9 +652,8 @@ class Engine:
         if not decodes:
             return 0
         k = decodes[0].num_drafts
-        covered = (graphs.covers("spec", len(decodes), k) if self.config.fused_graphs == "one"
-                   else graphs.covers("spec_verify", len(decodes), k + 1))
-        if k < 1 or not covered:
+        # one launch registers "spec" (keyed k), the other "spec_verify" (keyed q = k + 1)
+        if k < 1 or not (graphs.covers("spec", len(decodes), k) or graphs.covers("spec_verify", len(decodes), k + 1)):
             return 0
         for w in decodes:
             s = w.state
@@ -682,18 +681,20 @@ class Engine:
         starts = np.fromiter((s.target_len for s in states), dtype=np.int64, count=b)
         carry = self._carry  # the last fused step's, when it ran these requests in this order
         same = carry is not None and len(carry.drafts) == b and all(s.drafts is d for s, d in zip(states, carry.drafts))
-        if same and carry.verify.arrays.uniform_q == k + 1 and all(t is u for t, u in zip(tables, carry.tables)):
-            verify = carry.verify.with_cached_lens(starts)  # same tables: no conversion, no check
+        last_step = carry.verdict if same else None
+        if (last_step is not None and last_step.verify.arrays.uniform_q == k + 1
+                and all(t is u for t, u in zip(tables, last_step.tables))):
+            verify = last_step.verify.with_cached_lens(starts)  # same tables: no conversion, no check
         else:
             verify = BatchLayout(tables, starts, np.full(b, k + 1, dtype=np.int64))
         layouts = [verify] + [verify.shifted(j - 1, 1) for j in range(1, k)]  # the chain: same tables
         forced = self._forced(k)
-        forced_t = self._forced_rows.get((b, -1 if forced is None else forced))
+        forced = -1 if forced is None else forced
+        forced_t = self._forced_rows.get((b, forced))
         if forced_t is None:  # inputs are copied into the graphs' buffers: one tensor serves every step
-            forced_t = self._forced_rows[(b, -1 if forced is None else forced)] = to_device(
-                [-1 if forced is None else forced] * b, torch.long, self.device)
-        if same:  # the same requests, in order: their newest tokens and proposals are on the device
-            last, d1, hidden = carry.last, carry.next_draft, carry.next_hidden
+            forced_t = self._forced_rows[(b, forced)] = to_device([forced] * b, torch.long, self.device)
+        if last_step is not None:  # the same requests, in order: their newest tokens and proposals are on the device
+            last, d1, hidden = last_step.next_last, last_step.next_draft, last_step.next_hidden
         else:
             last = to_device([s.tokens[-1] for s in states], torch.long, self.device)
             d1, hidden = torch.cat([s.drafts for s in states]), torch.stack([s.chain_hidden for s in states])
@@ -764,8 +765,7 @@ class Engine:
             else:
                 s.drafts = s.chain_hidden = None
             kept.append(s.drafts)
-        self._carry = _FusedCarry(kept, verdict.next_draft, verdict.next_hidden, verdict.next_last, verdict.verify,
-                                  verdict.tables)
+        self._carry = _FusedCarry(kept, verdict)
         return draft_rows
 
     # -- B + C. target forward and acceptance ----------------------------------------------------
@@ -1181,18 +1181,14 @@ def _leading_decodes(work: list[ScheduledWork]) -> int:
 
 @dataclasses.dataclass(slots=True)
 class _FusedCarry:
-    """A fused step's proposals for the next one as the batch tensors they came in: a next step
-    over the same requests in the same order feeds them as they are (``drafts[i]`` is the view
-    request i holds; any change to a request's proposals breaks the identity and the match),
-    with each request's newest token (``last``) and, while no table was replaced, the verify's
-    layout to move to the new lengths (``verify`` over ``tables``)."""
+    """What an applied fused step leaves the next one: a next step over the same requests in the
+    same order feeds ``verdict``'s batch tensors as they are (newest tokens, proposals, chain
+    hidden rows) and, while no table was replaced, moves its verify layout to the new lengths.
+    ``drafts[i]`` is the view request i holds (None: it ended or was aborted); any change to a
+    request's proposals breaks the identity and the match."""
 
     drafts: list[torch.Tensor | None]
-    next_draft: torch.Tensor
-    next_hidden: torch.Tensor
-    last: torch.Tensor
-    verify: BatchLayout
-    tables: list[np.ndarray]
+    verdict: "_PendingVerdict"
 
 
 class _Readback:
