@@ -52,22 +52,26 @@ def _pending(rid: str):
 
 
 def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop=False, abort_at=None,
-           abort_when=None, overlap=False, scribble=False, stagger=False, **config) -> Trace:
+           abort_when=None, overlap=False, scribble=False, stagger=False, headroom=0, max_new=MAX_NEW,
+           stop_at=9, **config) -> Trace:
     """Run four requests (one with a small max_new_tokens, one with a stop token) to the end,
     every published block watched (``PublishWatcher``). r2 is aborted after step ``abort_at``, or
     after the first step at which ``abort_when(engine)`` holds. ``scribble``: after every step,
     every free block of both pools is overwritten with garbage (the local source hands a freed
     block straight back, contents and all: a block trimmed too early would otherwise go unseen;
     finite, since masked positions of a request's last page are read with weight 0).
-    ``stagger``: r2 and r3 arrive after steps 2 and 4, their prompts beside others' decodes."""
+    ``stagger``: r2 and r3 arrive after steps 2 and 4, their prompts beside others' decodes.
+    ``headroom``: positions reserved past each prompt (0: every decode step extends);
+    ``max_new``: the others' max_new_tokens; ``stop_at``: r1's stop token is its output's token there."""
     ps = prompts(LENGTHS, seed=11)
-    expected = {f"r{i}": p + plain_greedy(p, MAX_NEW) for i, p in enumerate(ps)}
+    expected = {f"r{i}": p + plain_greedy(p, max_new) for i, p in enumerate(ps)}
     setup = make_setup("eagle3", scripted=expected if scripted else None, chunk_size=64, max_batch_tokens=128,
                        max_draft_tokens=5, graphs="pad", fused_spec=fused, forced_acceptance=forced, overlap=overlap,
                        **config)
     def admit(i: int) -> None:
-        stop_ids = (expected[f"r{i}"][len(ps[i]) + 9],) if stop and i == 1 else ()
-        submit(setup, f"r{i}", ps[i], max_new_tokens=6 if i == 3 else MAX_NEW, k=k, stop_ids=stop_ids)
+        stop_ids = (expected[f"r{i}"][len(ps[i]) + stop_at],) if stop and i == 1 else ()
+        submit(setup, f"r{i}", ps[i], max_new_tokens=6 if i == 3 else max_new, k=k, stop_ids=stop_ids,
+               headroom=headroom)
 
     for i in range(2 if stagger else len(ps)):
         admit(i)
@@ -76,7 +80,7 @@ def _trace(fused: bool, *, k: int, scripted: bool, forced=None, extra=None, stop
     steps, published, watcher, lengths, aborted = [], [], PublishWatcher(setup, 1), [], []
     engine, fused_at = setup.engine, []
     launch_fused = engine._launch_fused
-    engine._launch_fused = lambda work, k: (fused_at.append(len(steps)), launch_fused(work, k))[1]
+    engine._launch_fused = lambda *a, **kw: (fused_at.append(len(steps)), launch_fused(*a, **kw))[1]
 
     def record(report):
         steps.append({rid: (r.new_token_ids, r.proposed_drafts, r.accepted_drafts, r.logical_len, r.target_len,
@@ -421,3 +425,50 @@ def test_prompts_arriving_beside_fused_steps(overlap, launch):
         assert on.steps == off.steps
         _same_publishing(on, off)
     _published_kv_is_final(on)
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+@pytest.mark.parametrize("case", ["scripted", "random", "forced", "stop", "abort", "arrivals"])
+def test_continued_fused_steps_equal_phase_by_phase_steps(case, launch):
+    """With room reserved ahead (no extends), an overlapped fused step over the batch of the
+    last one is launched before that one's verdict is applied (``Engine._continue_fused``);
+    where the batch changes (a request ends on a stop token or its length, is aborted, or
+    arrives) the step is scheduled instead. Tokens, counts and published KV as phase by phase."""
+    kw = dict(k=3, scripted=case != "random", headroom=48, max_new=40)
+    kw.update({"forced": dict(forced=2, scripted=False), "stop": dict(stop=True, stop_at=25),
+               "arrivals": dict(stagger=True)}.get(case, {}))
+    on = _trace(True, overlap=True, fused_graphs=launch, abort_when=_pending("r2") if case == "abort" else None, **kw)
+    off = _trace(False, abort_at=None if on.aborted_at is None else on.aborted_at - 1, **kw)
+    engine = on.engine
+    assert engine.continued_steps >= 2 and engine.fused_steps > engine.continued_steps
+    assert _outcome(on) == _outcome(off)
+    _published_kv_is_final(on)
+    if case == "stop":  # it ended on its stop token in the middle of the run, the others went on
+        r1 = on.done["r1"]
+        assert r1.finish_reason.value == "stop" and len(r1.tokens) < 40 == len(on.done["r0"].tokens)
+    if case == "arrivals":  # a request admitted between steps is prefilled by the next one, not held back
+        ps = prompts(LENGTHS, seed=11)
+        assert on.steps[2]["r2"][4] == len(ps[2]) and on.steps[4]["r3"][4] == len(ps[3])
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_a_request_swapped_in_between_steps_is_not_continued_over(launch):
+    """An abort and an arrival between two steps leave the batch its size but not its requests:
+    the next step is scheduled (the newcomer prefilled, the aborted one gone), not continued."""
+    ps = prompts((7, 11, 9), seed=4)
+    setup = make_setup("eagle3", chunk_size=64, max_batch_tokens=128, max_draft_tokens=5, graphs="pad", overlap=True,
+                       fused_graphs=launch)
+    engine = setup.engine
+    for i in (0, 1):
+        submit(setup, f"r{i}", ps[i], max_new_tokens=30, k=3, headroom=40)
+    while engine.continued_steps < 2:
+        engine.step()
+    engine.abort("r1")
+    setup.source.release("r1")
+    submit(setup, "x", ps[2], max_new_tokens=30, k=3, headroom=40)
+    report = engine.step()
+    assert report.results["x"].target_len == len(ps[2]) and "x" in engine.request_ids()
+    assert "r1" not in report.results and engine.request_ids() == ["r0", "x"]
+    done = run_until_done(setup)
+    assert report.results["x"].new_token_ids + done["x"].tokens == plain_greedy(ps[2], 30)
+    assert len(done["r0"].tokens) > 0 and done["r0"].finish_reason.value == "length"

@@ -206,6 +206,7 @@ class Engine:
         self._forced_rows: dict[tuple[int, int], torch.Tensor] = {}  # (batch, forced or -1) -> its input rows
         self._verdict: _PendingVerdict | None = None  # overlap: the last fused step's, on its way
         self.fused_steps = 0  # steps whose decodes ran as one fused speculative forward (``_launch_fused``)
+        self.continued_steps = 0  # of those, launched before the last one's verdict was applied (``_continue_fused``)
 
     def _make_graphs(self, target: TargetModel, draft: DraftModel | None, draft_pool: KVPool | None) -> ForwardGraphs | None:
         """The padded/captured uniform forwards (None with ``graphs="off"``): the target over
@@ -495,9 +496,45 @@ class Engine:
                           fence=fence)
 
     def _step(self) -> StepReport:
-        cfg = self.config
         states = sorted(self._states.values(), key=lambda s: s.arrival)
         ledger = self._ledger = {s.request_id: _Ledger(s, s.capacity) for s in states}
+        ahead = self._continue_fused()
+        if ahead is not None:
+            in_work, target_tokens, draft_tokens = ahead
+            extend_wants, fill_jobs = {}, []
+        else:
+            in_work, target_tokens, draft_tokens, extend_wants, fill_jobs = self._scheduled_step(states)
+        if self.drafter is not None:  # ended on a read-back token outside this step: final fill
+            fill_jobs += [FillJob(e.state, None, 0) for rid, e in ledger.items()
+                          if e.emitted is not None and rid not in in_work and e.state.finished]
+        if self.drafter is not None and fill_jobs:
+            filled = self.drafter.fill(fill_jobs)
+            for rid, rng in filled.items():
+                ledger[rid].written.append(rng)
+            draft_tokens += sum(hi - lo for lo, hi in filled.values())
+        # Blocks may be given back (trim) only after the step completed on the device (DESIGN
+        # §2): the fence travels with the trim instead of stopping the host here (fence.py).
+        blocks_written = {rid: self._blocks_of(e.state, e.written) for rid, e in ledger.items()}
+        self.last_fence = fence = StepFence.record(self.device)
+        trim_keeps = self._trim(states, fence)
+
+        results: dict[str, RequestStepResult] = {}
+        for rid, e in ledger.items():
+            s = e.state
+            if e.emitted is None and e.error is None and rid not in trim_keeps:
+                continue  # untouched this step
+            results[rid] = e.result(self.block_size, blocks_written[rid])
+            if s.finished:
+                del self._states[rid]
+        return StepReport(results=results, extend_wants=extend_wants, trim_keeps=trim_keeps,
+                          target_tokens=target_tokens, draft_tokens=draft_tokens, fence=fence)
+
+    def _scheduled_step(self, states: list[RequestState]) -> tuple[set[str], int, int, dict[str, int], list[FillJob]]:
+        """A-D of a step as the scheduler picks it (see the module docstring), after applying
+        the last fused step's verdict. Returns the ids of the requests that ran, the target and
+        draft rows computed, the step's extend wants and the fills still to run. Mutates."""
+        cfg = self.config
+        ledger = self._ledger
         # the last fused step's verdict, left on the device (overlap): its tokens stream now
         lagged_draft_rows = self._resolve_verdict()
         work = schedule([s for s in states if not s.last_step], max_batch_tokens=cfg.max_batch_tokens,
@@ -529,7 +566,7 @@ class Engine:
             # before both are launched (a failing newcomer's prompt still ends alone, see step).
             n_dec = _leading_decodes(work)
             prompts = work[n_dec:]
-            verdict = self._launch_fused(work[:n_dec], fused_k)
+            verdict = self._launch_fused([w.state for w in work[:n_dec]], fused_k)
             launched = self._run_target(prompts) if prompts else None
             self._resolve_lagging()  # an earlier overlapped step's tokens, while the device runs this one
             if self.config.overlap:
@@ -549,31 +586,7 @@ class Engine:
             if launched is not None:
                 self._committed = True  # from here on, request state moves: no isolation (see step)
                 fill_jobs = self._accept(work, *launched)
-        if self.drafter is not None:  # ended on a read-back token outside this step: final fill
-            in_work = {w.state.request_id for w in work}
-            fill_jobs += [FillJob(e.state, None, 0) for rid, e in ledger.items()
-                          if e.emitted is not None and rid not in in_work and e.state.finished]
-        if self.drafter is not None and fill_jobs:
-            filled = self.drafter.fill(fill_jobs)
-            for rid, rng in filled.items():
-                ledger[rid].written.append(rng)
-            draft_tokens += sum(hi - lo for lo, hi in filled.values())
-        # Blocks may be given back (trim) only after the step completed on the device (DESIGN
-        # §2): the fence travels with the trim instead of stopping the host here (fence.py).
-        blocks_written = {rid: self._blocks_of(e.state, e.written) for rid, e in ledger.items()}
-        self.last_fence = fence = StepFence.record(self.device)
-        trim_keeps = self._trim(states, fence)
-
-        results: dict[str, RequestStepResult] = {}
-        for rid, e in ledger.items():
-            s = e.state
-            if e.emitted is None and e.error is None and rid not in trim_keeps:
-                continue  # untouched this step
-            results[rid] = e.result(self.block_size, blocks_written[rid])
-            if s.finished:
-                del self._states[rid]
-        return StepReport(results=results, extend_wants=extend_wants, trim_keeps=trim_keeps,
-                          target_tokens=target_tokens, draft_tokens=draft_tokens, fence=fence)
+        return {w.state.request_id for w in work}, target_tokens, draft_tokens, extend_wants, fill_jobs
 
     # -- 0. capacity ------------------------------------------------------------------------------
 
@@ -664,7 +677,55 @@ class Engine:
                 return 0
         return k
 
-    def _launch_fused(self, work: list[ScheduledWork], k: int) -> "_PendingVerdict":
+    def _continue_fused(self) -> tuple[set[str], int, int] | None:
+        """With overlap: launch the next fused step of an unchanged batch straight from the last
+        one's verdict, and only then apply that verdict (tokens, stop rules, counts, proposals),
+        so the device runs step N+1 while the host does step N's bookkeeping::
+
+            scheduled:  read verdict N, apply it, schedule, reserve, plan, launch N+1
+            continued:  read verdict N, check,                       plan, launch N+1, apply it
+
+        Only where the schedule is known without running it: the live requests are exactly
+        verdict N's, in its order (nothing arrived, ended or was aborted since); none ends on
+        its accepted tokens; each verifies the same k again (its draft budget, the step's token
+        budget) within the capacity it holds (no extend); no plain decode's token is pending.
+        Anything else returns None before touching a thing, and the step is scheduled. Returns
+        the requests that ran, the target rows and the draft rows made final. Mutates as
+        ``_launch_fused`` and ``_apply_verdict``."""
+        last = self._verdict
+        if last is None or self._lagging is not None:
+            return None
+        states, k = last.states, last.k
+        live = self._states
+        if len(live) != len(states) or len(states) * (k + 1) > self.config.max_batch_tokens:
+            return None
+        rows = last.rows()  # the step's one wait for the device
+        starts = np.empty(len(states), dtype=np.int64)
+        for i, (s, row) in enumerate(zip(states, rows)):
+            if live.get(s.request_id) is not s:
+                return None
+            tokens = _accepted_tokens(row, k)
+            # a budget of k after them also means neither max_new_tokens nor max_seq_len ends it
+            if draft_budget(s, self.max_seq_len, ahead=len(tokens)) != k or not self._no_stop_rule_fires(s, tokens):
+                return None
+            end = s.logical_len + len(tokens)
+            if end + k > s.capacity:  # the step's needed capacity
+                return None
+            starts[i] = end - 1  # the newest token is fed next
+        self._verdict = None
+        self._steps += 1
+        self._in_step = states
+        self._verdict = self._launch_fused(states, k, starts, last_step=last)
+        self.continued_steps += 1
+        draft_rows = self._apply_verdict(last)
+        self._carry = None  # spent: the step just launched took it; its own verdict carries next
+        for s, start in zip(states, starts.tolist()):
+            if s.finished or s.target_len != start:  # the checks above and the bookkeeping disagree: a bug
+                raise RuntimeError(f"continued fused step: {s.request_id} ended or moved to {s.target_len}, not {start}")
+        return {s.request_id for s in states}, len(states) * (k + 1), draft_rows
+
+    def _launch_fused(self, states: list[RequestState], k: int, starts: np.ndarray | None = None,
+                      last_step: "_PendingVerdict | None" = None) -> "_PendingVerdict":
         """A-D of a fused step's decodes (see ``_fused_k``): plan the verify and the k - 1 chain
         positions and launch once. Moves no request state: the verdict is applied by
         ``_apply_verdict``, in this step, or with ``overlap`` at the start of the next one, so
@@ -674,14 +735,17 @@ class Engine:
             device:                  [ fused step N .............. ]               │
             step N+1:                                  read verdict N, apply, plan, launch N+1
 
+        ``starts`` (each request's first position) and ``last_step`` (the verdict of the step
+        before over the same requests in order) are given by ``_continue_fused``, which launches
+        before that verdict is applied; by default they come from the states and the carry.
         Mutates both pools (on the device), the ledger's written ranges and the step counter."""
-        states = [w.state for w in work]
         b = len(states)
         tables = [s.table_array() for s in states]
-        starts = np.fromiter((s.target_len for s in states), dtype=np.int64, count=b)
-        carry = self._carry  # the last fused step's, when it ran these requests in this order
-        same = carry is not None and len(carry.drafts) == b and all(s.drafts is d for s, d in zip(states, carry.drafts))
-        last_step = carry.verdict if same else None
+        if starts is None:
+            starts = np.fromiter((s.target_len for s in states), dtype=np.int64, count=b)
+            carry = self._carry  # the last fused step's, when it ran these requests in this order
+            if carry is not None and len(carry.drafts) == b and all(s.drafts is d for s, d in zip(states, carry.drafts)):
+                last_step = carry.verdict
         if (last_step is not None and last_step.verify.arrays.uniform_q == k + 1
                 and all(t is u for t, u in zip(tables, last_step.tables))):
             verify = last_step.verify.with_cached_lens(starts)  # same tables: no conversion, no check
@@ -698,8 +762,8 @@ class Engine:
         else:
             last = to_device([s.tokens[-1] for s in states], torch.long, self.device)
             d1, hidden = torch.cat([s.drafts for s in states]), torch.stack([s.chain_hidden for s in states])
-        for s in states:
-            self._ledger[s.request_id].written.append((s.target_len, s.target_len + k + 1))
+        for s, start in zip(states, starts.tolist()):
+            self._ledger[s.request_id].written.append((start, start + k + 1))
         if self.config.fused_graphs == "one":
             out = self.graphs.run_lanes("spec", k, layouts, {"last": last, "d1": d1, "hidden": hidden, "forced": forced_t})
         else:
@@ -741,7 +805,7 @@ class Engine:
         next proposal. The fill's rows are the verify's, already counted as written by that step.
         Returns the draft rows made final. Mutates the states, the ledger and the carry."""
         k = verdict.k
-        rows = verdict.values()  # the step's one read-back
+        rows = verdict.rows()  # the step's one read-back
         kept: list[torch.Tensor | None] = []
         draft_rows = 0
         # per-request views made in two calls (indexing row by row cost ~1 us a view)
@@ -751,9 +815,8 @@ class Engine:
                 kept.append(None)
                 continue  # aborted since
             entry = self._ledger[s.request_id]
-            n = row[0]
-            self._count_verify(entry, k, n)
-            entry.emit(self._append(s, row[k + 2 : k + 2 + n] + [row[1 + n]]))
+            self._count_verify(entry, k, row[0])
+            entry.emit(self._append(s, _accepted_tokens(row, k)))
             t_old = s.target_len
             s.target_len = s.logical_len - 1  # the newest token is fed next step
             # the fill made draft KV final up to the new target length (a stop cuts it shorter)
@@ -1053,10 +1116,8 @@ class Engine:
         """Append accepted tokens until a stop condition; sets ``finish_reason``; counts them for
         penalties. Mutates ``s``."""
         emitted = [int(t) for t in tokens]
-        stop = s.spec.stop_ids
-        if (s.num_generated + len(emitted) < s.spec.max_new_tokens and s.logical_len + len(emitted) < self.max_seq_len
-                and not (len(stop) and any(t in stop for t in emitted))):
-            s.tokens.extend(emitted)  # no stop rule fires (the loop below would take them all)
+        if self._no_stop_rule_fires(s, emitted):
+            s.tokens.extend(emitted)  # the loop below would take them all
         else:
             for i, t in enumerate(emitted):
                 s.tokens.append(t)
@@ -1068,6 +1129,13 @@ class Engine:
             ids = to_device(emitted, torch.long, s.gen_counts.device)
             s.gen_counts.index_add_(0, ids, torch.ones(len(emitted), device=s.gen_counts.device))
         return emitted
+
+    def _no_stop_rule_fires(self, s: RequestState, tokens: list[int]) -> bool:
+        """Whether ``s`` may take all of ``tokens`` without ending (``_check_finished`` after
+        each would not fire). Pure."""
+        stop = s.spec.stop_ids
+        return (s.num_generated + len(tokens) < s.spec.max_new_tokens and s.logical_len + len(tokens) < self.max_seq_len
+                and not (len(stop) and any(t in stop for t in tokens)))
 
     def _check_finished(self, s: RequestState, token: int) -> None:
         """Stop rules after ``token`` became the request's newest token. Mutates ``s``."""
@@ -1174,6 +1242,13 @@ class _Ledger:
         )
 
 
+def _accepted_tokens(row: list[int], k: int) -> list[int]:
+    """The tokens a fused verdict row ``[accepted n, target argmax (k + 1), drafts (k)]`` accepts:
+    the first n drafts, then the target's token after them. Pure."""
+    n = row[0]
+    return row[k + 2 : k + 2 + n] + [row[1 + n]]
+
+
 def _leading_decodes(work: list[ScheduledWork]) -> int:
     """How many rows of ``work`` are decodes: the scheduler puts them first, prompt chunks after."""
     return next((i for i, w in enumerate(work) if w.is_prefill), len(work))
@@ -1225,6 +1300,13 @@ class _PendingVerdict(_Readback):
     def __init__(self, rows: torch.Tensor, states: list[RequestState], k: int, next_draft: torch.Tensor,
                  next_hidden: torch.Tensor, next_last: torch.Tensor, verify: BatchLayout, tables: list[np.ndarray]):
         super().__init__(rows)
+        self._rows: list[list[int]] | None = None
         self.states, self.k = states, k
         self.next_draft, self.next_hidden, self.next_last = next_draft, next_hidden, next_last
         self.verify, self.tables = verify, tables
+
+    def rows(self) -> list[list[int]]:
+        """The verdict rows on the host (the first call waits for the step and copies)."""
+        if self._rows is None:
+            self._rows = self.values()
+        return self._rows
