@@ -86,20 +86,20 @@ def null_forwards(graphs, hidden: int, chain_hidden: int, dtype: torch.dtype, vo
             cache[key] = torch.zeros(shape, dtype=dtype)
         return cache[key]
 
-    def verdict(ids, forced):
+    def verdict(ids, forced, cap):
         if bool((forced < 0).any()):
             raise RuntimeError("null forwards need forced acceptance (their verdict is the forced count)")
         b = forced.shape[0]
         q = ids.shape[0] // b
-        return {"drafts": ids.view(b, q)[:, 1:], "target": zeros(b, q), "accepted": forced.clamp(max=q - 1),
+        return {"drafts": ids.view(b, q)[:, 1:], "target": zeros(b, q), "accepted": torch.minimum(forced.clamp(max=q - 1), cap),
                 "next_draft": zeros(b), "next_hidden": zeros(b, chain_hidden, dtype=dtype)}
 
     fns = {
         "target": lambda plan, ids: {"logits": zeros(ids.shape[0], vocab, dtype=dtype),
                                      "hidden": zeros(ids.shape[0], hidden, dtype=dtype)},
-        "spec": lambda plans, last, d1, hidden, forced: verdict(
-            torch.stack([last, d1] + [zeros(last.shape[0])] * (len(plans) - 1), dim=1).reshape(-1), forced),
-        "spec_verify": lambda plan, ids, forced: verdict(ids, forced),
+        "spec": lambda plans, last, d1, hidden, forced, cap: verdict(
+            torch.stack([last, d1] + [zeros(last.shape[0])] * (len(plans) - 1), dim=1).reshape(-1), forced, cap),
+        "spec_verify": lambda plan, ids, forced, cap: verdict(ids, forced, cap),
     }
     for name, (fn, inputs, qs) in list(graphs._forwards.items()):
         if name.startswith("spec_chain"):

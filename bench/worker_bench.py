@@ -280,10 +280,11 @@ class DecodeBench:
             self.f_d1 = torch.randint(0, 1000, (B,), device=dev)
             self.f_hidden = torch.zeros(B, H, dtype=torch.bfloat16, device=dev)
             self.f_forced = torch.zeros(B, dtype=torch.int64, device=dev)
+            self.f_cap = torch.full((B,), k, dtype=torch.int64, device=dev)  # every request may keep k
             self._plan_fused(self.L - 1)
 
             def fused():
-                out = fwd(self.f_plans, self.f_last, self.f_d1, self.f_hidden, self.f_forced)
+                out = fwd(self.f_plans, self.f_last, self.f_d1, self.f_hidden, self.f_forced, self.f_cap)
                 # the next step's inputs, as the engine's carry hands them over
                 self.f_last.copy_(out["target"].gather(1, out["accepted"].unsqueeze(1)).squeeze(1))
                 self.f_d1.copy_(out["next_draft"])
@@ -308,7 +309,7 @@ class DecodeBench:
             def split_verify():
                 chained = [g.out["tokens"] for g in self.g_split_chain]
                 ids = torch.stack([self.f_last, self.f_d1, *chained], dim=1).reshape(-1)
-                out = verify_fill(self.f_plans[0], ids, self.f_forced)
+                out = verify_fill(self.f_plans[0], ids, self.f_forced, self.f_cap)
                 self.f_last.copy_(out["target"].gather(1, out["accepted"].unsqueeze(1)).squeeze(1))
                 self.f_d1.copy_(out["next_draft"])
                 self.f_hidden.copy_(out["next_hidden"])

@@ -80,6 +80,8 @@ class ScriptedDraft(torch.nn.Module):
             graphs = self.setup_ref[0].engine.graphs
             if graphs is not None and table == [graphs.scratch_block]:
                 continue  # a padding row of a graph batch: its logits are never read
+            if graphs is not None and len(table) > 1 and table[-1] == graphs.scratch_block:
+                table = table[:-1]  # a capped fused row verifying past its capacity (Engine._launch_fused)
             rid = source.owner(table)
             seq = self.expected.get(rid, [])
             tok = seq[pos + layer + 1] if pos + layer + 1 < len(seq) else 0
@@ -103,6 +105,11 @@ def checked_plans(setup: LocalSetup) -> list[int]:
         for table, kv_len in zip(layout.block_tables, layout.kv_lens):
             if list(table) == scratch:  # a padding row of a graph batch: the scratch page only
                 assert kv_len <= setup.engine.block_size
+                continue
+            if scratch is not None and len(table) > 1 and table[-1] == scratch[0]:
+                # a capped row of a fused step verifying past its capacity: the scratch page after its own
+                source.owner(list(table[:-1]))
+                assert kv_len <= len(table) * setup.engine.block_size
                 continue
             source.owner(list(table), kv_len)
         seen.append(max(layout.kv_lens))

@@ -92,9 +92,10 @@ class EngineConfig:
       device runs step N. Output is token-identical; a stop token is then seen one step late
       (that step's extra token is dropped, never emitted).
     * ``fused_spec``: with graphs (``"capture"`` or ``"pad"``) and an EAGLE-3 draft, a step whose
-      rows are all greedy decodes verifying the same k runs as ONE forward (chain, verify, the
-      verdict and the fill on the device; ``spec_step.py``): one graph launch and one read-back
-      instead of k + 1 of each. Output is token-identical; off runs the phases one by one. With
+      decode rows are all greedy runs them as ONE forward (chain, verify, the verdict and the
+      fill on the device; ``spec_step.py``): one graph launch and one read-back instead of
+      k + 1 of each. Every row verifies the batch's largest k; one with a smaller budget (near
+      its max_new_tokens) keeps at most its own. Output is token-identical; off runs the phases one by one. With
       ``overlap`` the verdict is read at the start of the next step (tokens stream one step
       later), so the caller's work between steps runs while the device does.
     * ``fused_graphs``: how a fused step launches (``spec_step.py``): ``"one"`` forward after all
@@ -203,7 +204,7 @@ class Engine:
         self._in_step: list[RequestState] = []  # the states the running step scheduled
         self._ledger: dict[str, _Ledger] = {}  # the running step's record of each live request
         self._carry: _FusedCarry | None = None  # the last fused step's proposals, batched
-        self._forced_rows: dict[tuple[int, int], torch.Tensor] = {}  # (batch, forced or -1) -> its input rows
+        self._constant_rows: dict[tuple[int, int], torch.Tensor] = {}  # (batch, value) -> a fused step's forced or cap rows
         self._verdict: _PendingVerdict | None = None  # overlap: the last fused step's, on its way
         self.fused_steps = 0  # steps whose decodes ran as one fused speculative forward (``_launch_fused``)
         self.continued_steps = 0  # of those, launched before the last one's verdict was applied (``_continue_fused``)
@@ -256,7 +257,7 @@ class Engine:
                 # a whole greedy speculative step as one forward over k plans (spec_step.py)
                 step = spec_step_forward(target, draft, backend, pool, draft_pool, aux)
                 inputs = {"last": ((), torch.long), "d1": ((), torch.long), "forced": ((), torch.long),
-                          "hidden": ((draft.chain_hidden_size,), dtype)}
+                          "cap": ((), torch.long), "hidden": ((draft.chain_hidden_size,), dtype)}
                 graphs.register("spec", step, inputs, range(1, max_q), lanes=spec_lanes, bounds={"last": vocab, "d1": vocab},
                                 per_request=(*inputs, *verdict))
             elif cfg.fused_spec and max_q > 1:
@@ -266,8 +267,8 @@ class Engine:
                     graphs.register(f"spec_chain{j}", position, {"tokens": ((), torch.long),
                                     "hidden": ((draft.chain_hidden_size,), dtype)}, (1,), bounds={"tokens": vocab}, lane=j)
                 graphs.register("spec_verify", verify_fill_forward(target, draft, backend, pool, draft_pool, aux),
-                                {"ids": ((), torch.long), "forced": ((), torch.long)}, range(2, max_q + 1),
-                                per_request=("forced", *verdict), bounds={"ids": vocab})
+                                {"ids": ((), torch.long), "forced": ((), torch.long), "cap": ((), torch.long)},
+                                range(2, max_q + 1), per_request=("forced", "cap", *verdict), bounds={"ids": vocab})
         return graphs
 
     @torch.inference_mode()
@@ -566,7 +567,7 @@ class Engine:
             # before both are launched (a failing newcomer's prompt still ends alone, see step).
             n_dec = _leading_decodes(work)
             prompts = work[n_dec:]
-            verdict = self._launch_fused([w.state for w in work[:n_dec]], fused_k)
+            verdict = self._launch_fused([w.state for w in work[:n_dec]], fused_k, caps=[w.num_drafts for w in work[:n_dec]])
             launched = self._run_target(prompts) if prompts else None
             self._resolve_lagging()  # an earlier overlapped step's tokens, while the device runs this one
             if self.config.overlap:
@@ -655,8 +656,10 @@ class Engine:
     def _fused_k(self, work: list[ScheduledWork]) -> int:
         """The k of a step whose decodes run as one fused forward (``spec_step.py``), or 0: every
         decode row (prompt chunks may follow them) a greedy decode (no penalties, no logprobs, no
-        token still on the device) verifying the same k >= 1 drafts, holding the one proposal and
-        chain hidden an EAGLE-3 fill left, its draft KV complete up to its target KV; the decode
+        token still on the device), its draft KV complete up to its target KV, holding the one
+        proposal and chain hidden an EAGLE-3 fill left if it drafts at all; k the most drafts any
+        of them verifies (>= 1), the others verifying k too and keeping at most their own count
+        (``_launch_fused``'s caps), as long as k more positions stay inside the model; the decode
         batch and k covered by the captured graphs. Pure."""
         graphs = self.graphs
         if not work or graphs is None or not self.config.fused_spec or self.drafter is None:
@@ -664,16 +667,20 @@ class Engine:
         decodes = work[: _leading_decodes(work)]
         if not decodes:
             return 0
-        k = decodes[0].num_drafts
+        k = max(w.num_drafts for w in decodes)
         # one launch registers "spec" (keyed k), the other "spec_verify" (keyed q = k + 1)
         if k < 1 or not (graphs.covers("spec", len(decodes), k) or graphs.covers("spec_verify", len(decodes), k + 1)):
             return 0
+        positions = self.target.config.max_seq_len
         for w in decodes:
             s = w.state
-            if (w.num_drafts != k or not s.spec.sampling.greedy or s.gen_counts is not None
+            if (not s.spec.sampling.greedy or s.gen_counts is not None
                     or s.spec.logprobs is not None or s.pending_token is not None
-                    or s.drafts is None or len(s.drafts) != 1 or s.chain_hidden is None
                     or s.pending_hidden or s.draft_len != s.target_len):
+                return 0
+            if w.num_drafts and (s.drafts is None or len(s.drafts) != 1 or s.chain_hidden is None):
+                return 0
+            if w.num_drafts < k and s.logical_len + k > positions:  # its padded verify would pass the model's last position
                 return 0
         return k
 
@@ -687,8 +694,10 @@ class Engine:
 
         Only where the schedule is known without running it: the live requests are exactly
         verdict N's, in its order (nothing arrived, ended or was aborted since); none ends on
-        its accepted tokens; each verifies the same k again (its draft budget, the step's token
-        budget) within the capacity it holds (no extend); no plain decode's token is pending.
+        its accepted tokens; each drafts at most k again (its draft budget; the step's token
+        budget holds k for each), within the capacity it holds (no extend), and k positions more
+        stay inside the model (one with a smaller budget verifies k and keeps at most its budget,
+        as ``_fused_k`` lets a scheduled step do); no plain decode's token is pending.
         Anything else returns None before touching a thing, and the step is scheduled. Returns
         the requests that ran, the target rows and the draft rows made final. Mutates as
         ``_launch_fused`` and ``_apply_verdict``."""
@@ -701,21 +710,24 @@ class Engine:
             return None
         rows = last.rows()  # the step's one wait for the device
         starts = np.empty(len(states), dtype=np.int64)
+        caps: list[int] = []
+        positions = self.target.config.max_seq_len
         for i, (s, row) in enumerate(zip(states, rows)):
             if live.get(s.request_id) is not s:
                 return None
             tokens = _accepted_tokens(row, k)
-            # a budget of k after them also means neither max_new_tokens nor max_seq_len ends it
-            if draft_budget(s, self.max_seq_len, ahead=len(tokens)) != k or not self._no_stop_rule_fires(s, tokens):
+            budget = draft_budget(s, self.max_seq_len, ahead=len(tokens))
+            if budget > k or not self._no_stop_rule_fires(s, tokens):
                 return None
             end = s.logical_len + len(tokens)
-            if end + k > s.capacity:  # the step's needed capacity
+            if end + budget > s.capacity or end + k > positions:  # the step's needed capacity; the padded verify
                 return None
             starts[i] = end - 1  # the newest token is fed next
+            caps.append(budget)
         self._verdict = None
         self._steps += 1
         self._in_step = states
-        self._verdict = self._launch_fused(states, k, starts, last_step=last)
+        self._verdict = self._launch_fused(states, k, starts, last_step=last, caps=caps)
         self.continued_steps += 1
         draft_rows = self._apply_verdict(last)
         self._carry = None  # spent: the step just launched took it; its own verdict carries next
@@ -725,9 +737,16 @@ class Engine:
         return {s.request_id for s in states}, len(states) * (k + 1), draft_rows
 
     def _launch_fused(self, states: list[RequestState], k: int, starts: np.ndarray | None = None,
-                      last_step: "_PendingVerdict | None" = None) -> "_PendingVerdict":
+                      last_step: "_PendingVerdict | None" = None, caps: list[int] | None = None) -> "_PendingVerdict":
         """A-D of a fused step's decodes (see ``_fused_k``): plan the verify and the k - 1 chain
-        positions and launch once. Moves no request state: the verdict is applied by
+        positions and launch once. ``caps``: the drafts each request may keep (None: k each);
+        one below k still verifies k, its positions past its capacity on the graphs' scratch
+        page (only rows past its cap, whose outputs are dropped, read them)::
+
+            positions:  start ... start + cap | ... start + k      capacity >= start + cap + 1
+            verify:     kept (at most cap + 1 tokens)  | dropped    past capacity: the scratch page
+
+        Moves no request state: the verdict is applied by
         ``_apply_verdict``, in this step, or with ``overlap`` at the start of the next one, so
         that the caller's own per-step work (streaming, publishing) runs while the device does::
 
@@ -744,8 +763,16 @@ class Engine:
         if starts is None:
             starts = np.fromiter((s.target_len for s in states), dtype=np.int64, count=b)
             carry = self._carry  # the last fused step's, when it ran these requests in this order
-            if carry is not None and len(carry.drafts) == b and all(s.drafts is d for s, d in zip(states, carry.drafts)):
+            if (carry is not None and len(carry.drafts) == b
+                    and all(s is t and s.drafts is d for s, t, d in zip(states, carry.verdict.states, carry.drafts))):
                 last_step = carry.verdict
+        if caps is not None and min(caps) == k:
+            caps = None  # every request keeps up to k: the shared row tensor
+        if caps is not None:
+            scratch = np.array([self.graphs.scratch_block], dtype=np.int64)
+            for i, (s, start) in enumerate(zip(states, starts.tolist())):
+                if start + k + 1 > s.capacity:  # one block at most: k < block_size (graph q <= block_size)
+                    tables[i] = np.concatenate([tables[i], scratch])
         if (last_step is not None and last_step.verify.arrays.uniform_q == k + 1
                 and all(t is u for t, u in zip(tables, last_step.tables))):
             verify = last_step.verify.with_cached_lens(starts)  # same tables: no conversion, no check
@@ -754,29 +781,48 @@ class Engine:
         layouts = [verify] + [verify.shifted(j - 1, 1) for j in range(1, k)]  # the chain: same tables
         forced = self._forced(k)
         forced = -1 if forced is None else forced
-        forced_t = self._forced_rows.get((b, forced))
-        if forced_t is None:  # inputs are copied into the graphs' buffers: one tensor serves every step
-            forced_t = self._forced_rows[(b, forced)] = to_device([forced] * b, torch.long, self.device)
+        forced_t = self._rows_of(b, forced)
+        cap_t = self._rows_of(b, k) if caps is None else to_device(caps, torch.long, self.device)
         if last_step is not None:  # the same requests, in order: their newest tokens and proposals are on the device
             last, d1, hidden = last_step.next_last, last_step.next_draft, last_step.next_hidden
         else:
             last = to_device([s.tokens[-1] for s in states], torch.long, self.device)
-            d1, hidden = torch.cat([s.drafts for s in states]), torch.stack([s.chain_hidden for s in states])
+            d1, hidden = self._proposals(states)
         for s, start in zip(states, starts.tolist()):
-            self._ledger[s.request_id].written.append((start, start + k + 1))
+            self._ledger[s.request_id].written.append((start, min(start + k + 1, s.capacity)))
+        inputs = {"forced": forced_t, "cap": cap_t}
         if self.config.fused_graphs == "one":
-            out = self.graphs.run_lanes("spec", k, layouts, {"last": last, "d1": d1, "hidden": hidden, "forced": forced_t})
+            out = self.graphs.run_lanes("spec", k, layouts, {"last": last, "d1": d1, "hidden": hidden, **inputs})
         else:
-            out = self._launch_split(layouts, last, d1, hidden, forced_t)
+            out = self._launch_split(layouts, last, d1, hidden, inputs)
         self.fused_steps += 1
         # each request's newest token after the verdict: the target's token after its accepted run
         # (a request whose stop rule cut the run short ends, and with it the next step's match)
         bonus = out["target"].gather(1, out["accepted"].unsqueeze(1)).squeeze(1)
         # copies: a graph's outputs are rewritten by its next replay
         return _PendingVerdict(torch.cat([out["accepted"].unsqueeze(1), out["target"], out["drafts"]], dim=1),
-                               states, k, out["next_draft"].clone(), out["next_hidden"].clone(), bonus, verify, tables)
+                               states, k, out["next_draft"].clone(), out["next_hidden"].clone(), bonus, verify, tables,
+                               caps)
 
-    def _launch_split(self, layouts: list[BatchLayout], last, d1, hidden, forced) -> dict[str, torch.Tensor]:
+    def _rows_of(self, b: int, value: int) -> torch.Tensor:
+        """A device row of ``b`` copies of ``value`` (a fused step's forced count or cap), made
+        once: inputs are copied into the graphs' buffers, so one tensor serves every step."""
+        t = self._constant_rows.get((b, value))
+        if t is None:
+            t = self._constant_rows[(b, value)] = to_device([value] * b, torch.long, self.device)
+        return t
+
+    def _proposals(self, states: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's proposal d1 and chain hidden row, batched; a request drafting nothing
+        this step (its budget spent: it keeps no draft) feeds zeros, whose rows its cap drops."""
+        if all(s.drafts is not None for s in states):
+            return torch.cat([s.drafts for s in states]), torch.stack([s.chain_hidden for s in states])
+        some = next(s for s in states if s.drafts is not None)
+        no_token, no_hidden = torch.zeros_like(some.drafts), torch.zeros_like(some.chain_hidden)
+        return (torch.cat([no_token if s.drafts is None else s.drafts for s in states]),
+                torch.stack([no_hidden if s.chain_hidden is None else s.chain_hidden for s in states]))
+
+    def _launch_split(self, layouts: list[BatchLayout], last, d1, hidden, verdict_inputs) -> dict[str, torch.Tensor]:
         """``fused_graphs="split"``: chain position j planned on lane j and launched at once, the
         verify, verdict and fill planned last (on lane 0) while the chain runs. All graphs share
         one memory pool, so a later replay may overwrite an earlier graph's outputs (which of
@@ -788,7 +834,7 @@ class Engine:
         for j, layout in enumerate(layouts[1:], start=1):
             out, _plan = self.graphs.run(f"spec_chain{j}", layout, {"tokens": out["tokens"], "hidden": out["hidden"]})
             ids[:, j + 1].copy_(out["tokens"])
-        out, _plan = self.graphs.run("spec_verify", layouts[0], {"ids": ids.view(-1), "forced": forced})
+        out, _plan = self.graphs.run("spec_verify", layouts[0], {"ids": ids.view(-1), **verdict_inputs})
         return out
 
     def _resolve_verdict(self) -> int:
@@ -810,12 +856,13 @@ class Engine:
         draft_rows = 0
         # per-request views made in two calls (indexing row by row cost ~1 us a view)
         next_drafts, next_hidden = verdict.next_draft.split(1), verdict.next_hidden.unbind(0)
+        caps = verdict.caps
         for i, (s, row) in enumerate(zip(verdict.states, rows)):
             if self._states.get(s.request_id) is not s:
                 kept.append(None)
                 continue  # aborted since
             entry = self._ledger[s.request_id]
-            self._count_verify(entry, k, row[0])
+            self._count_verify(entry, k if caps is None else caps[i], row[0])
             entry.emit(self._append(s, _accepted_tokens(row, k)))
             t_old = s.target_len
             s.target_len = s.logical_len - 1  # the newest token is fed next step
@@ -1295,13 +1342,15 @@ class _LaggingTokens(_Readback):
 class _PendingVerdict(_Readback):
     """A fused step's verdict rows ``[accepted, target argmax (k + 1), drafts (k)]`` per request
     of ``states``, its next proposals and each request's newest token (device tensors, copies of
-    the graph's outputs), and the verify's layout over ``tables`` (what ``_FusedCarry`` hands on)."""
+    the graph's outputs), the verify's layout over ``tables`` (what ``_FusedCarry`` hands on) and
+    the drafts each request might keep (``caps``; None: k each)."""
 
     def __init__(self, rows: torch.Tensor, states: list[RequestState], k: int, next_draft: torch.Tensor,
-                 next_hidden: torch.Tensor, next_last: torch.Tensor, verify: BatchLayout, tables: list[np.ndarray]):
+                 next_hidden: torch.Tensor, next_last: torch.Tensor, verify: BatchLayout, tables: list[np.ndarray],
+                 caps: list[int] | None = None):
         super().__init__(rows)
         self._rows: list[list[int]] | None = None
-        self.states, self.k = states, k
+        self.states, self.k, self.caps = states, k, caps
         self.next_draft, self.next_hidden, self.next_last = next_draft, next_hidden, next_last
         self.verify, self.tables = verify, tables
 

@@ -6,10 +6,12 @@ plans each just before its launch and reads the verdict back between the verify 
 For greedy requests nothing in the step needs the host between the first launch and the verdict:
 
     inputs (one row per request)      t[L-1] (``last``), d1 and the chain hidden g[T-1] from the
-                                      last fill, ``forced`` (benchmarks' forced acceptance, or -1)
+                                      last fill, ``forced`` (benchmarks' forced acceptance, or -1),
+                                      ``cap`` (the drafts the request may keep, <= k)
     chain, plans 1 .. k-1             draft layer at T+j-1 reads d_j, g[T+j-2]   -> d_(j+1) = argmax
     verify, plan 0 (cached T, q k+1)  target over [t[L-1], d1 .. dk]             -> g_0 .. g_k (argmax)
-    verdict                           n = leading matches of d_j and g_(j-1) (or min(forced, k))
+    verdict                           n = leading matches of d_j and g_(j-1) (or min(forced, k)),
+                                      at most ``cap``
     fill, plan 0 again                draft layer over positions T .. T+k:
                                         ids      d1 .. dn, g_n, 0 ...   (the n+1 final tokens)
                                         context  the verify's aux rows
@@ -39,6 +41,12 @@ Two ways to launch it (``EngineConfig.fused_graphs``):
 Either way nothing is read back inside the step; the host then reads ``accepted``, ``target`` and
 ``drafts`` in one copy. Tokens equal the unfused step's: the same layers over the same positions
 and plans.
+
+A request whose budget is below the batch's k (near ``max_new_tokens``, or a smaller k of its
+own) still verifies k drafts, and keeps at most ``cap`` of them: causal attention makes rows
+``<= cap`` exactly those of a verify of ``cap`` drafts, so its tokens are the unfused step's, and
+the batch stays one launch instead of falling back to phases (with requests ending every few
+steps, nearly every step of a busy server has such a request).
 """
 
 from __future__ import annotations
@@ -69,19 +77,19 @@ def chain_position_forward(draft: DraftModel, backend, draft_pool: KVPool):
 
 def verify_fill_forward(target: TargetModel, draft: DraftModel, backend, target_pool: KVPool, draft_pool: KVPool,
                         aux_layers: tuple[int, ...]):
-    """``fn(plan, ids [B * (k + 1)], forced [B]) -> per-request outputs``: the verify over each
-    request's ``[t[L-1], d1 .. dk]`` (``ids``, request-major), the verdict and the fill, all on
-    the verify's plan. Outputs as ``spec_step_forward``'s (``drafts`` are ``ids``' last k columns).
-    Mutates both pools."""
+    """``fn(plan, ids [B * (k + 1)], forced [B], cap [B]) -> per-request outputs``: the verify
+    over each request's ``[t[L-1], d1 .. dk]`` (``ids``, request-major), the verdict (at most
+    ``cap`` drafts kept) and the fill, all on the verify's plan. Outputs as
+    ``spec_step_forward``'s (``drafts`` are ``ids``' last k columns). Mutates both pools."""
 
-    def run(plan, ids, forced):
+    def run(plan, ids, forced, cap):
         batch = forced.shape[0]
         k = ids.shape[0] // batch - 1
         drafts = ids.view(batch, k + 1)[:, 1:]
         out = target(ids, plan, backend, target_pool, aux_layers=aux_layers)
         greedy = torch.argmax(out.logits, dim=-1).view(batch, k + 1)
         matched = (drafts == greedy[:, :k]).long().cumprod(dim=1).sum(dim=1)
-        accepted = torch.where(forced >= 0, forced.clamp(max=k), matched)
+        accepted = torch.minimum(torch.where(forced >= 0, forced.clamp(max=k), matched), cap)
         cols = torch.arange(k + 1, device=ids.device).unsqueeze(0)
         n = accepted.unsqueeze(1)
         bonus = greedy.gather(1, n)
@@ -98,11 +106,11 @@ def verify_fill_forward(target: TargetModel, draft: DraftModel, backend, target_
 
 def spec_step_forward(target: TargetModel, draft: DraftModel, backend, target_pool: KVPool, draft_pool: KVPool,
                       aux_layers: tuple[int, ...]):
-    """``fn(plans, last [B], d1 [B], hidden [B, Hc], forced [B]) -> per-request outputs``:
+    """``fn(plans, last [B], d1 [B], hidden [B, Hc], forced [B], cap [B]) -> per-request outputs``:
 
     * ``drafts`` [B, k]: d1 .. dk, the proposals verified;
     * ``target`` [B, k + 1]: the target's argmax after t[L-1], d1 .. dk;
-    * ``accepted`` [B]: n, the drafts kept (the step's tokens are d1 .. dn, target[n]);
+    * ``accepted`` [B]: n <= cap, the drafts kept (the step's tokens are d1 .. dn, target[n]);
     * ``next_draft`` [B], ``next_hidden`` [B, Hc]: the fill's proposal d1' and the draft layer's
       hidden at the newest position (what the next step's chain reads).
 
@@ -112,12 +120,12 @@ def spec_step_forward(target: TargetModel, draft: DraftModel, backend, target_po
     position = chain_position_forward(draft, backend, draft_pool)
     verify_fill = verify_fill_forward(target, draft, backend, target_pool, draft_pool, aux_layers)
 
-    def run(plans, last, d1, hidden, forced):
+    def run(plans, last, d1, hidden, forced, cap):
         proposals, out = [d1], {"tokens": d1, "hidden": hidden}
         for plan in plans[1:]:
             out = position(plan, out["tokens"], out["hidden"])
             proposals.append(out["tokens"])
         ids = torch.stack([last, *proposals], dim=1).reshape(-1)
-        return verify_fill(plans[0], ids, forced)
+        return verify_fill(plans[0], ids, forced, cap)
 
     return run
