@@ -24,6 +24,8 @@ compute). Per step it records:
 
 Run:   python bench/engine_host_bench.py                       # B = 1, 16, 64; k = 0 and 3 (one, split)
        python bench/engine_host_bench.py --profile 64          # plus a cProfile of fused steps at B = 64
+       python bench/engine_host_bench.py --churn               # plus each fused case with requests ending
+                                                               # and arriving every few steps (a busy server)
        python bench/engine_host_bench.py --out docs/engine_host_bench.json --png docs/img/engine_host_bench.png
 """
 
@@ -62,7 +64,7 @@ PROMPT = 64
 
 
 class PlanOnlyAfterWarmup(TorchBackend):
-    """The torch backend until ``null`` is set; then the shared planner only (the torch backend's
+    """The torch backend, but while ``null`` is set the shared planner only (the torch backend's
     own mask building is CPU-specific: no GPU backend pays it)."""
 
     null = False
@@ -70,6 +72,25 @@ class PlanOnlyAfterWarmup(TorchBackend):
     def _finish_plan(self, plan, ws) -> None:
         if not self.null:
             super()._finish_plan(plan, ws)
+
+
+def nulled_forward(name: str) -> bool:
+    """The forwards ``null_forwards`` swaps out (a fused step's, and the target's decode graph)."""
+    return name in ("target", "spec", "spec_verify") or name.startswith("spec_chain")
+
+
+def null_plans_of(graphs, backend: PlanOnlyAfterWarmup, nulled) -> None:
+    """Plans made for a nulled forward stop at the shared planner; every other plan (a prompt's
+    eager forward, the draft's fill after it: real forwards under ``--churn``) is made whole."""
+    def wrap(run):
+        def wrapped(name, *a, **kw):
+            backend.null = nulled(name)
+            try:
+                return run(name, *a, **kw)
+            finally:
+                backend.null = False
+        return wrapped
+    graphs.run, graphs.run_lanes = wrap(graphs.run), wrap(graphs.run_lanes)
 
 
 def null_forwards(graphs, hidden: int, chain_hidden: int, dtype: torch.dtype, vocab: int) -> dict[str, int]:
@@ -107,7 +128,7 @@ def null_forwards(graphs, hidden: int, chain_hidden: int, dtype: torch.dtype, vo
         elif name in fns:
             new = fns[name]
         else:
-            continue  # phase-by-phase forwards (chain, fill) do not run in these steps
+            continue  # phase-by-phase forwards (chain, fill) stay real: only prompts run them (--churn)
 
         def counted(*a, _new=new, _name=name, **kw):
             calls[_name] = calls.get(_name, 0) + 1
@@ -116,12 +137,25 @@ def null_forwards(graphs, hidden: int, chain_hidden: int, dtype: torch.dtype, vo
     return calls
 
 
-def run_case(models, batch: int, k: int, launch: str, steps: int, profile: bool = False) -> dict:
+def churn_max_new(i: int) -> int:
+    """``--churn``: request i's max_new_tokens, 8 .. 127 spread over the ids (2 to 32 steps at
+    k = 3 with every draft accepted), so that requests end at different steps."""
+    return 8 + (37 * i) % 120
+
+
+def run_case(models, batch: int, k: int, launch: str, steps: int, profile: bool = False, churn: bool = False) -> dict:
+    """One case; ``churn``: a closed loop as a busy server runs it (each request ends after its
+    ``churn_max_new`` tokens and the next one arrives, its prompt prefilled for real beside the
+    nulled decodes; room reserved ahead, as the worker's watermark does) instead of one batch
+    decoding for ever."""
     target, draft = models
     backend = PlanOnlyAfterWarmup("cpu", target.attention_geometry(BLOCK))
-    if PROMPT + (steps + 14 + 2) * (k + 1) >= target.config.max_seq_len:
+    if churn and not k:
+        raise ValueError("--churn needs k > 0 (it measures fused steps)")
+    if not churn and PROMPT + (steps + 14 + 2) * (k + 1) >= target.config.max_seq_len:
         raise ValueError(f"{steps} steps of k = {k} pass the model's max_seq_len ({target.config.max_seq_len}): fewer --steps")
-    per_request = -(-(PROMPT + (steps + 40) * (k + 1) + 16) // BLOCK)
+    headroom = 128 + 2 * (k + 1) if churn else 0
+    per_request = -(-(PROMPT + (steps + 40) * (k + 1) + 16) // BLOCK) if not churn else -(-(PROMPT + headroom) // BLOCK) + 1
     blocks = batch * per_request
     source = LocalBlockSource(blocks, BLOCK)
     config = EngineConfig(graphs="pad", overlap=True, fused_spec=k > 0, fused_graphs=launch, max_draft_tokens=max(k, 1),
@@ -129,13 +163,29 @@ def run_case(models, batch: int, k: int, launch: str, steps: int, profile: bool 
     engine = Engine(target, draft if k else None, backend, target.new_kv_pool(blocks + 1, BLOCK),
                     draft.new_kv_pool(blocks + 1, BLOCK) if k else None, source, config)
     setup = LocalSetup(engine, source, target, draft if k else None)
-    for i in range(batch):
-        submit(setup, f"r{i}", [(7 * i + j) % 200 + 1 for j in range(PROMPT)], max_new_tokens=10**6, k=k)
+    admitted = 0
+
+    def admit() -> None:
+        nonlocal admitted
+        i, admitted = admitted, admitted + 1
+        submit(setup, f"r{i}", [(7 * i + j) % 200 + 1 for j in range(PROMPT)],
+               max_new_tokens=churn_max_new(i) if churn else 10**6, k=k, headroom=headroom)
+
+    def step():
+        report = engine.step()
+        for rid, r in report.results.items():
+            if r.finished:  # churn only: the next request takes its place
+                source.release(rid)
+                admit()
+        return report
+
+    for _ in range(batch):
+        admit()
     for _ in range(4):  # prefill, then the first decodes (real forwards)
-        engine.step()
+        step()
     calls = null_forwards(engine.graphs, target.config.hidden_size, draft.chain_hidden_size,
                           target.embed_tokens.weight.dtype, target.config.vocab_size)
-    backend.null = True
+    null_plans_of(engine.graphs, backend, nulled_forward)
 
     marks: dict[str, float] = {}
     read = engine_module._Readback.values
@@ -154,14 +204,14 @@ def run_case(models, batch: int, k: int, launch: str, steps: int, profile: bool 
     totals, exposed = [], []
     prof = cProfile.Profile() if profile else None
     lengths = {rid: engine.state(rid).logical_len for rid in engine.request_ids()}
-    fused_before = engine.fused_steps
+    fused_before, continued_before = engine.fused_steps, engine.continued_steps
     try:
         for i in range(steps + 10):
             marks.clear()
             if prof is not None and i == 10:
                 prof.enable()
             t0 = time.perf_counter()
-            engine.step()
+            step()
             t1 = time.perf_counter()
             if i >= 10:
                 totals.append(t1 - t0)
@@ -171,12 +221,15 @@ def run_case(models, batch: int, k: int, launch: str, steps: int, profile: bool 
             prof.disable()
     finally:
         engine_module._Readback.values = read
-    if k and engine.fused_steps - fused_before != steps + 10:
-        raise RuntimeError(f"only {engine.fused_steps - fused_before} of {steps + 10} steps ran fused (B={batch}, k={k})")
+    fused, continued = engine.fused_steps - fused_before, engine.continued_steps - continued_before
+    if k and not churn and fused != steps + 10:
+        raise RuntimeError(f"only {fused} of {steps + 10} steps ran fused (B={batch}, k={k})")
     # the bookkeeping ran as in real steps: every request moved by k + 1 tokens a step (forced
     # acceptance; with overlap the last step's verdict is still on its way)
-    moved = sorted({engine.state(rid).logical_len - n for rid, n in lengths.items()})
-    row = {"batch": batch, "k": k, "launch": launch if k else "-", "steps": steps,
+    moved = sorted({engine.state(rid).logical_len - n for rid, n in lengths.items() if rid in engine.request_ids()})
+    row = {"batch": batch, "k": k, "launch": launch if k else "-", "churn": churn, "steps": steps,
+           "fused_share": fused / (steps + 10), "continued_share": continued / (steps + 10),
+           "requests_ended": admitted - batch,
            "total_us": statistics.median(totals) * 1e6, "total_min_us": min(totals) * 1e6,
            "exposed_us": statistics.median(exposed) * 1e6 if exposed else None,
            "tokens_per_step": batch * (k + 1), "tokens_moved_per_request": moved, "null_calls": dict(calls)}
@@ -194,16 +247,16 @@ def plot(res: dict, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by = {(r["batch"], r["k"], r["launch"]): r for r in res["rows"]}
-    cases = sorted({(k, launch) for _, k, launch in by})
-    batches = sorted({b for b, _, _ in by})
-    labels = [f"k={k}" + (f", {launch}" if k else "") for k, launch in cases]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    by = {(r["batch"], r["k"], r["launch"], r.get("churn", False)): r for r in res["rows"]}
+    cases = sorted({(k, launch, churn) for _, k, launch, churn in by})
+    batches = sorted({b for b, *_ in by})
+    labels = [f"k={k}" + (f", {launch}" if k else "") + (", churn" if churn else "") for k, launch, churn in cases]
+    fig, ax = plt.subplots(figsize=(10, 4.8))
     centres = grouped_bars(ax, [str(b) for b in batches], alpha=0.45, series=[
-        (f"{label}: whole step", [by[(b, k, launch)]["total_us"] for b in batches]) for label, (k, launch) in zip(labels, cases)])
-    for label, (k, launch), xs, bars in zip(labels, cases, centres, list(ax.containers)):
-        if k:  # overlapped plain decode hides its host work behind the device's step
-            ax.bar(xs, [by[(b, k, launch)]["exposed_us"] for b in batches], 0.8 / len(cases), hatch="//",
+        (f"{label}: whole step", [by[(b, *case)]["total_us"] for b in batches]) for label, case in zip(labels, cases)])
+    for label, case, xs, bars in zip(labels, cases, centres, list(ax.containers)):
+        if case[0]:  # overlapped plain decode hides its host work behind the device's step
+            ax.bar(xs, [by[(b, *case)]["exposed_us"] for b in batches], 0.8 / len(cases), hatch="//",
                    color=bars[0].get_facecolor(), alpha=1.0, label=f"{label}: device idle (verdict → launch)")
     ax.set_xlabel("batch size")
     ax.set_ylabel("host µs per engine step (median)")
@@ -221,35 +274,42 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3, help="each case this many times, interleaved; the best median kept")
     ap.add_argument("--profile", type=int, help="cProfile the fused steps (split) of this batch size")
+    ap.add_argument("--churn", action="store_true",
+                    help="also run each fused case as a closed loop of requests ending and arriving (see run_case)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--png", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     target, draft, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3, device="cpu", seed=0)
-    cases = [(b, 0, "one") for b in map(int, args.batches.split(","))]
+    batches = list(map(int, args.batches.split(",")))
+    cases = [(b, 0, "one", False) for b in batches]
     if args.k:
-        cases += [(b, args.k, launch) for b in map(int, args.batches.split(",")) for launch in ("one", "split")]
+        cases += [(b, args.k, launch, churn) for b in batches for launch in ("one", "split")
+                  for churn in ((False, True) if args.churn else (False,))]
     best: dict[tuple, dict] = {}
     with torch.inference_mode():
         for r in range(args.rounds):
-            for b, k, launch in cases:
-                row = run_case((target, draft), b, k, launch, args.steps)
-                key = (b, k, launch)
+            for b, k, launch, churn in cases:
+                row = run_case((target, draft), b, k, launch, args.steps, churn=churn)
+                key = (b, k, launch, churn)
                 if key not in best or row["total_us"] < best[key]["total_us"]:
                     best[key] = row
                 exposed = f", exposed {row['exposed_us']:.0f}" if row["exposed_us"] is not None else ""
-                print(f"[round {r + 1}/{args.rounds}] B={b:3d} k={k} {row['launch']:>5}: step {row['total_us']:.0f} us{exposed}",
-                      flush=True)
+                shares = f", fused {row['fused_share']:.0%} continued {row['continued_share']:.0%}" if k else ""
+                print(f"[round {r + 1}/{args.rounds}] B={b:3d} k={k} {row['launch']:>5}{' churn' if churn else ''}: "
+                      f"step {row['total_us']:.0f} us{exposed}{shares}", flush=True)
         if args.profile:
             row = run_case((target, draft), args.profile, args.k, "split", args.steps, profile=True)
             print(row["profile"])
     rows = [best[c] for c in cases]
-    print("\n| batch | k | launch | host µs / step | device idle µs / step (verdict → launch) | host-bound tokens/s |")
-    print("|---:|---:|---|---:|---:|---:|")
+    print("\n| batch | k | launch | requests | host µs / step | device idle µs / step (verdict → launch) | fused / continued steps | host-bound tokens/s |")
+    print("|---:|---:|---|---|---:|---:|---:|---:|")
     for row in rows:
         exposed = f"{row['exposed_us']:.0f}" if row["exposed_us"] is not None else "-"
-        print(f"| {row['batch']} | {row['k']} | {row['launch']} | {row['total_us']:.0f} | {exposed} | {row['host_bound_tokens_per_s']:,.0f} |")
+        shares = f"{row['fused_share']:.0%} / {row['continued_share']:.0%}" if row["k"] else "-"
+        print(f"| {row['batch']} | {row['k']} | {row['launch']} | {'churn' if row['churn'] else 'steady'} | {row['total_us']:.0f} | "
+              f"{exposed} | {shares} | {row['host_bound_tokens_per_s']:,.0f} |")
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": " ".join(sys.argv), "torch": torch.__version__}

@@ -576,3 +576,60 @@ def test_a_newcomer_in_an_aborted_requests_row_does_not_take_its_carry(launch):
         tokens += result.new_token_ids if result is not None else []
     assert engine.fused_steps > fused and result.finish_reason.value == "length"
     assert tokens == plain_greedy(ps[2], 2)
+
+
+def _churn(fused: bool, *, overlap: bool, launch: str = "one", forced=None, scripted=True, stop=False,
+           sampled=False, total: int = 18, concurrency: int = 6):
+    """A closed loop, as a busy server sees it: ``concurrency`` requests of staggered lengths,
+    each finished one replaced by the next (its prompt then runs beside the others' decodes),
+    room reserved ahead as the worker's watermark does. ``stop``: every third request has a stop
+    token in the middle of its output; ``sampled``: the ninth one samples (temperature 0.8),
+    which no fused step may take. Returns (engine, outcome, calls of ``_feed``)."""
+    ps = prompts([5 + (7 * i) % 17 for i in range(total)], seed=21)
+    max_new = [4 + (5 * i) % 15 for i in range(total)]
+    expected = {f"c{i}": p + plain_greedy(p, max_new[i]) for i, p in enumerate(ps)}
+    setup = make_setup("eagle3", scripted=expected if scripted else None, chunk_size=64, max_batch_tokens=128,
+                       max_draft_tokens=5, graphs="pad", fused_spec=fused, overlap=overlap, forced_acceptance=forced,
+                       fused_graphs=launch)
+    feeds, feed = [], setup.engine._feed
+    setup.engine._feed = lambda *a: (feeds.append(1), feed(*a))[1]
+    admitted: list[int] = []
+
+    def admit() -> None:
+        i = len(admitted)
+        admitted.append(i)
+        stop_ids = (expected[f"c{i}"][len(ps[i]) + max_new[i] // 2],) if stop and i % 3 == 0 else ()
+        sampling = SamplingParams(temperature=0.8, seed=i) if sampled and i == 8 else SamplingParams()
+        submit(setup, f"c{i}", ps[i], max_new_tokens=max_new[i], k=3, headroom=24, stop_ids=stop_ids, sampling=sampling)
+
+    for _ in range(concurrency):
+        admit()
+
+    def on_step(report) -> None:
+        for r in report.results.values():
+            if r.finished and len(admitted) < total:
+                admit()
+
+    done = run_until_done(setup, on_step=on_step)
+    assert len(done) == total
+    return setup.engine, {rid: (c.tokens, c.counts, c.finish_reason) for rid, c in done.items()}, len(feeds)
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+@pytest.mark.parametrize("case", ["scripted", "random", "forced", "stop", "sampled"])
+def test_continued_steps_through_a_changing_batch_equal_phase_by_phase(case, launch):
+    """Requests end and arrive nearly every step: the next fused step is still launched before
+    the last verdict is applied, over the requests that go on (those it ends dropped) and those
+    whose prompt ended since (fed from their state, the others from the verdict's rows), with the
+    newcomers' prompt chunks beside (a sampled newcomer is no candidate: the step is scheduled,
+    phase by phase). Every request's tokens, counts and finish reason are those of the
+    phase-by-phase engine without overlap."""
+    kw = {"scripted": dict(), "random": dict(scripted=False), "forced": dict(forced=2, scripted=False),
+          "stop": dict(stop=True), "sampled": dict(sampled=True)}[case]
+    on, on_out, feeds = _churn(True, overlap=True, launch=launch, **kw)
+    _, off_out, _ = _churn(False, overlap=False, **kw)
+    assert on_out == off_out
+    least = 0.3 if case == "sampled" else 0.6
+    assert on.continued_steps >= least * on.fused_steps and feeds >= 3, (on.continued_steps, on.fused_steps, feeds)
+    if case == "stop":
+        assert sum(c[2].value == "stop" for c in on_out.values()) >= 3

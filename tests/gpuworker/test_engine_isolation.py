@@ -42,9 +42,9 @@ def prompt(seed: int, n: int = 11) -> list[int]:
                                                  ("eagle3", False, "pad"), ("eagle3", True, "pad")])
 def test_a_failing_newcomer_ends_alone_and_the_running_requests_are_unaffected(mode, overlap, graphs):
     """("eagle3", *, "pad"): the running requests' decodes run as a fused speculative step and
-    the newcomer's prompt beside it fails; with overlap, the step before's verdict is read back
-    at the start of the failing step: the outcome of a completed step. Either way the failure
-    isolates the newcomer."""
+    the newcomer's prompt beside it fails; with overlap, that step is launched from the step
+    before's verdict, which is then applied: the outcome of a completed step. Either way the
+    failure isolates the newcomer."""
     setup = make_setup(mode, chunk_size=64, max_batch_tokens=64, overlap=overlap, graphs=graphs)
     engine = setup.engine
     engine.target = FaultyTarget(engine.target)
@@ -68,6 +68,8 @@ def test_a_failing_newcomer_ends_alone_and_the_running_requests_are_unaffected(m
     report = collect(engine.step())  # fails: only "bad" never completed a step
     if graphs == "pad":
         assert engine.fused_steps == 2  # the decodes beside it ran fused
+        # overlap: launched from the last verdict before it was applied (Engine._continue_fused)
+        assert engine.continued_steps == (1 if overlap else 0)
     bad = report.results["bad"]
     assert bad.finish_reason is FinishReason.ERROR and isinstance(bad.error, RuntimeError)
     assert bad.new_token_ids == [] and "bad" not in engine.request_ids()

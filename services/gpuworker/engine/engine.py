@@ -499,12 +499,10 @@ class Engine:
     def _step(self) -> StepReport:
         states = sorted(self._states.values(), key=lambda s: s.arrival)
         ledger = self._ledger = {s.request_id: _Ledger(s, s.capacity) for s in states}
-        ahead = self._continue_fused()
-        if ahead is not None:
-            in_work, target_tokens, draft_tokens = ahead
-            extend_wants, fill_jobs = {}, []
-        else:
-            in_work, target_tokens, draft_tokens, extend_wants, fill_jobs = self._scheduled_step(states)
+        step = self._continue_fused(states)
+        if step is None:
+            step = self._scheduled_step(states)
+        in_work, target_tokens, draft_tokens, extend_wants, fill_jobs = step
         if self.drafter is not None:  # ended on a read-back token outside this step: final fill
             fill_jobs += [FillJob(e.state, None, 0) for rid, e in ledger.items()
                           if e.emitted is not None and rid not in in_work and e.state.finished]
@@ -674,70 +672,154 @@ class Engine:
         positions = self.target.config.max_seq_len
         for w in decodes:
             s = w.state
-            if (not s.spec.sampling.greedy or s.gen_counts is not None
-                    or s.spec.logprobs is not None or s.pending_token is not None
-                    or s.pending_hidden or s.draft_len != s.target_len):
-                return 0
-            if w.num_drafts and (s.drafts is None or len(s.drafts) != 1 or s.chain_hidden is None):
+            if not self._fusable(s, w.num_drafts):
                 return 0
             if w.num_drafts < k and s.logical_len + k > positions:  # its padded verify would pass the model's last position
                 return 0
         return k
 
-    def _continue_fused(self) -> tuple[set[str], int, int] | None:
-        """With overlap: launch the next fused step of an unchanged batch straight from the last
-        one's verdict, and only then apply that verdict (tokens, stop rules, counts, proposals),
-        so the device runs step N+1 while the host does step N's bookkeeping::
+    def _continue_fused(self, states: list[RequestState]) -> tuple[set[str], int, int, dict[str, int], list[FillJob]] | None:
+        """With overlap: launch the next fused step straight from the last one's verdict, and
+        only then apply that verdict (tokens, stop rules, counts, proposals) and schedule the
+        prompt chunks beside, so the device runs step N+1 while the host does step N's
+        bookkeeping::
 
-            scheduled:  read verdict N, apply it, schedule, reserve, plan, launch N+1
-            continued:  read verdict N, check,                       plan, launch N+1, apply it
+            scheduled:  read verdict N, apply it, schedule, reserve, plan, launch N+1, prompts
+            continued:  read verdict N, project,             plan, launch N+1, apply it, prompts
 
-        Only where the schedule is known without running it: the live requests are exactly
-        verdict N's, in its order (nothing arrived, ended or was aborted since); none ends on
-        its accepted tokens; each drafts at most k again (its draft budget; the step's token
-        budget holds k for each), within the capacity it holds (no extend), and k positions more
-        stay inside the model (one with a smaller budget verifies k and keeps at most its budget,
-        as ``_fused_k`` lets a scheduled step do); no plain decode's token is pending.
-        Anything else returns None before touching a thing, and the step is scheduled. Returns
-        the requests that ran, the target rows and the draft rows made final. Mutates as
-        ``_launch_fused`` and ``_apply_verdict``."""
+        Only where the decodes the scheduler would pick are known without applying the verdict:
+        verdict N's requests minus those it ends (a stop rule fires on its tokens) or that were
+        aborted, plus requests whose prompt ended since (their first proposal on the host, from
+        the fill), in arrival order; each greedy and fusable (``_fusable``), drafting its budget
+        within the capacity it holds (no extend; a smaller budget than the batch's k is a cap,
+        as in ``_fused_k``), all of them inside the step's batch and token limits; no plain
+        decode's token pending. Anything else returns None before touching a thing, and the step
+        is scheduled. After the launch the real schedule must pick exactly those decodes with
+        those budgets (else RuntimeError: a bug); its prompt chunks run beside, as in
+        ``_scheduled_step``. Returns what ``_scheduled_step`` returns. Mutates as
+        ``_launch_fused``, ``_apply_verdict`` and ``_scheduled_step``."""
         last = self._verdict
         if last is None or self._lagging is not None:
             return None
-        states, k = last.states, last.k
-        live = self._states
-        if len(live) != len(states) or len(states) * (k + 1) > self.config.max_batch_tokens:
-            return None
+        cfg, k_last, max_seq_len = self.config, last.k, self.max_seq_len
         rows = last.rows()  # the step's one wait for the device
-        starts = np.empty(len(states), dtype=np.int64)
+        row_of = {id(s): i for i, s in enumerate(last.states)}  # (an aborted one is no longer in states)
+        batch: list[RequestState] = []
+        sources: list[int | None] = []  # each row's row of verdict N, None for a newcomer (its state)
+        starts: list[int] = []
         caps: list[int] = []
-        positions = self.target.config.max_seq_len
-        for i, (s, row) in enumerate(zip(states, rows)):
-            if live.get(s.request_id) is not s:
+        prompts_wait = False
+        for s in states:
+            source = row_of.get(id(s))
+            if source is not None:
+                tokens = _accepted_tokens(rows[source], k_last)
+                if not self._no_stop_rule_fires(s, tokens):
+                    continue  # it ends on them: not in the next batch
+                start, budget = s.logical_len + len(tokens) - 1, draft_budget(s, max_seq_len, ahead=len(tokens))
+            elif s.in_prefill:
+                prompts_wait = True  # scheduled beside, below
+                continue
+            elif s.last_step:
+                continue
+            else:  # decoding, outside verdict N: its prompt ended since
+                start, budget = s.target_len, draft_budget(s, max_seq_len)
+                if not self._fusable(s, budget):
+                    return None
+            if start + 1 + budget > s.capacity:  # the step's needed capacity: an extend first
                 return None
-            tokens = _accepted_tokens(row, k)
-            budget = draft_budget(s, self.max_seq_len, ahead=len(tokens))
-            if budget > k or not self._no_stop_rule_fires(s, tokens):
-                return None
-            end = s.logical_len + len(tokens)
-            if end + budget > s.capacity or end + k > positions:  # the step's needed capacity; the padded verify
-                return None
-            starts[i] = end - 1  # the newest token is fed next
+            batch.append(s)
+            sources.append(source)
+            starts.append(start)
             caps.append(budget)
+        k = max(caps, default=0)
+        b = len(batch)
+        if (k < 1 or b > cfg.max_batch_size or b + sum(caps) > cfg.max_batch_tokens
+                or not (self.graphs.covers("spec", b, k) or self.graphs.covers("spec_verify", b, k + 1))):
+            return None
+        if min(caps) < k:
+            positions = self.target.config.max_seq_len
+            if any(start + 1 + k > positions for start, cap in zip(starts, caps) if cap < k):
+                return None  # a padded verify would pass the model's last position
+        same = k == k_last and b == len(last.states) and all(src is not None for src in sources)
         self._verdict = None
-        self._steps += 1
-        self._in_step = states
-        self._verdict = self._launch_fused(states, k, starts, last_step=last, caps=caps)
+        self._in_step = batch
+        starts_a = np.asarray(starts, dtype=np.int64)
+        if same:  # verdict N's batch as it was: its tensors and layout serve as they are
+            verdict = self._launch_fused(batch, k, starts_a, last_step=last, caps=caps)
+        else:
+            verdict = self._launch_fused(batch, k, starts_a, caps=caps, feed=self._feed(last, batch, sources))
+        self._verdict = verdict
         self.continued_steps += 1
+        ledger = self._ledger
+        for s in batch:  # a scheduled request reports this step even if it streams nothing
+            ledger[s.request_id].emit(())
         draft_rows = self._apply_verdict(last)
         self._carry = None  # spent: the step just launched took it; its own verdict carries next
-        for s, start in zip(states, starts.tolist()):
-            if s.finished or s.target_len != start:  # the checks above and the bookkeeping disagree: a bug
+        for s, start in zip(batch, starts):
+            if s.finished or s.target_len != start:  # the projection and the bookkeeping disagree: a bug
                 raise RuntimeError(f"continued fused step: {s.request_id} ended or moved to {s.target_len}, not {start}")
-        return {s.request_id for s in states}, len(states) * (k + 1), draft_rows
+        prompts: list[ScheduledWork] = []
+        if prompts_wait:  # the real schedule: its decodes must be the batch launched, its prompts run beside
+            work = schedule([s for s in states if not s.last_step], max_batch_tokens=cfg.max_batch_tokens,
+                            max_batch_size=cfg.max_batch_size, chunk_size=cfg.chunk_size, max_seq_len=max_seq_len,
+                            step=self._steps, prefill_wait_steps=cfg.prefill_wait_steps, prefill_batch=cfg.prefill_batch)
+            n_dec = _leading_decodes(work)
+            if [w.state for w in work[:n_dec]] != batch or [w.num_drafts for w in work[:n_dec]] != caps:
+                raise RuntimeError("continued fused step: the scheduler picked other decodes than the projection: "
+                                   f"{[(w.state.request_id, w.num_drafts) for w in work[:n_dec]]} vs "
+                                   f"{[(s.request_id, c) for s, c in zip(batch, caps)]}")
+            prompts = work[n_dec:]
+        self._steps += 1
+        extend_wants, fill_jobs = {}, []
+        if prompts:
+            self._in_step = batch + [w.state for w in prompts]
+            for w in prompts:
+                self._ledger[w.state.request_id].emit(())
+            extend_wants, waiting = self._reserve(prompts)
+            prompts = [w for w in prompts if not w.state.finished and w.state.request_id not in waiting]
+            for w in prompts:
+                self._ledger[w.state.request_id].prefill_tokens = w.num_target_tokens
+            if prompts:
+                launched = self._run_target(prompts)
+                self._committed = True  # from here on, request state moves: no isolation (see step)
+                fill_jobs = self._accept(prompts, *launched)
+        target_tokens = b + sum(caps) + sum(w.num_target_tokens for w in prompts)
+        in_work = {s.request_id for s in batch}
+        in_work.update(w.state.request_id for w in prompts)
+        return in_work, target_tokens, draft_rows, extend_wants, fill_jobs
+
+    def _fusable(self, s: RequestState, num_drafts: int) -> bool:
+        """Whether ``s`` may decode in a fused step drafting ``num_drafts``: greedy, no penalties
+        or logprobs, no token still on the device, its draft KV complete up to its target KV,
+        and (if it drafts at all) holding the one proposal and chain hidden an EAGLE-3 fill
+        left. Pure."""
+        return (s.spec.sampling.greedy and s.gen_counts is None and s.spec.logprobs is None
+                and s.pending_token is None and not s.pending_hidden and s.draft_len == s.target_len
+                and (not num_drafts or (s.drafts is not None and len(s.drafts) == 1 and s.chain_hidden is not None)))
+
+    def _feed(self, last: "_PendingVerdict", batch: list[RequestState], sources: list[int | None]):
+        """The inputs of a fused step over ``batch``: a row of ``last`` (its newest token and
+        next proposal, still on the device) for each request it carries, the state's own for a
+        newcomer. Pure (device copies and gathers)."""
+        tokens, drafts, hidden = last.next_last, last.next_draft, last.next_hidden
+        newcomers = [s for s, src in zip(batch, sources) if src is None]
+        if newcomers:
+            n_d, n_h = self._proposals(newcomers, like=(drafts, hidden))
+            tokens = torch.cat([tokens, to_device([s.tokens[-1] for s in newcomers], torch.long, self.device)])
+            drafts, hidden = torch.cat([drafts, n_d]), torch.cat([hidden, n_h])
+        n, j, index = len(last.states), 0, []
+        for src in sources:
+            if src is None:
+                index.append(n + j)
+                j += 1
+            else:
+                index.append(src)
+        index_t = to_device(index, torch.long, self.device)
+        return tokens.index_select(0, index_t), drafts.index_select(0, index_t), hidden.index_select(0, index_t)
 
     def _launch_fused(self, states: list[RequestState], k: int, starts: np.ndarray | None = None,
-                      last_step: "_PendingVerdict | None" = None, caps: list[int] | None = None) -> "_PendingVerdict":
+                      last_step: "_PendingVerdict | None" = None, caps: list[int] | None = None,
+                      feed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> "_PendingVerdict":
         """A-D of a fused step's decodes (see ``_fused_k``): plan the verify and the k - 1 chain
         positions and launch once. ``caps``: the drafts each request may keep (None: k each);
         one below k still verifies k, its positions past its capacity on the graphs' scratch
@@ -754,10 +836,12 @@ class Engine:
             device:                  [ fused step N .............. ]               │
             step N+1:                                  read verdict N, apply, plan, launch N+1
 
-        ``starts`` (each request's first position) and ``last_step`` (the verdict of the step
-        before over the same requests in order) are given by ``_continue_fused``, which launches
-        before that verdict is applied; by default they come from the states and the carry.
-        Mutates both pools (on the device), the ledger's written ranges and the step counter."""
+        ``starts`` (each request's first position) and either ``last_step`` (the verdict of the
+        step before over the same requests in order) or ``feed`` (each request's newest token,
+        proposal and chain hidden row, batched: ``_feed``) are given by ``_continue_fused``,
+        which launches before that verdict is applied; by default they come from the states and
+        the carry. Mutates both pools (on the device), the ledger's written ranges and the fused
+        step counter."""
         b = len(states)
         tables = [s.table_array() for s in states]
         if starts is None:
@@ -783,7 +867,9 @@ class Engine:
         forced = -1 if forced is None else forced
         forced_t = self._rows_of(b, forced)
         cap_t = self._rows_of(b, k) if caps is None else to_device(caps, torch.long, self.device)
-        if last_step is not None:  # the same requests, in order: their newest tokens and proposals are on the device
+        if feed is not None:  # built by the caller (``_feed``)
+            last, d1, hidden = feed
+        elif last_step is not None:  # the same requests, in order: their newest tokens and proposals are on the device
             last, d1, hidden = last_step.next_last, last_step.next_draft, last_step.next_hidden
         else:
             last = to_device([s.tokens[-1] for s in states], torch.long, self.device)
@@ -812,13 +898,18 @@ class Engine:
             t = self._constant_rows[(b, value)] = to_device([value] * b, torch.long, self.device)
         return t
 
-    def _proposals(self, states: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _proposals(self, states: list[RequestState], like: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's proposal d1 and chain hidden row, batched; a request drafting nothing
-        this step (its budget spent: it keeps no draft) feeds zeros, whose rows its cap drops."""
+        this step (its budget spent: it keeps no draft) feeds zeros, whose rows its cap drops
+        (shaped as another request's, or as ``like``'s rows: batched proposals and hidden rows)."""
         if all(s.drafts is not None for s in states):
             return torch.cat([s.drafts for s in states]), torch.stack([s.chain_hidden for s in states])
-        some = next(s for s in states if s.drafts is not None)
-        no_token, no_hidden = torch.zeros_like(some.drafts), torch.zeros_like(some.chain_hidden)
+        some = next((s for s in states if s.drafts is not None), None)
+        if some is not None:
+            no_token, no_hidden = torch.zeros_like(some.drafts), torch.zeros_like(some.chain_hidden)
+        else:
+            no_token, no_hidden = torch.zeros_like(like[0][:1]), torch.zeros_like(like[1][0])
         return (torch.cat([no_token if s.drafts is None else s.drafts for s in states]),
                 torch.stack([no_hidden if s.chain_hidden is None else s.chain_hidden for s in states]))
 
