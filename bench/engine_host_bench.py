@@ -93,7 +93,7 @@ def null_plans_of(graphs, backend: PlanOnlyAfterWarmup, nulled) -> None:
     graphs.run, graphs.run_lanes = wrap(graphs.run), wrap(graphs.run_lanes)
 
 
-def null_forwards(graphs, hidden: int, chain_hidden: int, dtype: torch.dtype, vocab: int) -> dict[str, int]:
+def null_forwards(graphs, hidden: int, chain_hidden: int, dtype: torch.dtype, vocab: int, aux_width: int = 0) -> dict[str, int]:
     """Swap every registered forward for one that returns preallocated outputs of its shapes
     (what a graph replay hands back) and computes nothing; a fused step's verdict accepts
     ``forced`` drafts, as the real one does under forced acceptance (which it needs). Returns
@@ -116,8 +116,10 @@ def null_forwards(graphs, hidden: int, chain_hidden: int, dtype: torch.dtype, vo
                 "next_draft": zeros(b), "next_hidden": zeros(b, chain_hidden, dtype=dtype)}
 
     fns = {
+        # (an EAGLE-3 draft's fill reads the aux rows: a decode of a request with no budget left)
         "target": lambda plan, ids: {"logits": zeros(ids.shape[0], vocab, dtype=dtype),
-                                     "hidden": zeros(ids.shape[0], hidden, dtype=dtype)},
+                                     "hidden": zeros(ids.shape[0], hidden, dtype=dtype),
+                                     **({"aux": zeros(ids.shape[0], aux_width, dtype=dtype)} if aux_width else {})},
         "spec": lambda plans, last, d1, hidden, forced, cap: verdict(
             torch.stack([last, d1] + [zeros(last.shape[0])] * (len(plans) - 1), dim=1).reshape(-1), forced, cap),
         "spec_verify": lambda plan, ids, forced, cap: verdict(ids, forced, cap),
@@ -183,8 +185,10 @@ def run_case(models, batch: int, k: int, launch: str, steps: int, profile: bool 
         admit()
     for _ in range(4):  # prefill, then the first decodes (real forwards)
         step()
+    aux = engine.drafter.target_aux_layers if engine.drafter is not None else ()
     calls = null_forwards(engine.graphs, target.config.hidden_size, draft.chain_hidden_size,
-                          target.embed_tokens.weight.dtype, target.config.vocab_size)
+                          target.embed_tokens.weight.dtype, target.config.vocab_size,
+                          aux_width=len(aux) * target.config.hidden_size)
     null_plans_of(engine.graphs, backend, nulled_forward)
 
     marks: dict[str, float] = {}
@@ -242,26 +246,43 @@ def run_case(models, batch: int, k: int, launch: str, steps: int, profile: bool 
 
 
 def plot(res: dict, png: Path) -> None:
+    """Left: each steady case's host time a step, the device-idle part hatched. Right (with
+    ``--churn``): the device-idle interval with an unchanging batch and with churn (a churn
+    step's whole time holds the tiny model's real prompt forwards on this CPU: not a host cost)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     by = {(r["batch"], r["k"], r["launch"], r.get("churn", False)): r for r in res["rows"]}
-    cases = sorted({(k, launch, churn) for _, k, launch, churn in by})
+    steady = sorted({(k, launch) for _, k, launch, churn in by if not churn})
+    churned = sorted({(k, launch) for _, k, launch, churn in by if churn})
     batches = sorted({b for b, *_ in by})
-    labels = [f"k={k}" + (f", {launch}" if k else "") + (", churn" if churn else "") for k, launch, churn in cases]
-    fig, ax = plt.subplots(figsize=(10, 4.8))
+    fig, axes = plt.subplots(1, 2 if churned else 1, figsize=(13 if churned else 9, 4.8), squeeze=False)
+    ax = axes[0][0]
+    labels = [f"k={k}" + (f", {launch}" if k else "") for k, launch in steady]
     centres = grouped_bars(ax, [str(b) for b in batches], alpha=0.45, series=[
-        (f"{label}: whole step", [by[(b, *case)]["total_us"] for b in batches]) for label, case in zip(labels, cases)])
-    for label, case, xs, bars in zip(labels, cases, centres, list(ax.containers)):
-        if case[0]:  # overlapped plain decode hides its host work behind the device's step
-            ax.bar(xs, [by[(b, *case)]["exposed_us"] for b in batches], 0.8 / len(cases), hatch="//",
+        (f"{label}: whole step", [by[(b, k, launch, False)]["total_us"] for b in batches])
+        for label, (k, launch) in zip(labels, steady)])
+    for label, (k, launch), xs, bars in zip(labels, steady, centres, list(ax.containers)):
+        if k:  # overlapped plain decode hides its host work behind the device's step
+            ax.bar(xs, [by[(b, k, launch, False)]["exposed_us"] for b in batches], 0.8 / len(steady), hatch="//",
                    color=bars[0].get_facecolor(), alpha=1.0, label=f"{label}: device idle (verdict → launch)")
     ax.set_xlabel("batch size")
     ax.set_ylabel("host µs per engine step (median)")
-    ax.set_title(f"engine host cost per step, forwards nulled — {res['meta']['machine']}, {res['meta']['date']}")
+    ax.set_title("one batch decoding, forwards nulled", fontsize=10)
     ax.legend(fontsize=7)
+    if churned:
+        ax = axes[0][1]
+        grouped_bars(ax, [str(b) for b in batches], series=[
+            (f"k={k}, {launch}, {'churn' if churn else 'steady'}",
+             [by[(b, k, launch, churn)]["exposed_us"] for b in batches])
+            for k, launch in churned for churn in (False, True)])
+        ax.set_xlabel("batch size (requests in flight)")
+        ax.set_ylabel("device idle µs per step, verdict → launch (median)")
+        ax.set_title("requests ending and arriving every few steps (--churn)", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"engine host cost per step — {res['meta']['machine']}, {res['meta']['date']}", fontsize=11)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)

@@ -45,14 +45,16 @@ def test_nulled_steps_move_every_request_as_real_ones(models, k, launch):
 
 
 @pytest.mark.parametrize("launch", ["one", "split"])
+@pytest.mark.parametrize("batch", [1, 4])
 @torch.inference_mode()
-def test_churn_ends_and_admits_requests_and_keeps_the_steps_fused(models, launch):
+def test_churn_ends_and_admits_requests_and_keeps_the_steps_fused(models, launch, batch):
     """``--churn``: requests end (their max_new_tokens spread) and the next ones arrive, their
-    prompts prefilled for real beside the nulled decodes; every step still runs fused, most of
-    them launched from the last verdict before it is applied."""
-    row = ehb.run_case(models, 4, 3, launch, 30, churn=True)
-    assert row["churn"] and row["requests_ended"] >= 4
-    assert row["fused_share"] == 1.0 and row["continued_share"] >= 0.6, row
+    prompts prefilled for real beside the nulled decodes; every step runs fused (alone, a
+    request's last token, with no draft budget left, is a plain decode), most of them launched
+    from the last verdict before it is applied."""
+    row = ehb.run_case(models, batch, 3, launch, 40, churn=True)
+    assert row["churn"] and row["requests_ended"] >= 2
+    assert row["fused_share"] >= (0.9 if batch == 1 else 1.0) and row["continued_share"] >= 0.6, row
     assert row["exposed_us"] is not None and 0 < row["exposed_us"] < row["total_us"]
     with pytest.raises(ValueError, match="k > 0"):
         ehb.run_case(models, 4, 0, launch, 30, churn=True)
