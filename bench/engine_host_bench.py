@@ -53,7 +53,7 @@ from _common import grouped_bars  # noqa: E402
 
 from services.common.spec import SpecMode  # noqa: E402
 from services.gpuworker.attention.torch_backend import TorchBackend  # noqa: E402
-from services.gpuworker.engine import engine as engine_module  # noqa: E402
+from services.gpuworker.engine.readback import Readback  # noqa: E402
 from services.gpuworker.engine.capacity import LocalBlockSource  # noqa: E402
 from services.gpuworker.engine.engine import Engine, EngineConfig  # noqa: E402
 from services.gpuworker.engine.local import LocalSetup, submit  # noqa: E402
@@ -192,7 +192,7 @@ def run_case(models, batch: int, k: int, launch: str, steps: int, profile: bool 
     null_plans_of(engine.graphs, backend, nulled_forward)
 
     marks: dict[str, float] = {}
-    read = engine_module._Readback.values
+    read = Readback.values
 
     def values(self):  # from the read on (its wait and its copy to lists), the device has nothing to run
         marks.setdefault("read", time.perf_counter())  # the step's first read: the verdict
@@ -204,7 +204,7 @@ def run_case(models, batch: int, k: int, launch: str, steps: int, profile: bool 
                 marks.setdefault("forward", time.perf_counter())
                 return _fn(*a, **kw)
             engine.graphs._forwards[name] = (timed, inputs, qs)
-    engine_module._Readback.values = values
+    Readback.values = values
     totals, exposed = [], []
     prof = cProfile.Profile() if profile else None
     lengths = {rid: engine.state(rid).logical_len for rid in engine.request_ids()}
@@ -224,7 +224,7 @@ def run_case(models, batch: int, k: int, launch: str, steps: int, profile: bool 
         if prof is not None:
             prof.disable()
     finally:
-        engine_module._Readback.values = read
+        Readback.values = read
     fused, continued = engine.fused_steps - fused_before, engine.continued_steps - continued_before
     if k and not churn and fused != steps + 10:
         raise RuntimeError(f"only {fused} of {steps + 10} steps ran fused (B={batch}, k={k})")

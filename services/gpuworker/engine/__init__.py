@@ -14,7 +14,10 @@ Public API::
 
 Modules: ``sampling`` (transform + seeded draws), ``acceptance`` (greedy / rejection / forced
 verification), ``request`` (spec + state), ``scheduler`` (token budget), ``drafting`` (fill and
-chain of the draft layers), ``capacity`` (BlockSource), ``report`` (step results), ``engine``.
+chain of the draft layers), ``capacity`` (BlockSource), ``report`` (step results), ``graphs``
+(padded / captured forwards), ``spec_step`` (a greedy speculative step as one forward),
+``fused`` (the engine's fused, continued steps), ``readback`` (device results on their way to
+the host), ``engine``.
 """
 
 from services.gpuworker.engine.capacity import BlockSource, LocalBlockSource

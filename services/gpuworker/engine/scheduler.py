@@ -115,3 +115,8 @@ def schedule(
         work.append(ScheduledWork(s, prefill_end=end))
         budget -= end - s.target_len
     return work
+
+
+def leading_decodes(work: list[ScheduledWork]) -> int:
+    """How many rows of ``work`` are decodes: the scheduler puts them first, prompt chunks after."""
+    return next((i for i, w in enumerate(work) if w.is_prefill), len(work))
