@@ -85,6 +85,9 @@ SHAPES = {
                       num_kv_heads=8, head_dim=128, max_seq_len=8192, rope_theta=500000.0),
 }
 BLOCK = WorkerSettings.model_fields["block_size"].default  # the suite runs with the worker's default
+# the worker's ahead-of-need capacity (its runner extends between steps): the engine alone does the same
+WATERMARK_BLOCKS = WorkerSettings.model_fields["extend_watermark_blocks"].default
+CHUNK_BLOCKS = WorkerSettings.model_fields["extend_chunk_blocks"].default
 GC_WARN_MS = 5  # the suite's processes log every garbage collection this long (their streams stall)
 GC_ENV = {f"TANDEM_{service}_GC_WARN_MS": str(GC_WARN_MS) for service in ("KVSTORE", "WORKER", "ROUTER")}
 
@@ -521,6 +524,13 @@ def engine_level(setup, level: Level, prompts: Prompts, prefix_blocks: list[int]
                    reused_positions=reused, headroom=level.k + 1)
         if not engine.has_work():
             break
+        # capacity ahead of need, as the served worker's runner asks for it (there off the step, by
+        # RPC): without it every request extends inside a step every few steps, and a fused step
+        # is then scheduled, not launched from the last verdict
+        wants = engine.capacity_wants(WATERMARK_BLOCKS, CHUNK_BLOCKS)
+        for rid, table in (source.extend(wants) if wants else {}).items():
+            if not isinstance(table, Exception):
+                engine.adopt_table(rid, table)
         started = time.perf_counter()
         report = engine.step()
         steps["step_s"] += time.perf_counter() - started

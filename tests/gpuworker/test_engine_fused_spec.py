@@ -579,7 +579,7 @@ def test_a_newcomer_in_an_aborted_requests_row_does_not_take_its_carry(launch):
 
 
 def _churn(fused: bool, *, overlap: bool, launch: str = "one", forced=None, scripted=True, stop=False,
-           sampled=False, total: int = 18, concurrency: int = 6):
+           sampled=False, total: int = 18, concurrency: int = 6, **config):
     """A closed loop, as a busy server sees it: ``concurrency`` requests of staggered lengths,
     each finished one replaced by the next (its prompt then runs beside the others' decodes),
     room reserved ahead as the worker's watermark does. ``stop``: every third request has a stop
@@ -590,7 +590,7 @@ def _churn(fused: bool, *, overlap: bool, launch: str = "one", forced=None, scri
     expected = {f"c{i}": p + plain_greedy(p, max_new[i]) for i, p in enumerate(ps)}
     setup = make_setup("eagle3", scripted=expected if scripted else None, chunk_size=64, max_batch_tokens=128,
                        max_draft_tokens=5, graphs="pad", fused_spec=fused, overlap=overlap, forced_acceptance=forced,
-                       fused_graphs=launch)
+                       fused_graphs=launch, **config)
     feeds, feed = [], setup.engine._feed
     setup.engine._feed = lambda *a: (feeds.append(1), feed(*a))[1]
     admitted: list[int] = []
@@ -616,16 +616,18 @@ def _churn(fused: bool, *, overlap: bool, launch: str = "one", forced=None, scri
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)
-@pytest.mark.parametrize("case", ["scripted", "random", "forced", "stop", "sampled"])
+@pytest.mark.parametrize("case", ["scripted", "random", "forced", "stop", "sampled", "prefill_wait"])
 def test_continued_steps_through_a_changing_batch_equal_phase_by_phase(case, launch):
     """Requests end and arrive nearly every step: the next fused step is still launched before
     the last verdict is applied, over the requests that go on (those it ends dropped) and those
     whose prompt ended since (fed from their state, the others from the verdict's rows), with the
     newcomers' prompt chunks beside (a sampled newcomer is no candidate: the step is scheduled,
     phase by phase). Every request's tokens, counts and finish reason are those of the
-    phase-by-phase engine without overlap."""
+    phase-by-phase engine without overlap. With prefill batching new prompts are held a few
+    steps while the batch decodes on, continued (the real schedule decides what is held)."""
     kw = {"scripted": dict(), "random": dict(scripted=False), "forced": dict(forced=2, scripted=False),
-          "stop": dict(stop=True), "sampled": dict(sampled=True)}[case]
+          "stop": dict(stop=True), "sampled": dict(sampled=True),
+          "prefill_wait": dict(prefill_wait_steps=2, prefill_batch=3)}[case]
     on, on_out, feeds = _churn(True, overlap=True, launch=launch, **kw)
     _, off_out, _ = _churn(False, overlap=False, **kw)
     assert on_out == off_out

@@ -182,3 +182,24 @@ def test_a_released_batch_that_does_not_fit_one_step_is_not_held_again():
     assert started(setup, "r1") and started(setup, "r2") and not started(setup, "r3")
     setup.engine.step()
     assert started(setup, "r3")
+
+
+def test_a_prompt_waits_its_steps_beside_continued_fused_steps():
+    """With overlapped fused steps, the steps launched from the last verdict (``_continue_fused``)
+    hold a new prompt exactly as scheduled steps do, and the step that releases it prefills it
+    beside the continued decodes."""
+    setup = make_setup("eagle3", chunk_size=64, max_batch_tokens=256, prefill_wait_steps=WAIT, prefill_batch=4,
+                       graphs="pad", overlap=True)
+    engine = setup.engine
+    a, b = prompts((9, 7), seed=1)
+    submit(setup, "r0", a, max_new_tokens=60, k=3, headroom=64)
+    while engine.continued_steps < 1:
+        engine.step()
+    submit(setup, "r1", b, max_new_tokens=4, k=3)
+    before = engine.continued_steps
+    for _ in range(WAIT):
+        engine.step()
+        assert not started(setup, "r1")
+    engine.step()
+    assert started(setup, "r1")
+    assert engine.continued_steps - before == WAIT + 1
