@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     p.add_argument("--accept", type=int, default=3, help="forced acceptance for k > 0")
     p.add_argument("--fused-spec-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="worker setting fused_spec_steps: a greedy speculative step as one graph (default on)")
-    p.add_argument("--fused-spec-graphs", choices=("one", "split"), default="one",
+    p.add_argument("--fused-spec-graphs", choices=("one", "split"), default="split",
                    help="worker setting fused_spec_graphs: the fused step as one graph, or a graph per chain position and one for the verify")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=100)

@@ -199,7 +199,8 @@ def test_a_fused_step_is_one_forward_over_k_plans():
     """Each fused step plans k layouts (the verify on lane 0, chain positions on lanes 1..k-1)
     and runs one forward; no per-phase forward (chain, target, fill) runs in that step."""
     ps = prompts(LENGTHS, seed=11)
-    setup = make_setup("eagle3", block_size=8, chunk_size=64, max_batch_tokens=128, max_draft_tokens=5, graphs="pad")
+    setup = make_setup("eagle3", block_size=8, chunk_size=64, max_batch_tokens=128, max_draft_tokens=5, graphs="pad",
+                       fused_graphs="one")
     engine, graphs, backend = setup.engine, setup.engine.graphs, setup.engine.backend
     events: list[tuple] = []
     plan, run, run_lanes = backend.plan, graphs.run, graphs.run_lanes
@@ -344,7 +345,7 @@ def test_a_forward_pinned_to_a_lane_plans_there_and_bad_lanes_are_refused():
 
 
 def test_run_lanes_refuses_layouts_the_graph_was_not_made_for():
-    setup = make_setup("eagle3", max_draft_tokens=3, graphs="pad")
+    setup = make_setup("eagle3", max_draft_tokens=3, graphs="pad", fused_graphs="one")
     graphs = setup.engine.graphs
     table = [[0, 1]]
     verify, chain = BatchLayout(table, [2], [4]), BatchLayout(table, [2], [1])

@@ -102,10 +102,11 @@ class EngineConfig:
       its max_new_tokens) keeps at most its own. Output is token-identical; off runs the phases one by one. With
       ``overlap`` the verdict is read at the start of the next step (tokens stream one step
       later), so the caller's work between steps runs while the device does.
-    * ``fused_graphs``: how a fused step launches (``spec_step.py``): ``"one"`` forward after all
-      k plans, or ``"split"``: each chain position launched right after its own plan and the
-      verify, verdict and fill last, so the device runs while the later plans are made. Output is
-      the same; ``"split"`` captures (k_max - 1) more graphs per bucket.
+    * ``fused_graphs``: how a fused step launches (``spec_step.py``): ``"split"`` (default), each
+      chain position launched right after its own plan and the verify, verdict and fill last, so
+      the device runs while the later plans are made, or ``"one"`` forward after all k plans.
+      Output is the same; ``"split"`` captures (k_max - 1) more graphs per bucket and was the
+      faster on an H100 (step ÷ its parts 1.11-1.16 against 1.20-1.24).
     * ``prefill_wait_steps`` / ``prefill_batch``: new prompts wait up to this many steps while
       other requests decode, or until ``prefill_batch`` of them wait, so that one forward
       prefills several (``scheduler.schedule``; 0 = every prompt starts at once). Trades up to
@@ -124,7 +125,7 @@ class EngineConfig:
     check_graph_inputs: bool = False
     overlap: bool = False
     fused_spec: bool = True
-    fused_graphs: str = "one"
+    fused_graphs: str = "split"
     prefill_wait_steps: int = 0
     prefill_batch: int = 4
 
