@@ -6,7 +6,9 @@ one port, ``tandem router --procs``) as child processes, waits until every
 supervises until Ctrl-C/SIGTERM:
 
 * every fixed port is checked BEFORE anything starts: a busy port is a one-line error (exit 3),
-  so the demo never runs against someone else's suite that holds the ports;
+  so the demo never runs against someone else's suite that holds the ports; a port left to us
+  (``--router-port 0`` ...) is picked free, and a child that loses it to another process before it
+  binds (it exits 3) is started again on another (:func:`_await_serving`);
 * a worker that dies is restarted with backoff (1 s, 2 s, 4 s ... 30 s; the count resets once a
   worker stayed up for a while); the kvstore or router dying stops the suite (exit 1);
 * stopping goes router → workers → kvstore, each group drained before the next is signalled, so
@@ -37,7 +39,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.paths import distilled_tiny_dir
 from services.common.settings import add_settings_flags, invalid_configuration, report_startup_error, settings_from_args
-from services.common.startup import EXIT_FAILURE, PortInUse, StartupError, check_port_free
+from services.common.startup import EXIT_ENVIRONMENT, EXIT_FAILURE, PortInUse, StartupError, check_port_free
 from services.launch_plan import WorkerPlan, detect_gpus, installed_capabilities, plan_workers
 
 DEMO_PROMPT = "import os\n\n\ndef read_config(path):\n    "
@@ -45,6 +47,7 @@ CPU_NUM_BLOCKS = 1024
 RESTART_FIRST_S = 1.0
 RESTART_MAX_S = 30.0
 STABLE_AFTER_S = 30.0  # a worker up this long counts as healthy again (its backoff resets)
+AUTO_PORT_TRIES = 3  # starts of a child whose picked port another process took before it bound
 
 
 class UpSettings(BaseSettings):
@@ -91,6 +94,7 @@ class Child:
     started_at: float
     failures: int = 0  # restarts in a row without staying up STABLE_AFTER_S
     restart_at: float | None = None
+    auto_ports: tuple[str, ...] = ()  # flags of argv whose port we picked (the user asked for 0)
 
 
 def _free_port(host: str) -> int:
@@ -101,12 +105,37 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _spawn(name: str, argv: list[str], address: str, env: dict[str, str] | None = None) -> Child:
+def _spawn(name: str, argv: list[str], address: str, env: dict[str, str] | None = None,
+           auto_ports: tuple[str, ...] = ()) -> Child:
     """Start ``tandem <argv>`` (argv starts with the global flags, e.g. --log-level)."""
     env = dict(env or {})
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=dict(os.environ, PYTHONUNBUFFERED="1", **env),
                             start_new_session=True)
-    return Child(name, address, argv, env, proc, time.monotonic())
+    return Child(name, address, argv, env, proc, time.monotonic(), auto_ports=auto_ports)
+
+
+def _await_serving(children: list[Child], i: int, deadline: float, credentials=None) -> None:
+    """:func:`wait_serving` for ``children[i]`` (mutates ``children``). A port we picked free can
+    be taken by another process before the child (seconds of imports later) binds it; the child
+    then exits with EXIT_ENVIRONMENT ("... is already in use") and is started again on freshly
+    picked ports, replacing ``children[i]``, at most AUTO_PORT_TRIES starts in all. A port the
+    user chose is never changed: its failure stands."""
+    for attempt in range(1, AUTO_PORT_TRIES + 1):
+        child = children[i]
+        try:
+            wait_serving(child.address, deadline, child.proc, credentials)
+            return
+        except StartupError:
+            if not child.auto_ports or child.proc.poll() != EXIT_ENVIRONMENT or attempt == AUTO_PORT_TRIES:
+                raise
+        host = child.address.rsplit(":", 1)[0]
+        argv = list(child.argv)
+        for flag in child.auto_ports:
+            argv[argv.index(flag) + 1] = str(_free_port(host))
+        print(f"tandem up: {child.name} exited with code {EXIT_ENVIRONMENT} before it was SERVING (a port picked for it "
+              f"was taken meanwhile?); starting it again on other ports (start {attempt + 1} of {AUTO_PORT_TRIES})",
+              file=sys.stderr, flush=True)
+        children[i] = _spawn(child.name, argv, f"{host}:{argv[argv.index('--port') + 1]}", child.env, child.auto_ports)
 
 
 def restart_delay(failures: int) -> float:
@@ -254,26 +283,32 @@ def start_suite(s: UpSettings, plans: list[WorkerPlan], log_level: str = "INFO",
         return {**(extra or {}), **(tls_env(certs[name], prefix) if certs else {})}
 
     try:
-        kv_addr = f"{host}:{s.kvstore_port or _free_port(host)}"
-        children.append(_spawn("kvstore", [*flags, "kvstore", "--host", host, "--port", kv_addr.rsplit(':', 1)[1], *_metrics(s, 0)], kv_addr,
-                               env("kvstore", "TANDEM_KVSTORE_")))
+        kv_port = s.kvstore_port or _free_port(host)
+        children.append(_spawn("kvstore", [*flags, "kvstore", "--host", host, "--port", str(kv_port), *_metrics(s, 0)],
+                               f"{host}:{kv_port}", env("kvstore", "TANDEM_KVSTORE_"), _auto(s.kvstore_port == 0, "--port")))
         deadline = time.monotonic() + s.startup_timeout_s
-        wait_serving(kv_addr, deadline, children[-1].proc, probe)
+        _await_serving(children, 0, deadline, probe)
+        kv_addr = children[0].address
         for plan in plans:
             port = s.worker_base_port + plan.index if s.worker_base_port else _free_port(host)
             children.append(_spawn(f"worker{plan.index}", [*flags, *worker_argv(s, plan, port, kv_addr)], f"{host}:{port}",
-                                   env(f"worker{plan.index}", "TANDEM_WORKER_", plan.env)))
-        r_addr = f"{host}:{s.router_port or _free_port(host)}"
+                                   env(f"worker{plan.index}", "TANDEM_WORKER_", plan.env), _auto(s.worker_base_port == 0, "--port")))
+        r_port = s.router_port or _free_port(host)
         http_port = (s.http_port or _free_port(host)) if s.http else None
-        children.append(_spawn("router", [*flags, *router_argv(s, int(r_addr.rsplit(':', 1)[1]), kv_addr, http_port)], r_addr,
-                               env("router", "TANDEM_ROUTER_")))
-        for child in children[1:]:
+        children.append(_spawn("router", [*flags, *router_argv(s, r_port, kv_addr, http_port)], f"{host}:{r_port}",
+                               env("router", "TANDEM_ROUTER_"),
+                               _auto(s.router_port == 0, "--port") + _auto(s.http and s.http_port == 0, "--http-port")))
+        for i in range(1, len(children)):
             # the router's client side is plaintext (bearer tokens); the workers need a certificate
-            wait_serving(child.address, deadline, child.proc, None if child.name == "router" else probe)
+            _await_serving(children, i, deadline, None if children[i].name == "router" else probe)
         return children
     except BaseException:
         stop_children(children)
         raise
+
+
+def _auto(picked: bool, flag: str) -> tuple[str, ...]:
+    return (flag,) if picked else ()
 
 
 def http_url(router: Child) -> str | None:
@@ -301,7 +336,7 @@ def supervise_once(children: list[Child], now: float) -> str | None:
             print(f"tandem up: {child.name} exited with code {code}; restarting in {child.restart_at - now:.0f} s "
                   f"(restart {child.failures} in a row)", file=sys.stderr, flush=True)
         elif now >= child.restart_at:
-            fresh = _spawn(child.name, child.argv, child.address, child.env)
+            fresh = _spawn(child.name, child.argv, child.address, child.env, child.auto_ports)
             fresh.failures = child.failures
             children[i] = fresh
             print(f"tandem up: {child.name} restarted (pid {fresh.proc.pid})", flush=True)

@@ -1,6 +1,7 @@
 """``tandem up`` supervises its children: a crashed worker comes back (with backoff) and serves
-again, the suite stops router → workers → kvstore, and a worker started before its kvstore waits
-for it, logging a line every few seconds rather than every probe."""
+again, the suite stops router → workers → kvstore, a child that loses the free port picked for it
+is started again on another, and a worker started before its kvstore waits for it, logging a line
+every few seconds rather than every probe."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
+import pytest
+
+from services import launcher
 from services.launcher import Child, restart_delay, stop_children
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,6 +126,71 @@ def test_a_crashed_worker_is_restarted_and_serves_again(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_child_whose_picked_port_was_taken_starts_again_on_another(tmp_path, monkeypatch, capfd):
+    """Between ``tandem up`` picking a free port and the child binding it (seconds of imports),
+    another process can take the port: the kvstore and the router here find theirs taken, exit
+    with code 3, and are started again on fresh ports; the suite then serves."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    taken = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]  # listening: no SO_REUSEADDR can share it
+    picks = {1: taken[0], 4: taken[1]}  # the kvstore's first pick, then (after the worker's) the router's
+    calls = []
+    real_free_port = launcher._free_port
+
+    def free_port(host):
+        calls.append(host)
+        held = picks.get(len(calls))
+        return held.getsockname()[1] if held else real_free_port(host)
+
+    for name in [k for k in os.environ if k.startswith("TANDEM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(launcher, "_free_port", free_port)
+    s = launcher.UpSettings(device="cpu", router_port=0, kvstore_port=0, worker_base_port=0, http=False, insecure=True,
+                            num_blocks=128, startup_timeout_s=120)
+    children = []
+    try:
+        children = launcher.start_suite(s, launcher.choose_workers(s), "WARNING")
+        err = capfd.readouterr().err
+        for name in ("kvstore", "router"):
+            assert f"tandem up: {name} exited with code 3 before it was SERVING" in err
+        assert "already in use" in err  # the child's own one-line reason
+        assert [c.name for c in children] == ["kvstore", "worker0", "router"]
+        held_ports = {str(t.getsockname()[1]) for t in taken}
+        for child in children:
+            assert child.address.rsplit(":", 1)[1] not in held_ports and child.proc.poll() is None
+            with grpc.insecure_channel(child.address) as channel:
+                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        assert f"--kvstore {children[0].address}" in " ".join(children[1].argv)  # the worker got the kvstore's new port
+    finally:
+        stop_children(children)
+        for t in taken:
+            t.close()
+
+
+def test_a_port_the_user_chose_is_not_changed(tmp_path, monkeypatch):
+    """Only ports we picked move: a kvstore port the user named that is taken at bind time fails
+    the start (the children stop), even though its exit code is the same 3."""
+    taken = socket.create_server(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    monkeypatch.setattr(launcher, "check_ports", lambda s, n: None)  # lose the race after the up-front check
+    for name in [k for k in os.environ if k.startswith("TANDEM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.chdir(ROOT)
+    s = launcher.UpSettings(device="cpu", kvstore_port=port, router_port=0, worker_base_port=0, http=False, insecure=True,
+                            num_blocks=128, startup_timeout_s=60)
+    try:
+        with pytest.raises(launcher.StartupError, match="process exited with code 3"):
+            launcher.start_suite(s, launcher.choose_workers(s), "WARNING")
+    finally:
+        taken.close()
 
 
 def test_worker_waits_for_a_late_kvstore_with_a_line_every_few_seconds(tmp_path):
