@@ -16,6 +16,18 @@ def test_acceptance_length_formula():
     assert pooled == DecodeCounts(4, 12, 6) and pooled.acceptance_length == 2.5
 
 
+def test_counts_cross_a_process_boundary_unchanged():
+    """An engine process pickles one per request and step (its own, cheaper reduction)."""
+    import pickle
+
+    from multiprocessing.reduction import ForkingPickler
+
+    counts = DecodeCounts(decode_steps=7, proposed_drafts=21, accepted_drafts=11)
+    for data in (pickle.dumps(counts), bytes(ForkingPickler.dumps(counts))):
+        back = pickle.loads(data)
+        assert back == counts and type(back) is DecodeCounts
+
+
 @pytest.mark.parametrize("graphs, overlap", [("off", False), ("pad", True)], ids=["phases", "fused-overlap"])
 def test_every_result_carries_the_running_totals_and_the_completion_keeps_the_last(graphs, overlap):
     """fused-overlap: fused speculative steps whose verdicts are read a step later, so a report

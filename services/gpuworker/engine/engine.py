@@ -347,10 +347,12 @@ class Engine(FusedSteps):
         s = self._states.get(request_id)
         if s is None:
             raise NotFound(f"unknown request {request_id!r}")
-        new = [int(b) for b in block_table]
+        new = list(map(int, block_table))
         # the kvstore's table may be longer or shorter by now (an Extend or a Trim answered
         # since): only the positions both know are remapped
         n = min(len(new), len(s.block_table))
+        if new[:n] == s.block_table[:n]:
+            return  # nothing deduplicated: the usual answer (one per Publish)
         self._check_only_final_blocks_moved(s, new[:n])
         s.block_table = new[:n] + s.block_table[n:]
 
@@ -385,14 +387,17 @@ class Engine(FusedSteps):
         if self.config.trim_policy == "rejected":
             return {}
         bs = self.block_size
+        headroom, max_k = watermark_blocks * bs, self.config.max_draft_tokens
         wants: dict[str, int] = {}
         for rid, s in self._states.items():
             if rid in skip or s.finished or s.in_prefill:
                 continue
-            limit = blocks_for(self._most_positions(s), bs) * bs
             cap = s.capacity
-            next_need = s.logical_len + min(s.spec.k, self.config.max_draft_tokens)
-            if cap < limit and cap - next_need < watermark_blocks * bs:
+            next_need = s.logical_len + min(s.spec.k, max_k)
+            if cap - next_need >= headroom:
+                continue  # the usual case, decided before the limit is worked out
+            limit = blocks_for(self._most_positions(s), bs) * bs
+            if cap < limit:
                 wants[rid] = min(max(cap, next_need) + chunk_blocks * bs, limit)
         return wants
 

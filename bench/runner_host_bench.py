@@ -1,0 +1,275 @@
+"""Host cost of a SERVED engine step with the device taken out (CPU): what the worker's engine
+thread spends per step beyond ``Engine.step()`` itself, and what the step costs when it runs as
+served instead of alone.
+
+``bench/engine_host_bench.py`` times ``Engine.step()`` with its forwards nulled. A served worker
+runs the same engine inside :class:`~services.gpuworker.runner.EngineRunner` in an engine process
+of its own, and every turn of that loop also moves the step's results to the gRPC process (one
+pickled message through a pipe), sends Publishes and ahead-of-need Extends to a real kvstore (the
+courier's thread, gRPC), and applies their answers. This script builds exactly that, minus the
+device and the gRPC front::
+
+    this process (the engine process)                                  other processes
+    EngineRunner thread: step (forwards nulled) ─ results ─ flush ──pipe──▶ a reader that unpickles
+                         publishes / extends ─▶ courier thread ──gRPC──▶ tandem kvstore (memory)
+
+    turn    wall time between two steps' ends on the engine thread (what bounds tokens/s)
+    step    ``Engine.step()`` inside it (``on_step``'s elapsed)
+    outside turn - step: the loop's own work (results, outbox, kvstore verbs, admissions)
+
+and, for the same batch and k, the engine alone (``engine_host_bench.run_case``): on the GPU a
+served turn that costs more host time than the alone step is time the device waits. A third run
+serves the same batch with no kvstore traffic while it is timed (whole-run capacity reserved up
+front, Publishes dropped): the difference is what the verbs cost, their bookkeeping on the engine
+thread plus the courier thread's and the kvstore's competition for the GIL and the cores.
+
+Run:   python bench/runner_host_bench.py                      # B = 16, 64; k = 0 and 3
+       python bench/runner_host_bench.py --batches 64 --k 3 --profile   # + cProfile of the engine thread
+       python bench/runner_host_bench.py --out docs/runner_host_bench.json --png docs/img/runner_host_bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import multiprocessing
+import pstats
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+
+from _common import Suite, free_port, grouped_bars, machine  # noqa: E402
+from engine_host_bench import BLOCK, PROMPT, PlanOnlyAfterWarmup, null_forwards, null_plans_of, nulled_forward, run_case  # noqa: E402
+
+from services.common.spec import SpecMode  # noqa: E402
+from services.common.wire import tokens_to_proto  # noqa: E402
+from services.gpuworker.engine.engine import Engine, EngineConfig  # noqa: E402
+from services.gpuworker.engine.request import RequestSpec  # noqa: E402
+from services.gpuworker.engine_process import PipeOutbox  # noqa: E402
+from services.gpuworker.kvstore_courier import KVStoreCourier  # noqa: E402
+from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource  # noqa: E402
+from services.gpuworker.model.loader import load_model  # noqa: E402
+from services.gpuworker.runner import EngineRunner, Job  # noqa: E402
+from tandem.kvstore.v1 import kvstore_pb2 as kv  # noqa: E402
+from tandem.kvstore.v1 import kvstore_pb2_grpc as kv_grpc  # noqa: E402
+
+WARM_STEPS = 10
+
+
+def _drain(conn, ready) -> None:
+    """The gRPC process's reader, reduced to what costs the engine nothing: unpickle, drop."""
+    ready.set()
+    try:
+        while True:
+            conn.recv()
+    except (EOFError, OSError):
+        pass
+
+
+def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str, profile: bool = False,
+               verbs: bool = True) -> dict:
+    """``batch`` requests decoding for ever (forced acceptance k) in an EngineRunner over the
+    kvstore at ``kv_addr``; times ``steps`` steps after the first ``WARM_STEPS`` decodes.
+    ``verbs=False``: no kvstore traffic while timing (each reservation holds the whole run's
+    capacity from Reserve on, so no Extend is due, and Publishes are dropped unsent): what the
+    verbs cost the engine thread, by difference."""
+    target, draft = models
+    backend = PlanOnlyAfterWarmup("cpu", target.attention_geometry(BLOCK))
+    per_request = -(-(PROMPT + (steps + 3 * WARM_STEPS + 40) * (k + 1) + 16) // BLOCK)
+    blocks = batch * per_request + 64
+    link = KVStoreLink(kv_addr, timeout_s=10.0)
+    courier = KVStoreCourier()
+    source = ReservationBlockSource(link, courier)
+    config = EngineConfig(graphs="pad", overlap=True, fused_spec=k > 0, fused_graphs="split", max_draft_tokens=max(k, 1),
+                          forced_acceptance=k if k else None, max_batch_size=batch, max_batch_tokens=4096, chunk_size=4096)
+    engine = Engine(target, draft if k else None, backend, target.new_kv_pool(blocks + 1, BLOCK),
+                    draft.new_kv_pool(blocks + 1, BLOCK) if k else None, source, config)
+    info = link.register(worker_id=worker, address="127.0.0.1:1", model_id=f"bench-{worker}", spec_mode=SpecMode.EAGLE3,
+                         mtp_depth=0, block_size=BLOCK, num_blocks=blocks, vocab_size=target.config.vocab_size,
+                         max_seq_len=target.config.max_seq_len)
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    ready = ctx.Event()
+    reader = ctx.Process(target=_drain, args=(ours, ready), daemon=True)
+    reader.start()
+    ours.close()
+    if not ready.wait(120):  # a spawned child imports this script (torch) first: a full pipe would block the engine
+        raise RuntimeError("the reader process did not start")
+    outbox = PipeOutbox(theirs)
+
+    ends: list[float] = []
+    inside: list[float] = []
+    cpu: list[tuple[float, float, float]] = []  # engine thread, courier thread, whole process (CPU s)
+    courier_clock = time.pthread_getcpuclockid(courier._thread.ident)
+    decoding = [0]  # steps in which every request got tokens
+    swapped = threading.Event()
+    prof = cProfile.Profile() if profile else None
+
+    def on_step(report, elapsed_s: float) -> None:  # the engine thread, after every step
+        if not swapped.is_set():
+            if len(report.results) == batch and all(r.new_token_ids for r in report.results.values()):
+                decoding[0] += 1
+            if decoding[0] >= 3:  # prefill, then the first decodes ran real forwards
+                aux = engine.drafter.target_aux_layers if engine.drafter is not None else ()
+                null_forwards(engine.graphs, target.config.hidden_size, draft.chain_hidden_size,
+                              target.embed_tokens.weight.dtype, target.config.vocab_size,
+                              aux_width=len(aux) * target.config.hidden_size)
+                null_plans_of(engine.graphs, backend, nulled_forward)
+                swapped.set()
+            return
+        ends.append(time.perf_counter())
+        inside.append(elapsed_s)
+        cpu.append((time.thread_time(), time.clock_gettime(courier_clock), time.process_time()))
+        if len(ends) in (WARM_STEPS, WARM_STEPS + steps):
+            counted[len(ends)] = (engine.fused_steps, engine.continued_steps)
+        if prof is not None and len(ends) == WARM_STEPS:
+            prof.enable()  # this thread's calls from here on
+        if prof is not None and len(ends) == WARM_STEPS + steps:
+            prof.disable()
+
+    runner = EngineRunner(engine, link, source, courier, max_running=batch, on_step=on_step, outbox=outbox,
+                          extend_watermark_blocks=2, extend_chunk_blocks=4)
+    outbox.running = lambda: runner.running
+    if not verbs:
+        runner._send_publishes = runner._step_publishes.clear  # the loop calls it once a turn
+    runner.start()
+    counted = {}  # fused / continued steps when the timing starts and ends
+    stub = kv_grpc.KVStoreStub(link._channel)
+    try:
+        for i in range(batch):
+            prompt = [(7 * i + j) % 200 + 1 for j in range(PROMPT)]
+            rid = f"{worker}-r{i}"
+            r = stub.Reserve(kv.ReserveRequest(worker_id=worker, incarnation=info.incarnation, request_id=rid,
+                                               tokens=tokens_to_proto(prompt), headroom_positions=2 * (k + 1) if verbs else (per_request - 1) * BLOCK - PROMPT),
+                             timeout=10).reservation
+            spec = RequestSpec(request_id=rid, prompt_ids=prompt, block_table=list(r.block_table),
+                               reused_positions=int(r.reused_positions), max_new_tokens=10**6, k=k)
+            runner.submit(Job(spec, r.reservation_id, info.incarnation, kv_request_id=r.request_id))
+        end = time.monotonic() + 600
+        while len(ends) < WARM_STEPS + steps:
+            if time.monotonic() > end or not runner._thread.is_alive():
+                raise RuntimeError(f"only {len(ends)} timed steps in 600 s (B={batch}, k={k})")
+            time.sleep(0.05)
+    finally:
+        runner.stop()
+        link.close()
+        theirs.close()
+        reader.join(5)
+    turns = [b - a for a, b in zip(ends[WARM_STEPS - 1:], ends[WARM_STEPS:WARM_STEPS + steps])]
+    steps_in = inside[WARM_STEPS:WARM_STEPS + steps]
+    (f0, c0), (f1, c1) = counted[WARM_STEPS], counted[WARM_STEPS + steps]
+    first, last = cpu[WARM_STEPS - 1], cpu[WARM_STEPS + steps - 1]
+    engine_cpu, courier_cpu, process_cpu = ((b - a) / steps * 1e6 for a, b in zip(first, last))
+    row = {"batch": batch, "k": k, "steps": steps, "turn_us": statistics.median(turns) * 1e6,
+           "engine_thread_cpu_us": engine_cpu, "courier_thread_cpu_us": courier_cpu, "process_cpu_us": process_cpu,
+           "fused_share": (f1 - f0) / steps, "continued_share": (c1 - c0) / steps,
+           "step_us": statistics.median(steps_in) * 1e6,
+           "outside_us": statistics.median([t - s for t, s in zip(turns, steps_in)]) * 1e6}
+    if prof is not None:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        row["profile"] = out.getvalue()
+    return row
+
+
+def plot(rows: list[dict], png: Path, meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"B={r['batch']}, k={r['k']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    grouped_bars(ax, labels, series=[
+        ("engine alone: Engine.step()", [r["alone_us"] for r in rows]),
+        ("served: Engine.step() in the runner", [r["step_us"] for r in rows]),
+        ("served: whole turn", [r["turn_us"] for r in rows]),
+        ("served, no kvstore verbs: whole turn", [r["no_verbs"]["turn_us"] for r in rows]),
+    ])
+    ax.set_ylabel("host µs per step (median), forwards nulled")
+    ax.set_title(f"served engine turn vs engine alone — {meta['machine']}, {meta['date']}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="16,64")
+    ap.add_argument("--k", default="0,3", help="comma-separated k values")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--rounds", type=int, default=2, help="each case this many times, interleaved; the best kept")
+    ap.add_argument("--profile", action="store_true", help="cProfile the engine thread in the last case")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--png", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    target, draft, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3, device="cpu", seed=0)
+    cases = [(b, k) for b in map(int, args.batches.split(",")) for k in map(int, args.k.split(","))]
+    best: dict[tuple, dict] = {}
+    with tempfile.TemporaryDirectory() as logs:
+        suite = Suite()
+        kv_port = free_port()
+        suite.spawn("kvstore", ["kvstore", "--port", str(kv_port)], Path(logs))
+        kv_addr = f"127.0.0.1:{kv_port}"
+        try:
+            grpc.channel_ready_future(grpc.insecure_channel(kv_addr)).result(timeout=60)
+            with torch.inference_mode():
+                n = 0
+                for r in range(args.rounds):
+                    for b, k in cases:
+                        n += 1
+                        alone = run_case((target, draft), b, k, "split", args.steps)
+                        served = run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}")
+                        quiet = run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}q", verbs=False)
+                        served["alone_us"] = alone["total_us"]
+                        served["no_verbs"] = quiet
+                        key = (b, k)
+                        if key not in best or served["turn_us"] < best[key]["turn_us"]:
+                            best[key] = served
+                        print(f"[round {r + 1}/{args.rounds}] B={b:3d} k={k}: alone {alone['total_us']:.0f} us; served turn "
+                              f"{served['turn_us']:.0f} us = step {served['step_us']:.0f} + outside {served['outside_us']:.0f}; "
+                              f"CPU a turn: engine thread {served['engine_thread_cpu_us']:.0f}, courier {served['courier_thread_cpu_us']:.0f}, "
+                              f"process {served['process_cpu_us']:.0f} us; "
+                              f"fused {served['fused_share']:.0%} continued {served['continued_share']:.0%} "
+                              f"(alone {alone['fused_share']:.0%} / {alone['continued_share']:.0%}); without kvstore verbs: turn "
+                              f"{quiet['turn_us']:.0f} us = step {quiet['step_us']:.0f} + outside {quiet['outside_us']:.0f}",
+                              flush=True)
+                if args.profile:
+                    b, k = cases[-1]
+                    row = run_served((target, draft), kv_addr, b, k, args.steps, "wprof", profile=True)
+                    print(row["profile"])
+        finally:
+            suite.stop()
+    rows = [best[c] for c in cases]
+    print("\n| batch | k | engine alone µs / step | served step µs | served turn µs (outside the step) | turn ÷ alone "
+          "| engine / courier thread CPU µs a turn | no kvstore verbs: step, turn µs |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        q = row["no_verbs"]
+        print(f"| {row['batch']} | {row['k']} | {row['alone_us']:.0f} | {row['step_us']:.0f} | {row['turn_us']:.0f} "
+              f"({row['outside_us']:.0f}) | {row['turn_us'] / row['alone_us']:.2f} | {row['engine_thread_cpu_us']:.0f} / "
+              f"{row['courier_thread_cpu_us']:.0f} | {q['step_us']:.0f}, {q['turn_us']:.0f} |")
+    meta = machine()
+    meta["machine"] = f"{meta['cpu']}, {meta['nproc']} cores, Python {meta['python']}"
+    if args.out:
+        args.out.write_text(json.dumps({"meta": meta, "command": " ".join(sys.argv), "rows": rows}, indent=2))
+    if args.png:
+        plot(rows, args.png, meta)
+
+
+if __name__ == "__main__":
+    main()
