@@ -29,13 +29,20 @@ class RedisServer:
         if binary is None:
             raise RuntimeError("redis-server not found: run scripts/test.sh (it installs it) or apt-get install redis-server")
         self.dir = tempfile.mkdtemp(prefix="tandem-redis-")
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
-             "--appendonly", "yes", "--appendfsync", appendfsync, "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        self._wait()
+        for attempt in range(3):  # another process may bind the picked port before redis-server does
+            self.port = free_port()
+            self.proc = subprocess.Popen(
+                [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--save", "",
+                 "--appendonly", "yes", "--appendfsync", appendfsync, "--protected-mode", "no"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            try:
+                self._wait()
+                return
+            except RuntimeError:
+                if self.proc.poll() is None or attempt == 2:  # still running: not a lost port
+                    self.stop()
+                    raise
 
     @property
     def url(self) -> str:

@@ -488,7 +488,7 @@ class Engine(FusedSteps):
         log.warning("engine step failed (%s: %s); dropping the %d request(s) in their first step: %s",
                     type(exc).__name__, exc, len(suspects), ", ".join(s.request_id for s in suspects))
         # their blocks are freed after this fence: behind whatever the failed step had queued
-        self.last_fence = fence = StepFence.record(self.device)
+        self.last_fence = fence = StepFence.record(self.device, blocking=True)
         for s in suspects:
             s.finish_reason = FinishReason.ERROR
             self._ledger[s.request_id].error = exc
@@ -524,7 +524,7 @@ class Engine(FusedSteps):
         # Blocks may be given back (trim) only after the step completed on the device (DESIGN
         # §2): the fence travels with the trim instead of stopping the host here (fence.py).
         blocks_written = {rid: self._blocks_of(e.state, e.written) for rid, e in ledger.items()}
-        self.last_fence = fence = StepFence.record(self.device)
+        self.last_fence = fence = StepFence.record(self.device, blocking=True)
         trim_keeps = self._trim(states, fence)
 
         results: dict[str, RequestStepResult] = {}

@@ -28,11 +28,16 @@ class StepFence:
         self._event = event
 
     @classmethod
-    def record(cls, device: torch.device) -> "StepFence":
-        """A fence after everything queued so far on ``device``'s current stream."""
+    def record(cls, device: torch.device, *, blocking: bool = False) -> "StepFence":
+        """A fence after everything queued so far on ``device``'s current stream. ``blocking``:
+        a thread waiting on it sleeps until the device gets there (``cudaEventBlockingSync``)
+        instead of spinning in the driver. Right for a step's fence, which the courier waits on
+        nearly all the time while the engine thread launches the next step (a spinning waiter
+        holds a core and polls the same driver the launches go through); wrong for a verdict
+        the engine thread itself waits on, where a spin answers soonest."""
         if device.type != "cuda":
             return COMPLETE
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=blocking)
         event.record(torch.cuda.current_stream(device))
         return cls(event)
 
