@@ -20,8 +20,9 @@ device and the gRPC front::
 and, for the same batch and k, the engine alone (``engine_host_bench.run_case``): on the GPU a
 served turn that costs more host time than the alone step is time the device waits. A third run
 serves the same batch with no kvstore traffic while it is timed (whole-run capacity reserved up
-front, Publishes dropped): the difference is what the verbs cost, their bookkeeping on the engine
-thread plus the courier thread's and the kvstore's competition for the GIL and the cores.
+front, Publishes prepared as served but dropped unsent): the difference is what sending the verbs
+and applying their answers cost, on the engine thread and through the courier thread's and the
+kvstore's competition for the GIL and the cores.
 
 Run:   python bench/runner_host_bench.py                      # B = 16, 64; k = 0 and 3
        python bench/runner_host_bench.py --batches 64 --k 3 --profile   # + cProfile of the engine thread
@@ -82,9 +83,11 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
     """``batch`` requests decoding for ever (forced acceptance k) in an EngineRunner over the
     kvstore at ``kv_addr``; times ``steps`` steps after the first ``WARM_STEPS`` decodes.
     ``verbs=False``: no kvstore traffic while timing (each reservation holds the whole run's
-    capacity from Reserve on, so no Extend is due, and Publishes are dropped unsent): what the
-    verbs cost the engine thread, by difference."""
+    capacity from Reserve on, so no Extend is due, and Publishes are prepared but dropped unsent):
+    what sending the verbs and applying their answers cost, by difference."""
     target, draft = models
+    if PROMPT + (steps + 3 * WARM_STEPS + 16) * (k + 1) >= target.config.max_seq_len:
+        raise ValueError(f"{steps} steps of k = {k} pass the model's max_seq_len ({target.config.max_seq_len}): fewer --steps")
     backend = PlanOnlyAfterWarmup("cpu", target.attention_geometry(BLOCK))
     per_request = -(-(PROMPT + (steps + 3 * WARM_STEPS + 40) * (k + 1) + 16) // BLOCK)
     blocks = batch * per_request + 64
@@ -144,6 +147,13 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
     if not verbs:
         runner._send_publishes = runner._step_publishes.clear  # the loop calls it once a turn
     runner.start()
+    beating = threading.Event()
+
+    def heartbeat() -> None:  # the gRPC process's job when served: without it the lease lapses (10 s)
+        while not beating.wait(1.0):
+            link.heartbeat(worker)
+
+    threading.Thread(target=heartbeat, daemon=True).start()
     counted = {}  # fused / continued steps when the timing starts and ends
     stub = kv_grpc.KVStoreStub(link._channel)
     try:
@@ -162,6 +172,7 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
                 raise RuntimeError(f"only {len(ends)} timed steps in 600 s (B={batch}, k={k})")
             time.sleep(0.05)
     finally:
+        beating.set()
         runner.stop()
         link.close()
         theirs.close()

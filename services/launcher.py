@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Literal
 
@@ -38,6 +39,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.paths import distilled_tiny_dir
+from services.common.server import INSTANCE_ENV, instance_service
 from services.common.settings import add_settings_flags, invalid_configuration, report_startup_error, settings_from_args
 from services.common.startup import EXIT_ENVIRONMENT, EXIT_FAILURE, PortInUse, StartupError, check_port_free
 from services.launch_plan import WorkerPlan, detect_gpus, installed_capabilities, plan_workers
@@ -95,6 +97,7 @@ class Child:
     failures: int = 0  # restarts in a row without staying up STABLE_AFTER_S
     restart_at: float | None = None
     auto_ports: tuple[str, ...] = ()  # flags of argv whose port we picked (the user asked for 0)
+    instance: str = ""  # its health answers for services.common.server.instance_service(instance)
 
 
 def _free_port(host: str) -> int:
@@ -107,11 +110,41 @@ def _free_port(host: str) -> int:
 
 def _spawn(name: str, argv: list[str], address: str, env: dict[str, str] | None = None,
            auto_ports: tuple[str, ...] = ()) -> Child:
-    """Start ``tandem <argv>`` (argv starts with the global flags, e.g. --log-level)."""
+    """Start ``tandem <argv>`` (argv starts with the global flags, e.g. --log-level), named by a
+    fresh instance id that its health service answers for (so that a SERVING answer on its port
+    is known to be its own, not another process's that holds the port)."""
     env = dict(env or {})
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], env=dict(os.environ, PYTHONUNBUFFERED="1", **env),
+    instance = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv],
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **env, **{INSTANCE_ENV: instance}),
                             start_new_session=True)
-    return Child(name, address, argv, env, proc, time.monotonic(), auto_ports=auto_ports)
+    return Child(name, address, argv, env, proc, time.monotonic(), auto_ports=auto_ports, instance=instance)
+
+
+def _lost_a_picked_port(child: Child) -> bool:
+    """Whether ``child`` (exited) failed because a port WE picked for it is held by another
+    process now (pure but for the probe binds). Exit code 3 alone says only "the environment":
+    a missing model or a taken port the user named exits 3 as well, and must not be retried."""
+    if child.proc.poll() != EXIT_ENVIRONMENT:
+        return False
+    host = child.address.rsplit(":", 1)[0]
+    for flag in child.auto_ports:
+        try:
+            check_port_free(host, int(child.argv[child.argv.index(flag) + 1]))
+        except PortInUse:
+            return True
+    return False
+
+
+def _on_fresh_ports(child: Child) -> Child:
+    """``child`` started again with new free ports for the ones we had picked."""
+    host = child.address.rsplit(":", 1)[0]
+    argv = list(child.argv)
+    for flag in child.auto_ports:
+        argv[argv.index(flag) + 1] = str(_free_port(host))
+    fresh = _spawn(child.name, argv, f"{host}:{argv[argv.index('--port') + 1]}", child.env, child.auto_ports)
+    fresh.failures = child.failures
+    return fresh
 
 
 def _await_serving(children: list[Child], i: int, deadline: float, credentials=None) -> None:
@@ -123,19 +156,15 @@ def _await_serving(children: list[Child], i: int, deadline: float, credentials=N
     for attempt in range(1, AUTO_PORT_TRIES + 1):
         child = children[i]
         try:
-            wait_serving(child.address, deadline, child.proc, credentials)
+            wait_serving(child.address, deadline, child.proc, credentials, instance=child.instance)
             return
         except StartupError:
-            if not child.auto_ports or child.proc.poll() != EXIT_ENVIRONMENT or attempt == AUTO_PORT_TRIES:
+            if attempt == AUTO_PORT_TRIES or not _lost_a_picked_port(child):
                 raise
-        host = child.address.rsplit(":", 1)[0]
-        argv = list(child.argv)
-        for flag in child.auto_ports:
-            argv[argv.index(flag) + 1] = str(_free_port(host))
-        print(f"tandem up: {child.name} exited with code {EXIT_ENVIRONMENT} before it was SERVING (a port picked for it "
-              f"was taken meanwhile?); starting it again on other ports (start {attempt + 1} of {AUTO_PORT_TRIES})",
+        print(f"tandem up: {child.name} exited with code {EXIT_ENVIRONMENT}: another process took a port picked for it "
+              f"before it bound it; starting it again on other ports (start {attempt + 1} of {AUTO_PORT_TRIES})",
               file=sys.stderr, flush=True)
-        children[i] = _spawn(child.name, argv, f"{host}:{argv[argv.index('--port') + 1]}", child.env, child.auto_ports)
+        children[i] = _on_fresh_ports(child)
 
 
 def restart_delay(failures: int) -> float:
@@ -170,11 +199,16 @@ def _probe_credentials(files):
     return load_channel_credentials(probe.ca, probe.cert, probe.key)
 
 
-def wait_serving(address: str, deadline: float, proc: subprocess.Popen | None = None, credentials=None) -> None:
+def wait_serving(address: str, deadline: float, proc: subprocess.Popen | None = None, credentials=None,
+                 instance: str = "") -> None:
     """Poll grpc.health.v1 at ``address`` until SERVING; raise if the deadline passes or ``proc``
-    dies (checked after a SERVING answer too: it must be OUR process that answered)."""
+    dies. ``instance``: ask for the health of that instance name (``services.common.server.
+    instance_service``), which only the process started with it answers: another process that
+    holds the port (and would answer SERVING for the whole server) does not count."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    service = instance_service(instance) if instance else ""
 
     def dead() -> bool:
         return proc is not None and proc.poll() is not None
@@ -186,7 +220,7 @@ def wait_serving(address: str, deadline: float, proc: subprocess.Popen | None = 
             if dead():
                 raise StartupError(f"{address}: process exited with code {proc.returncode} (its log is above)", EXIT_FAILURE)
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                if stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
                     time.sleep(0.05)
                     if not dead():
                         return
@@ -194,7 +228,7 @@ def wait_serving(address: str, deadline: float, proc: subprocess.Popen | None = 
             except grpc.RpcError:
                 pass
             if time.monotonic() > deadline:
-                raise StartupError(f"{address} not SERVING after {deadline:.0f} s (--startup-timeout-s)", EXIT_FAILURE)
+                raise StartupError(f"{address} not SERVING by the start-up deadline (--startup-timeout-s)", EXIT_FAILURE)
             time.sleep(0.2)
 
 
@@ -336,8 +370,11 @@ def supervise_once(children: list[Child], now: float) -> str | None:
             print(f"tandem up: {child.name} exited with code {code}; restarting in {child.restart_at - now:.0f} s "
                   f"(restart {child.failures} in a row)", file=sys.stderr, flush=True)
         elif now >= child.restart_at:
-            fresh = _spawn(child.name, child.argv, child.address, child.env, child.auto_ports)
-            fresh.failures = child.failures
+            if _lost_a_picked_port(child):  # it would fail the same way on the same port
+                fresh = _on_fresh_ports(child)
+            else:
+                fresh = _spawn(child.name, child.argv, child.address, child.env, child.auto_ports)
+                fresh.failures = child.failures
             children[i] = fresh
             print(f"tandem up: {child.name} restarted (pid {fresh.proc.pid})", flush=True)
     return None

@@ -55,7 +55,11 @@ class RedisServer:
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         while True:
             try:
-                client.ping()
+                # ours, not another test's server that took the port first (it answers PING too)
+                if client.info("server")["process_id"] != self.proc.pid:
+                    client.close()
+                    self.proc.wait(10)  # ours cannot bind the port: it exits, and is started again
+                    raise RuntimeError(f"another redis-server answers on port {self.port}")
                 client.close()
                 return
             except redis.RedisError:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import signal
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,14 @@ from grpc_reflection.v1alpha import reflection
 from services.common.errors import InvalidArgument, TandemError
 from services.common.interceptors import WrappingInterceptor, wrap_handler
 from services.common.startup import StartupError, check_port_free
+
+INSTANCE_ENV = "TANDEM_INSTANCE"  # set by `tandem up` for each child: see instance_service
+
+
+def instance_service(instance: str) -> str:
+    """The health service name a process started with ``INSTANCE_ENV=instance`` answers for, as
+    every other service it serves; no other process does."""
+    return f"tandem.instance.{instance}"
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +197,10 @@ class GrpcServer:
 
     async def _set_all(self, status) -> None:
         self._serving = status == health_pb2.HealthCheckResponse.SERVING
-        for name in ["", *(b.full_name for b in self._bindings)]:
+        # A launcher that started this process names it (INSTANCE_ENV) to tell its answers from
+        # those of another process on the same port (services.launcher.wait_serving)
+        instance = os.environ.get(INSTANCE_ENV)
+        for name in ["", *(b.full_name for b in self._bindings), *([instance_service(instance)] if instance else [])]:
             result = self.health.set(name, status)
             if inspect.isawaitable(result):
                 await result

@@ -128,27 +128,47 @@ def test_a_crashed_worker_is_restarted_and_serves_again(tmp_path):
             proc.wait()
 
 
-def test_a_child_whose_picked_port_was_taken_starts_again_on_another(tmp_path, monkeypatch, capfd):
-    """Between ``tandem up`` picking a free port and the child binding it (seconds of imports),
-    another process can take the port: the kvstore and the router here find theirs taken, exit
-    with code 3, and are started again on fresh ports; the suite then serves."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    taken = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]  # listening: no SO_REUSEADDR can share it
-    picks = {1: taken[0], 4: taken[1]}  # the kvstore's first pick, then (after the worker's) the router's
-    calls = []
-    real_free_port = launcher._free_port
-
-    def free_port(host):
-        calls.append(host)
-        held = picks.get(len(calls))
-        return held.getsockname()[1] if held else real_free_port(host)
-
+def _suite_env(monkeypatch, tmp_path) -> None:
     for name in [k for k in os.environ if k.startswith("TANDEM_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.chdir(ROOT)
+
+
+def _health_server_saying_serving():
+    """Another process's gRPC server as a port thief looks to a prober: it says SERVING."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def test_a_child_whose_picked_port_was_taken_starts_again_on_another(tmp_path, monkeypatch, capfd):
+    """Between ``tandem up`` picking a free port and the child binding it (seconds of imports),
+    another process can take the port: here a gRPC server that itself says SERVING takes the
+    kvstore's (its answer must not pass for the kvstore's) and a bare socket the router's. Both
+    children exit with code 3 and are started again on fresh ports; the suite then serves."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    thief, thief_port = _health_server_saying_serving()
+    taken = socket.create_server(("127.0.0.1", 0))  # listening: no SO_REUSEADDR can share it
+    picks = {1: thief_port, 4: taken.getsockname()[1]}  # the kvstore's first pick, then (after the worker's) the router's
+    calls = []
+    real_free_port = launcher._free_port
+
+    def free_port(host):
+        calls.append(host)
+        return picks.get(len(calls)) or real_free_port(host)
+
+    _suite_env(monkeypatch, tmp_path)
     monkeypatch.setattr(launcher, "_free_port", free_port)
     s = launcher.UpSettings(device="cpu", router_port=0, kvstore_port=0, worker_base_port=0, http=False, insecure=True,
                             num_blocks=128, startup_timeout_s=120)
@@ -157,40 +177,69 @@ def test_a_child_whose_picked_port_was_taken_starts_again_on_another(tmp_path, m
         children = launcher.start_suite(s, launcher.choose_workers(s), "WARNING")
         err = capfd.readouterr().err
         for name in ("kvstore", "router"):
-            assert f"tandem up: {name} exited with code 3 before it was SERVING" in err
+            assert f"tandem up: {name} exited with code 3: another process took a port picked for it" in err
         assert "already in use" in err  # the child's own one-line reason
         assert [c.name for c in children] == ["kvstore", "worker0", "router"]
-        held_ports = {str(t.getsockname()[1]) for t in taken}
         for child in children:
-            assert child.address.rsplit(":", 1)[1] not in held_ports and child.proc.poll() is None
+            assert int(child.address.rsplit(":", 1)[1]) not in picks.values() and child.proc.poll() is None
             with grpc.insecure_channel(child.address) as channel:
                 status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
             assert status == health_pb2.HealthCheckResponse.SERVING
         assert f"--kvstore {children[0].address}" in " ".join(children[1].argv)  # the worker got the kvstore's new port
     finally:
         stop_children(children)
-        for t in taken:
-            t.close()
+        thief.stop(0)
+        taken.close()
 
 
-def test_a_port_the_user_chose_is_not_changed(tmp_path, monkeypatch):
-    """Only ports we picked move: a kvstore port the user named that is taken at bind time fails
-    the start (the children stop), even though its exit code is the same 3."""
+def test_a_port_the_user_chose_is_not_changed(tmp_path, monkeypatch, capfd):
+    """Only ports we picked move: the router's port is ours to pick (0) but its HTTP port was
+    named and is taken at bind time; the router exits 3 and the start fails, with no new start
+    on other ports (its picked port is free: that was not the reason)."""
     taken = socket.create_server(("127.0.0.1", 0))
-    port = taken.getsockname()[1]
     monkeypatch.setattr(launcher, "check_ports", lambda s, n: None)  # lose the race after the up-front check
-    for name in [k for k in os.environ if k.startswith("TANDEM_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    monkeypatch.chdir(ROOT)
-    s = launcher.UpSettings(device="cpu", kvstore_port=port, router_port=0, worker_base_port=0, http=False, insecure=True,
-                            num_blocks=128, startup_timeout_s=60)
+    _suite_env(monkeypatch, tmp_path)
+    s = launcher.UpSettings(device="cpu", kvstore_port=0, router_port=0, worker_base_port=0, http=True,
+                            http_port=taken.getsockname()[1], insecure=True, num_blocks=128, startup_timeout_s=60)
     try:
         with pytest.raises(launcher.StartupError, match="process exited with code 3"):
             launcher.start_suite(s, launcher.choose_workers(s), "WARNING")
+        err = capfd.readouterr().err
+        assert "already in use" in err and "starting it again" not in err
     finally:
         taken.close()
+
+
+def _exited(code: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+    proc.wait()
+    return proc
+
+
+def test_a_worker_that_lost_its_picked_port_is_restarted_on_another(monkeypatch):
+    """supervise_once: a worker that exits 3 while another process holds the port we had picked
+    for it comes back on a new one; one that exits 3 with its port free (a missing model, say)
+    comes back on the same; a port the user named never moves."""
+    spawned = []
+    monkeypatch.setattr(launcher, "_spawn", lambda name, argv, address, env=None, auto_ports=(): spawned.append(argv) or
+                        Child(name, address, argv, env or {}, _exited(0), time.monotonic(), auto_ports=auto_ports))
+    holder = socket.create_server(("127.0.0.1", 0))
+    held = holder.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    try:
+        for port, auto, moves in [(held, ("--port",), True), (free, ("--port",), False), (held, (), False)]:
+            spawned.clear()
+            children = [Child("worker0", f"127.0.0.1:{port}", ["worker", "--port", str(port)], {}, _exited(3),
+                              time.monotonic(), auto_ports=auto)]
+            assert launcher.supervise_once(children, 100.0) is None  # schedules the restart
+            assert launcher.supervise_once(children, 200.0) is None  # performs it
+            new_port = int(spawned[0][spawned[0].index("--port") + 1])
+            assert (new_port != port) == moves, (port, auto)
+            assert children[0].address == f"127.0.0.1:{new_port}"
+    finally:
+        holder.close()
 
 
 def test_worker_waits_for_a_late_kvstore_with_a_line_every_few_seconds(tmp_path):

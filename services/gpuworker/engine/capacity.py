@@ -130,7 +130,9 @@ class LocalBlockSource:
         return out
 
     def trim(self, keeps: dict[str, int], *, after: StepFence = COMPLETE) -> dict[str, list[int]]:
-        after.wait()  # in-process and synchronous: free only what the device has finished with
+        # in-process and synchronous: free only what the device has finished with; on the
+        # engine thread, which must not sleep past the step's end (step fences are blocking)
+        after.wait_polling()
         self.trim_calls.append(dict(keeps))
         out: dict[str, list[int]] = {}
         for rid, positions in keeps.items():

@@ -15,6 +15,8 @@ The only host-device synchronisation left in a step is the accept/reject verdict
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -44,6 +46,13 @@ class StepFence:
     def wait(self) -> None:
         if self._event is not None:
             self._event.synchronize()
+
+    def wait_polling(self) -> None:
+        """``wait`` for a thread that must answer as soon as the device gets there even when the
+        fence was recorded ``blocking`` (a sleeping waiter wakes late): polls, yielding the GIL
+        between polls."""
+        while not self.done():
+            time.sleep(0)
 
     def done(self) -> bool:
         return self._event is None or self._event.query()

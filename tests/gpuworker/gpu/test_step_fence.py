@@ -44,5 +44,10 @@ def test_a_blocking_fence_sleeps_through_the_wait_and_a_spinning_one_does_not(bl
     assert fence.done() and wall > 0.05  # it did wait for the kernel
     if blocking:
         assert share < 0.2, f"a blocking fence's waiter used {share:.0%} of a core"
+        torch.cuda._sleep(SLEEP_CYCLES // 10)
+        polled = StepFence.record(DEV, blocking=True)
+        assert not polled.done()
+        polled.wait_polling()  # the engine thread's way through a blocking fence (LocalBlockSource.trim)
+        assert polled.done()
     else:
         assert share > 0.5, f"a spinning fence's waiter used only {share:.0%} of a core"
