@@ -12,16 +12,15 @@ import subprocess
 import sys
 import time
 
-from services.launcher import wait_serving
 from suite_rig import ROOT, TIMEOUT, wait_registered
-from tests.redis_server import free_port
+from tests.free_ports import start_on_free_port
 
 FROZEN = re.compile(r"gc_tuning(?: \[[^]]*\])?: (?P<who>.+?): (?P<n>\d+) start-up objects frozen")
 READY_TIMEOUT = 120.0  # fresh interpreters importing torch / grpc on a loaded 2-core machine
 
 
-def _spawn(args: list[str], log) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+def _spawn(args: list[str], log, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "INFO", *args], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=log)
 
@@ -58,12 +57,11 @@ def test_every_router_process_settles_before_serving_and_the_switch_turns_it_off
     wait_registered(suite, "gc-w0")
     for procs, freeze in ((2, True), (1, True), (2, False)):
         log_path = tmp_path / f"router-{procs}-{freeze}.log"
-        port = free_port()
         with open(log_path, "wb") as log:
-            proc = _spawn(["router", "--procs", str(procs), "--kvstore", suite.kv.address, "--registry-ttl-s", "0",
-                           "--grace-s", "0", "--port", str(port), *([] if freeze else ["--no-gc-freeze"])], log)
+            proc, _port = start_on_free_port(lambda port, env: _spawn(
+                ["router", "--procs", str(procs), "--kvstore", suite.kv.address, "--registry-ttl-s", "0", "--grace-s", "0",
+                 "--port", str(port), *([] if freeze else ["--no-gc-freeze"])], log, env), READY_TIMEOUT)
             try:
-                wait_serving(f"127.0.0.1:{port}", time.monotonic() + READY_TIMEOUT, proc)
                 text = log_path.read_text(errors="replace")  # SERVING: every settle happened already
             finally:
                 _stop(proc)
@@ -78,11 +76,9 @@ def test_every_router_process_settles_before_serving_and_the_switch_turns_it_off
 
 def test_the_kvstore_settles_once_it_serves(tmp_path):
     log_path = tmp_path / "kvstore.log"
-    port = free_port()
     with open(log_path, "wb") as log:
-        proc = _spawn(["kvstore", "--port", str(port)], log)
+        proc, _port = start_on_free_port(lambda port, env: _spawn(["kvstore", "--port", str(port)], log, env), READY_TIMEOUT)
         try:
-            wait_serving(f"127.0.0.1:{port}", time.monotonic() + READY_TIMEOUT, proc)
             end = time.monotonic() + TIMEOUT  # settled right after it began serving
             while not FROZEN.search(log_path.read_text(errors="replace")) and time.monotonic() < end:
                 time.sleep(0.05)

@@ -30,10 +30,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.settings import settings_from_args
 from services.common.startup import EXIT_CONFIG, PortInUse, StartupError, check_port_free
-from services.launcher import wait_serving
 from services.router.procs import RouterProcs, child_settings
 from services.router.settings import RouterSettings
 from suite_rig import LONG_PREFIX, ROOT, TIMEOUT, wait_registered
+from tests.free_ports import start_on_free_port
 from tests.proc_tree import alive, children_of
 from tests.redis_server import free_port
 from tandem.router.v1 import router_pb2, router_pb2_grpc
@@ -197,10 +197,10 @@ def test_a_bad_environment_value_is_refused(monkeypatch):
 
 
 # ------------------------------------------------------------------------- the CLI as a process
-def spawn_router(kv_address: str, *flags: str) -> subprocess.Popen:
+def spawn_router(kv_address: str, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     argv = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", "router", "--procs", "2", "--kvstore", kv_address,
             "--registry-ttl-s", "0", "--grace-s", "0", *flags]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -227,11 +227,10 @@ def cli_router(suite):
     yields (process, port, its two serving children's pids)."""
     suite.add_worker("w0")
     wait_registered(suite, "w0")
-    port = free_port()
-    proc = spawn_router(suite.kv.address, "--port", str(port))
+    proc, port = start_on_free_port(lambda port, env: spawn_router(suite.kv.address, "--port", str(port), env=env),
+                                    READY_TIMEOUT)
     kids: list[int] = []
     try:
-        wait_serving(f"127.0.0.1:{port}", time.monotonic() + READY_TIMEOUT, proc)
         kids = router_children(proc.pid)
         assert len(kids) == 2
         yield proc, port, kids

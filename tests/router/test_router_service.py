@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from router_rig import TIMEOUT, Rig, Script, collect, wait_serving
+from router_rig import TIMEOUT, Rig, Script, collect
+from tests.free_ports import start_on_free_port
 from services.common.server import GrpcServer, ServiceBinding
 from services.common.telemetry import ServerTracingInterceptor, setup_tracing
 from tandem.common.v1 import common_pb2
@@ -140,18 +141,15 @@ def test_one_trace_crosses_router_kvstore_and_worker(start_service, service_loop
 
 def test_cli_serves_until_sigterm(rig, tmp_path):
     rig.worker("w0")
-    port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), TANDEM_ROUTER_GRACE_S="0")
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
-    proc = subprocess.Popen(
+    proc, port = start_on_free_port(lambda port, extra: subprocess.Popen(
         [sys.executable, "-m", "services.cli", "router", "--port", str(port), "--kvstore", rig.kv.address,
          "--model", "tiny", "--max-new-tokens", "8"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
+        cwd=ROOT, env={**env, **extra}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    ), 60)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            grpc.channel_ready_future(channel).result(timeout=30)
-            wait_serving(channel)
             stub = router_pb2_grpc.RouterStub(channel)
             msgs = list(stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text="cli", max_new_tokens=3), timeout=TIMEOUT))
             assert msgs[-1].usage.completion_tokens == 3
