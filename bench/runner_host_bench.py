@@ -36,6 +36,7 @@ import cProfile
 import io
 import json
 import multiprocessing
+import os
 import pstats
 import statistics
 import sys
@@ -79,12 +80,16 @@ def _drain(conn, ready) -> None:
 
 
 def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str, profile: bool = False,
-               verbs: bool = True) -> dict:
+               verbs: str = "all", pin: bool = False) -> dict:
     """``batch`` requests decoding for ever (forced acceptance k) in an EngineRunner over the
     kvstore at ``kv_addr``; times ``steps`` steps after the first ``WARM_STEPS`` decodes.
-    ``verbs=False``: no kvstore traffic while timing (each reservation holds the whole run's
-    capacity from Reserve on, so no Extend is due, and Publishes are prepared but dropped unsent):
-    what sending the verbs and applying their answers cost, by difference."""
+    ``verbs``: "all" as served; "none": no kvstore traffic while timing (each reservation holds
+    the whole run's capacity from Reserve on, so no Extend is due, and Publishes are prepared but
+    dropped unsent); "unapplied": the same capacity, Publishes sent as served but their answers
+    not applied (the courier's traffic alone, without the engine thread's work on the answers).
+    ``pin``: the engine thread runs on CPU 0 alone (the caller keeps everything else off it)."""
+    if verbs not in ("all", "none", "unapplied"):
+        raise ValueError(f"verbs: all, none or unapplied, not {verbs!r}")
     target, draft = models
     if PROMPT + (steps + 3 * WARM_STEPS + 16) * (k + 1) >= target.config.max_seq_len:
         raise ValueError(f"{steps} steps of k = {k} pass the model's max_seq_len ({target.config.max_seq_len}): fewer --steps")
@@ -121,6 +126,8 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
 
     def on_step(report, elapsed_s: float) -> None:  # the engine thread, after every step
         if not swapped.is_set():
+            if pin:
+                os.sched_setaffinity(0, {0})  # 0: the calling thread
             if len(report.results) == batch and all(r.new_token_ids for r in report.results.values()):
                 decoding[0] += 1
             if decoding[0] >= 3:  # prefill, then the first decodes ran real forwards
@@ -144,8 +151,10 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
     runner = EngineRunner(engine, link, source, courier, max_running=batch, on_step=on_step, outbox=outbox,
                           extend_watermark_blocks=2, extend_chunk_blocks=4)
     outbox.running = lambda: runner.running
-    if not verbs:
+    if verbs == "none":
         runner._send_publishes = runner._step_publishes.clear  # the loop calls it once a turn
+    elif verbs == "unapplied":
+        runner._published = lambda rid, response, at_risk: runner._publishing.discard(at_risk)
     runner.start()
     beating = threading.Event()
 
@@ -161,7 +170,7 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
             prompt = [(7 * i + j) % 200 + 1 for j in range(PROMPT)]
             rid = f"{worker}-r{i}"
             r = stub.Reserve(kv.ReserveRequest(worker_id=worker, incarnation=info.incarnation, request_id=rid,
-                                               tokens=tokens_to_proto(prompt), headroom_positions=2 * (k + 1) if verbs else (per_request - 1) * BLOCK - PROMPT),
+                                               tokens=tokens_to_proto(prompt), headroom_positions=2 * (k + 1) if verbs == "all" else (per_request - 1) * BLOCK - PROMPT),
                              timeout=10).reservation
             spec = RequestSpec(request_id=rid, prompt_ids=prompt, block_table=list(r.block_table),
                                reused_positions=int(r.reused_positions), max_new_tokens=10**6, k=k)
@@ -207,9 +216,11 @@ def plot(rows: list[dict], png: Path, meta: dict) -> None:
         ("served: Engine.step() in the runner", [r["step_us"] for r in rows]),
         ("served: whole turn", [r["turn_us"] for r in rows]),
         ("served, no kvstore verbs: whole turn", [r["no_verbs"]["turn_us"] for r in rows]),
+        *([("served, Publishes sent, answers not applied: whole turn", [r["unapplied"]["turn_us"] for r in rows])]
+          if all("unapplied" in r for r in rows) else []),
     ])
     ax.set_ylabel("host µs per step (median), forwards nulled")
-    ax.set_title(f"served engine turn vs engine alone — {meta['machine']}, {meta['date']}", fontsize=10)
+    ax.set_title(f"served engine turn vs engine alone\n{meta['machine']}, {meta['date']}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
@@ -223,6 +234,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--rounds", type=int, default=2, help="each case this many times, interleaved; the best kept")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine thread in the last case")
+    ap.add_argument("--unapplied", action="store_true",
+                    help="also serve each case with Publishes sent but their answers not applied (the courier's traffic alone)")
+    ap.add_argument("--pin", action="store_true",
+                    help="Linux: the engine thread (and the engine alone) on CPU 0, every other thread and process on the "
+                         "other CPUs: what is left of the served cost when no other work competes for the engine's core")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--png", type=Path)
     args = ap.parse_args()
@@ -231,6 +247,11 @@ def main() -> None:
     target, draft, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3, device="cpu", seed=0)
     cases = [(b, k) for b in map(int, args.batches.split(",")) for k in map(int, args.k.split(","))]
     best: dict[tuple, dict] = {}
+    others = set(range(os.cpu_count() or 1)) - {0}
+    if args.pin and not others:
+        raise SystemExit("--pin needs two CPUs or more")
+    if args.pin:
+        os.sched_setaffinity(0, others)  # the kvstore and reader processes and every thread inherit it
     with tempfile.TemporaryDirectory() as logs:
         suite = Suite()
         kv_port = free_port()
@@ -243,11 +264,18 @@ def main() -> None:
                 for r in range(args.rounds):
                     for b, k in cases:
                         n += 1
+                        if args.pin:
+                            os.sched_setaffinity(0, {0})
                         alone = run_case((target, draft), b, k, "split", args.steps)
-                        served = run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}")
-                        quiet = run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}q", verbs=False)
+                        if args.pin:
+                            os.sched_setaffinity(0, others)
+                        served = run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}", pin=args.pin)
+                        quiet = run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}q", verbs="none", pin=args.pin)
                         served["alone_us"] = alone["total_us"]
                         served["no_verbs"] = quiet
+                        if args.unapplied:
+                            served["unapplied"] = run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}u",
+                                                             verbs="unapplied", pin=args.pin)
                         key = (b, k)
                         if key not in best or served["turn_us"] < best[key]["turn_us"]:
                             best[key] = served
@@ -257,7 +285,10 @@ def main() -> None:
                               f"process {served['process_cpu_us']:.0f} us; "
                               f"fused {served['fused_share']:.0%} continued {served['continued_share']:.0%} "
                               f"(alone {alone['fused_share']:.0%} / {alone['continued_share']:.0%}); without kvstore verbs: turn "
-                              f"{quiet['turn_us']:.0f} us = step {quiet['step_us']:.0f} + outside {quiet['outside_us']:.0f}",
+                              f"{quiet['turn_us']:.0f} us = step {quiet['step_us']:.0f} + outside {quiet['outside_us']:.0f}"
+                              + (f"; Publishes sent, answers not applied: turn {served['unapplied']['turn_us']:.0f} us = step "
+                                 f"{served['unapplied']['step_us']:.0f}, engine thread CPU {served['unapplied']['engine_thread_cpu_us']:.0f}"
+                                 if args.unapplied else ""),
                               flush=True)
                 if args.profile:
                     b, k = cases[-1]
@@ -270,12 +301,14 @@ def main() -> None:
           "| engine / courier thread CPU µs a turn | no kvstore verbs: step, turn µs |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
-        q = row["no_verbs"]
+        q, u = row["no_verbs"], row.get("unapplied")
         print(f"| {row['batch']} | {row['k']} | {row['alone_us']:.0f} | {row['step_us']:.0f} | {row['turn_us']:.0f} "
               f"({row['outside_us']:.0f}) | {row['turn_us'] / row['alone_us']:.2f} | {row['engine_thread_cpu_us']:.0f} / "
-              f"{row['courier_thread_cpu_us']:.0f} | {q['step_us']:.0f}, {q['turn_us']:.0f} |")
+              f"{row['courier_thread_cpu_us']:.0f} | {q['step_us']:.0f}, {q['turn_us']:.0f} |"
+              + (f" Publishes sent, answers not applied: step {u['step_us']:.0f}, turn {u['turn_us']:.0f}, engine thread CPU "
+                 f"{u['engine_thread_cpu_us']:.0f} (no verbs {q['engine_thread_cpu_us']:.0f})" if u else ""))
     meta = machine()
-    meta["machine"] = f"{meta['cpu']}, {meta['nproc']} cores, Python {meta['python']}"
+    meta["machine"] = f"{meta['cpu']}, {meta['nproc']} cores, Python {meta['python']}" + (", engine pinned to CPU 0" if args.pin else "")
     if args.out:
         args.out.write_text(json.dumps({"meta": meta, "command": " ".join(sys.argv), "rows": rows}, indent=2))
     if args.png:
