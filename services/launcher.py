@@ -41,7 +41,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from services.common.paths import distilled_tiny_dir
 from services.common.server import INSTANCE_ENV, instance_service
 from services.common.settings import add_settings_flags, invalid_configuration, report_startup_error, settings_from_args
-from services.common.startup import EXIT_ENVIRONMENT, EXIT_FAILURE, PortInUse, StartupError, check_port_free
+from services.common.startup import EXIT_ENVIRONMENT, EXIT_FAILURE, PortInUse, StartupError, check_port_free, port_held
 from services.launch_plan import WorkerPlan, detect_gpus, installed_capabilities, plan_workers
 
 DEMO_PROMPT = "import os\n\n\ndef read_config(path):\n    "
@@ -128,12 +128,7 @@ def _lost_a_picked_port(child: Child) -> bool:
     if child.proc.poll() != EXIT_ENVIRONMENT:
         return False
     host = child.address.rsplit(":", 1)[0]
-    for flag in child.auto_ports:
-        try:
-            check_port_free(host, int(child.argv[child.argv.index(flag) + 1]))
-        except PortInUse:
-            return True
-    return False
+    return any(port_held(host, int(child.argv[child.argv.index(flag) + 1])) for flag in child.auto_ports)
 
 
 def _on_fresh_ports(child: Child) -> Child:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 
 from services.common.server import INSTANCE_ENV
-from services.common.startup import EXIT_ENVIRONMENT, PortInUse, StartupError, check_port_free
+from services.common.startup import EXIT_ENVIRONMENT, StartupError, port_held
 from services.launcher import wait_serving
 from tests.redis_server import free_port
 
@@ -32,13 +32,5 @@ def start_on_free_port(start: Callable[[int, dict[str, str]], subprocess.Popen],
             wait_serving(f"127.0.0.1:{port}", time.monotonic() + timeout_s, proc, instance=instance)
             return proc, port
         except StartupError:
-            if attempt == tries or proc.poll() != EXIT_ENVIRONMENT or not _held(port):
+            if attempt == tries or proc.poll() != EXIT_ENVIRONMENT or not port_held("127.0.0.1", port):
                 raise
-
-
-def _held(port: int) -> bool:
-    try:
-        check_port_free("127.0.0.1", port)
-    except PortInUse:
-        return True
-    return False

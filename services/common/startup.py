@@ -55,6 +55,15 @@ def check_port_free(host: str, port: int, what: str = "port") -> None:
         _bind(s, host, port, what)
 
 
+def port_held(host: str, port: int) -> bool:
+    """Whether another socket holds ``host:port`` now (a probe bind; changes nothing)."""
+    try:
+        check_port_free(host, port)
+    except PortInUse:
+        return True
+    return False
+
+
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
