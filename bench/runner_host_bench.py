@@ -5,13 +5,14 @@ served instead of alone.
 ``bench/engine_host_bench.py`` times ``Engine.step()`` with its forwards nulled. A served worker
 runs the same engine inside :class:`~services.gpuworker.runner.EngineRunner` in an engine process
 of its own, and every turn of that loop also moves the step's results to the gRPC process (one
-pickled message through a pipe), sends Publishes and ahead-of-need Extends to a real kvstore (the
-courier's thread, gRPC), and applies their answers. This script builds exactly that, minus the
+pickled message through a pipe), sends Publishes and ahead-of-need Extends to a real kvstore
+(through the courier's carrier: a process of its own by default, ``--carrier thread`` for a thread
+of the engine process), and applies their answers. This script builds exactly that, minus the
 device and the gRPC front::
 
     this process (the engine process)                                  other processes
     EngineRunner thread: step (forwards nulled) ─ results ─ flush ──pipe──▶ a reader that unpickles
-                         publishes / extends ─▶ courier thread ──gRPC──▶ tandem kvstore (memory)
+                         publishes / extends ──pipe──▶ carrier process ──gRPC──▶ tandem kvstore (memory)
 
     turn    wall time between two steps' ends on the engine thread (what bounds tokens/s)
     step    ``Engine.step()`` inside it (``on_step``'s elapsed)
@@ -21,11 +22,12 @@ and, for the same batch and k, the engine alone (``engine_host_bench.run_case``)
 served turn that costs more host time than the alone step is time the device waits. A third run
 serves the same batch with no kvstore traffic while it is timed (whole-run capacity reserved up
 front, Publishes prepared as served but dropped unsent): the difference is what sending the verbs
-and applying their answers cost, on the engine thread and through the courier thread's and the
-kvstore's competition for the GIL and the cores.
+and applying their answers cost, on the engine thread and through the carrier's and the kvstore's
+competition for the GIL and the cores.
 
 Run:   python bench/runner_host_bench.py                      # B = 16, 64; k = 0 and 3
        python bench/runner_host_bench.py --batches 64 --k 3 --profile   # + cProfile of the engine thread
+       python bench/runner_host_bench.py --batches 64 --thread-too      # + the thread carrier, for comparison
        python bench/runner_host_bench.py --out docs/runner_host_bench.json --png docs/img/runner_host_bench.png
 """
 
@@ -59,6 +61,7 @@ from services.common.wire import tokens_to_proto  # noqa: E402
 from services.gpuworker.engine.engine import Engine, EngineConfig  # noqa: E402
 from services.gpuworker.engine.request import RequestSpec  # noqa: E402
 from services.gpuworker.engine_process import PipeOutbox  # noqa: E402
+from services.gpuworker.kvstore_carrier import LinkRecipe, ProcessCarrier, ThreadCarrier  # noqa: E402
 from services.gpuworker.kvstore_courier import KVStoreCourier  # noqa: E402
 from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource  # noqa: E402
 from services.gpuworker.model.loader import load_model  # noqa: E402
@@ -79,14 +82,21 @@ def _drain(conn, ready) -> None:
         pass
 
 
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) another process has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str, profile: bool = False,
-               verbs: str = "all", pin: bool = False) -> dict:
+               verbs: str = "all", pin: bool = False, carrier: str = "process") -> dict:
     """``batch`` requests decoding for ever (forced acceptance k) in an EngineRunner over the
     kvstore at ``kv_addr``; times ``steps`` steps after the first ``WARM_STEPS`` decodes.
     ``verbs``: "all" as served; "none": no kvstore traffic while timing (each reservation holds
     the whole run's capacity from Reserve on, so no Extend is due, and Publishes are prepared but
     dropped unsent); "unapplied": the same capacity, Publishes sent as served but their answers
     not applied (the courier's traffic alone, without the engine thread's work on the answers).
+    ``carrier``: where the verbs are sent from, "process" (a CUDA worker's default) or "thread".
     ``pin``: the engine thread runs on CPU 0 alone (the caller keeps everything else off it)."""
     if verbs not in ("all", "none", "unapplied"):
         raise ValueError(f"verbs: all, none or unapplied, not {verbs!r}")
@@ -97,8 +107,15 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
     per_request = -(-(PROMPT + (steps + 3 * WARM_STEPS + 40) * (k + 1) + 16) // BLOCK)
     blocks = batch * per_request + 64
     link = KVStoreLink(kv_addr, timeout_s=10.0)
-    courier = KVStoreCourier()
-    source = ReservationBlockSource(link, courier)
+    if carrier == "process":
+        courier = KVStoreCourier(ProcessCarrier(LinkRecipe(kv_addr, 10.0, worker)))
+        pid = courier._carrier.pid
+        courier_clock = lambda: _process_cpu_s(pid)  # noqa: E731
+    else:
+        courier = KVStoreCourier(ThreadCarrier(link))
+        clock = time.pthread_getcpuclockid(courier._carrier._thread.ident)
+        courier_clock = lambda: time.clock_gettime(clock)  # noqa: E731
+    source = ReservationBlockSource(courier)
     config = EngineConfig(graphs="pad", overlap=True, fused_spec=k > 0, fused_graphs="split", max_draft_tokens=max(k, 1),
                           forced_acceptance=k if k else None, max_batch_size=batch, max_batch_tokens=4096, chunk_size=4096)
     engine = Engine(target, draft if k else None, backend, target.new_kv_pool(blocks + 1, BLOCK),
@@ -118,8 +135,7 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
 
     ends: list[float] = []
     inside: list[float] = []
-    cpu: list[tuple[float, float, float]] = []  # engine thread, courier thread, whole process (CPU s)
-    courier_clock = time.pthread_getcpuclockid(courier._thread.ident)
+    cpu: dict[int, tuple[float, float, float]] = {}  # engine thread, carrier, this process (CPU s)
     decoding = [0]  # steps in which every request got tokens
     swapped = threading.Event()
     prof = cProfile.Profile() if profile else None
@@ -140,9 +156,9 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
             return
         ends.append(time.perf_counter())
         inside.append(elapsed_s)
-        cpu.append((time.thread_time(), time.clock_gettime(courier_clock), time.process_time()))
-        if len(ends) in (WARM_STEPS, WARM_STEPS + steps):
+        if len(ends) in (WARM_STEPS, WARM_STEPS + steps):  # only here: reading /proc costs the engine thread
             counted[len(ends)] = (engine.fused_steps, engine.continued_steps)
+            cpu[len(ends)] = (time.thread_time(), courier_clock(), time.process_time())
         if prof is not None and len(ends) == WARM_STEPS:
             prof.enable()  # this thread's calls from here on
         if prof is not None and len(ends) == WARM_STEPS + steps:
@@ -189,7 +205,7 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
     turns = [b - a for a, b in zip(ends[WARM_STEPS - 1:], ends[WARM_STEPS:WARM_STEPS + steps])]
     steps_in = inside[WARM_STEPS:WARM_STEPS + steps]
     (f0, c0), (f1, c1) = counted[WARM_STEPS], counted[WARM_STEPS + steps]
-    first, last = cpu[WARM_STEPS - 1], cpu[WARM_STEPS + steps - 1]
+    first, last = cpu[WARM_STEPS], cpu[WARM_STEPS + steps]
     engine_cpu, courier_cpu, process_cpu = ((b - a) / steps * 1e6 for a, b in zip(first, last))
     row = {"batch": batch, "k": k, "steps": steps, "turn_us": statistics.median(turns) * 1e6,
            "engine_thread_cpu_us": engine_cpu, "courier_thread_cpu_us": courier_cpu, "process_cpu_us": process_cpu,
@@ -218,6 +234,8 @@ def plot(rows: list[dict], png: Path, meta: dict) -> None:
         ("served, no kvstore verbs: whole turn", [r["no_verbs"]["turn_us"] for r in rows]),
         *([("served, Publishes sent, answers not applied: whole turn", [r["unapplied"]["turn_us"] for r in rows])]
           if all("unapplied" in r for r in rows) else []),
+        *([("served, verbs from a thread of the engine process: whole turn", [r["thread"]["turn_us"] for r in rows])]
+          if all("thread" in r for r in rows) else []),
     ])
     ax.set_ylabel("host µs per step (median), forwards nulled")
     ax.set_title(f"served engine turn vs engine alone\n{meta['machine']}, {meta['date']}", fontsize=10)
@@ -236,6 +254,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the engine thread in the last case")
     ap.add_argument("--unapplied", action="store_true",
                     help="also serve each case with Publishes sent but their answers not applied (the courier's traffic alone)")
+    ap.add_argument("--carrier", choices=("process", "thread"), default="process",
+                    help="where the kvstore verbs are sent from: a carrier process (a CUDA worker's default) or a thread "
+                         "of the engine's process")
+    ap.add_argument("--thread-too", action="store_true",
+                    help="with --carrier process: also serve each case with the thread carrier (the GIL's share)")
     ap.add_argument("--pin", action="store_true",
                     help="Linux: the engine thread (and the engine alone) on CPU 0, every other thread and process on the "
                          "other CPUs: what is left of the served cost when no other work competes for the engine's core")
@@ -269,7 +292,11 @@ def main() -> None:
                         alone = run_case((target, draft), b, k, "split", args.steps)
                         if args.pin:
                             os.sched_setaffinity(0, others)
-                        served = run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}", pin=args.pin)
+                        served = run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}", pin=args.pin,
+                                            carrier=args.carrier)
+                        if args.thread_too:
+                            served["thread"] = run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}t",
+                                                          pin=args.pin, carrier="thread")
                         quiet = run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}q", verbs="none", pin=args.pin)
                         served["alone_us"] = alone["total_us"]
                         served["no_verbs"] = quiet
@@ -288,7 +315,9 @@ def main() -> None:
                               f"{quiet['turn_us']:.0f} us = step {quiet['step_us']:.0f} + outside {quiet['outside_us']:.0f}"
                               + (f"; Publishes sent, answers not applied: turn {served['unapplied']['turn_us']:.0f} us = step "
                                  f"{served['unapplied']['step_us']:.0f}, engine thread CPU {served['unapplied']['engine_thread_cpu_us']:.0f}"
-                                 if args.unapplied else ""),
+                                 if args.unapplied else "")
+                              + (f"; thread carrier: turn {served['thread']['turn_us']:.0f} us = step "
+                                 f"{served['thread']['step_us']:.0f}" if args.thread_too else ""),
                               flush=True)
                 if args.profile:
                     b, k = cases[-1]

@@ -1,11 +1,12 @@
-"""The kvstore off the engine's critical path: one background thread carries kvstore verbs in
-the order they were sent, and their answers are applied on the engine thread, in that same order.
+"""The kvstore off the engine's critical path: kvstore verbs go out in the order they were sent,
+through a carrier (``kvstore_carrier.py``: a thread, or a process of its own), and their answers
+are applied on the engine thread, in that same order.
 
-    engine thread                      courier thread                    kvstore
-    ── step N ──▶ send(Publish) ──────▶ Publish ─────────────────────────▶
-    ── step N+1 ─▶ send(Extend ahead) ─▶ Extend ──────────────────────────▶
+    engine thread                                      carrier                          kvstore
+    ── step N ──▶ send(Publish, after=fence N)         (held: fence N not done)
+    ── step N+1 ─▶ send(Extend ahead)  ─ fence N done ─▶ Publish, Extend ─────────────────▶
     drain(): on_done(Publish answer), on_done(Extend answer)   (between steps, FIFO)
-    call(Extend, needed now) ─ waits for everything before it, then drains ─▶ answer
+    call(Extend, needed now) ─ ships everything before it, waits for its answer, drains ─▶ answer
 
 Why one FIFO and answers applied in order: a Publish may deduplicate, i.e. free one of our blocks
 in the kvstore and pin another request's copy. Until the engine adopts the new table it may still
@@ -15,211 +16,252 @@ answers follow the Publish through this queue; a new request whose table holds a
 Publish in flight may free (that Publish's fresh blocks, never a reused prefix: the runner's
 ``_publishing``) is admitted only once that answer is applied.
 
-Riding through a kvstore outage (a failover to a standby, a restart): a call that failed
-because no kvstore took it is retried in place, with backoff, for up to ``retry_s``, so the FIFO
-order holds and the engine sees an answer, not the outage. Which failures are retried depends on
-the verb: the worker's verbs are safe to resend on any UNAVAILABLE (Extend and Trim name a target
-capacity, Abort is idempotent, Publish says how many tokens the kvstore held before it, a
-resent Release that had landed finds the reservation ended); other calls only when they
-provably changed nothing — no kvstore accepted the connection, or the kvstore answered that it
-lost its Redis lease before the change was durable.
+Why verbs wait here for their step's fence (DESIGN §2: a verb that frees blocks goes out only
+after the step that last wrote them completed on the device): the engine thread asks each fence
+``done()`` (an event query, no wait) whenever it sends or drains, and ships the verbs at the head
+of the queue whose fences are done; it waits on a fence only when it has nothing else to do
+(``wait_answer``, ``wait_idle``) or needs an answer now (``call``). Fences complete in order, so a
+step's verbs go out at the latest when the next step's verdict has come back.
 
-Not thread-safe except ``send``/``call`` internals: the engine thread alone sends, calls and
-drains.
+A verb is a link method's name and a function that builds its arguments when it is shipped, so a
+verb queued across a kvstore restart names the incarnation renewed meanwhile. Riding through an
+outage is the carrier's (``retryable``); a worker verb answered NOT_FOUND / FAILED_PRECONDITION
+comes back here as "stuck": if the kvstore forgot this worker (``forgot_us``: a memory kvstore
+restarted), the engine thread builds its arguments again, under the incarnation the worker
+re-registered with, and the carrier resends them.
+
+Not thread-safe: the engine thread alone sends, calls and drains.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.gpuworker.engine.fence import COMPLETE, StepFence
+from services.gpuworker.kvstore_carrier import (  # noqa: F401 - re-exported: the courier's vocabulary
+    IDEMPOTENT_KINDS,
+    Carrier,
+    CarrierGone,
+    LateAnswer,
+    ThreadCarrier,
+    portable,
+    retryable,
+)
 
 log = logging.getLogger(__name__)
 
 Done = Callable[[Any], None]  # receives the result, or the exception the call raised
-
-# "call" = the step's Extend. Publish carries known_tokens (a resend that landed appends nothing);
-# a resent Release that had landed is answered FAILED_PRECONDITION (ended), which is harmless.
-IDEMPOTENT_KINDS = frozenset({"extend", "trim", "abort", "call", "publish", "release"})
-# gRPC / kvstore texts of UNAVAILABLE answers where the call certainly changed nothing.
-_NOT_DELIVERED = ("failed to connect", "connection refused", "connections to all backends failing",
-                  "lost its redis lease", "redis lease was taken over", "unreachable past the lease")
+Args = Callable[[], tuple]  # builds a verb's arguments when it is shipped
 
 
-class LateAnswer(Unavailable):
-    """``call`` stopped waiting; the answer goes to its ``on_late`` when it comes."""
+@dataclass(slots=True)
+class _Verb:
+    seq: int
+    kind: str
+    method: str  # a KVStoreLink method
+    args: Args
+    on_done: Done | None
+    after: StepFence
+    generation: int = 0  # the link's re-registration count when it was shipped (see forgot_us)
 
-
-def retryable(kind: str, exc: BaseException) -> bool:
-    """Whether a failed call of ``kind`` may be sent again (pure; see the module docstring)."""
-    if not isinstance(exc, Unavailable):
-        return False
-    if kind in IDEMPOTENT_KINDS:
-        return True
-    text = exc.message.lower()
-    return any(marker in text for marker in _NOT_DELIVERED)
 
 
 class KVStoreCourier:
-    """A FIFO of kvstore calls run by one daemon thread; ``on_done`` callbacks run on the thread
+    """A FIFO of kvstore verbs carried by ``carrier``; ``on_done`` callbacks run on the thread
     that calls :meth:`drain` (the engine thread). Mutates only its own queues."""
 
-    def __init__(self, name: str = "kvstore-courier", *, retry_s: float = 10.0):
-        self.retry_s = retry_s  # how long one call is retried through a kvstore outage
-        self.retries = 0  # calls sent again (a counter for tests and logs)
-        self._cond = threading.Condition()
-        self._todo: collections.deque = collections.deque()  # (fn, on_done, kind, after)
-        self._done: collections.deque = collections.deque()  # (result, on_done, kind), FIFO
+    def __init__(self, carrier: Carrier):
+        self._carrier = carrier
+        self._next_seq = 0
+        self._held: collections.deque[_Verb] = collections.deque()  # sent, waiting for their fence
+        self._shipped: collections.deque[_Verb] = collections.deque()  # with the carrier, not applied
+        self._answers: dict[int, Any] = {}  # seq -> result, arrived, not applied yet
         self._in_flight: collections.Counter = collections.Counter()  # kind -> sent, not drained
         self._closed = False
-        self.on_answer: Callable[[], None] | None = None  # called (courier thread) when an answer is ready to drain
-        self._resending = False
-        # Set by the owner of the kvstore link: (generation) -> whether a reservation verb that
-        # failed NOT_FOUND / FAILED_PRECONDITION failed only because the kvstore forgot this
-        # worker (a memory kvstore restarted): it is then resent, once the worker re-registered
-        # with what it holds (``EngineRunner.reregister``), under the new incarnation.
+        self._gone: CarrierGone | None = None
+        self.resending = False  # the carrier is resending a verb through an outage right now
+        self.retries = 0  # verbs sent again (a counter for tests and logs)
+        # Set by the owner of the kvstore link: (generation) -> whether a verb that failed
+        # NOT_FOUND / FAILED_PRECONDITION failed only because the kvstore forgot this worker (a
+        # memory kvstore restarted): it is then resent, its arguments built again, once the
+        # worker re-registered with what it holds (``EngineRunner.reregister``).
         self.forgot_us: Callable[[int], bool] | None = None
         self.generation: Callable[[], int] = lambda: 0
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self.on_gone: Callable[[CarrierGone], None] | None = None  # the carrier died (once)
 
     # -- engine thread ----------------------------------------------------------------------------
 
-    def send(self, fn: Callable[[], Any], on_done: Done | None = None, kind: str = "other",
+    def send(self, kind: str, method: str, args: Args, on_done: Done | None = None, *,
              after: StepFence = COMPLETE) -> None:
-        """Queue ``fn`` (a blocking kvstore call), to run once ``after`` completed (the fence of
-        the step that last wrote blocks ``fn`` frees: the courier thread waits, not the engine).
-        Its result (or exception) reaches ``on_done`` at a later :meth:`drain`."""
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the kvstore courier is closed")
-            self._todo.append((fn, on_done, kind, after))
-            self._in_flight[kind] += 1
-            self._cond.notify_all()
+        """Queue ``link.<method>(*args())`` (a kvstore call; ``args`` runs when it is shipped),
+        to go out once ``after`` completed (the fence of the step that last wrote the blocks it
+        frees) and everything sent before it went. Its result (or exception) reaches
+        ``on_done`` at a later :meth:`drain`."""
+        if self._closed:
+            raise RuntimeError("the kvstore courier is closed")
+        self._next_seq += 1
+        self._held.append(_Verb(self._next_seq, kind, method, args, on_done, after))
+        self._in_flight[kind] += 1
+        self._ship(wait=False)
 
-    def call(self, fn: Callable[[], Any], *, wait_s: float | None = None, on_late: Done | None = None) -> Any:
-        """Run ``fn`` after everything sent before it, wait for it, apply every earlier answer
-        (``drain``), and return its result or raise its exception.
+    def call(self, method: str, args: Args, *, wait_s: float | None = None, on_late: Done | None = None) -> Any:
+        """Run ``link.<method>(*args())`` after everything sent before it, wait for it, apply
+        every earlier answer (``drain``), and return its result or raise its exception.
 
         With ``wait_s``, wait at most that long (0 while the courier is resending a call through
         an outage makes sense: it would wait behind it): if no answer came, raise ``Unavailable``
-        (``LateAnswer``) at once and hand the answer, when it comes, to ``on_late`` at a later ``drain`` — the
-        call still happens, in order; only the caller stops waiting for it."""
+        (``LateAnswer``) at once and hand the answer, when it comes, to ``on_late`` at a later
+        ``drain`` — the call still happens, in order; only the caller stops waiting for it."""
         box: list = []
-        late = [False]
-
-        def on_done(result) -> None:
-            if not late[0]:
-                box.append(result)
-            elif on_late is not None:
-                on_late(result)
-
-        self.send(fn, on_done, kind="call")
-        with self._cond:
-            answered = self._cond.wait_for(lambda: any(d[1] is on_done for d in self._done), wait_s)
-            late[0] = not answered  # on_done runs only in drain (this thread): no race
-        self.drain()
-        if not box:
+        self.send("call", method, args, box.append)
+        verb = self._held[-1] if self._held else self._shipped[-1]
+        self._ship(wait=True)
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while verb.seq not in self._answers:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                break
+            self._receive(remaining if remaining is not None else 1.0)
+        if verb.seq not in self._answers:
+            verb.on_done = on_late
+            self.drain()
             raise LateAnswer(f"kvstore did not answer within {wait_s:.2f} s; the call goes on without us")
+        self.drain()
         result = box[0]
         if isinstance(result, BaseException):
             raise result
         return result
 
-    @property
-    def resending(self) -> bool:
-        """A call is being resent through a kvstore outage right now (read-only, racy by design:
-        a hint for callers deciding whether to wait)."""
-        return self._resending
-
     def wait_answer(self, timeout_s: float) -> None:
         """Wait until some answer is ready to drain, or ``timeout_s`` passed (an engine with
-        nothing it can run waits here instead of spinning)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._done or self._closed, timeout_s)
+        nothing it can run waits here instead of spinning). Ships what waits for a fence first,
+        waiting for the device if it must."""
+        self._ship(wait=True)
+        if not self._answers and self._shipped:
+            self._receive(timeout_s)
+        elif not self._shipped:
+            time.sleep(timeout_s)  # nothing will answer: the caller's wait, as asked
 
     def drain(self) -> int:
-        """Apply the answers that arrived, in the order their calls were sent. Returns how many."""
+        """Ship what its fence allows, then apply the answers that arrived, in the order their
+        calls were sent. Returns how many."""
+        self._ship(wait=False)
+        self._receive(0)  # also how a carrier that died is noticed by an idle engine (one poll)
         applied = 0
-        while True:
-            with self._cond:
-                if not self._done:
-                    return applied
-                result, on_done, kind = self._done.popleft()
-                self._in_flight[kind] -= 1
-            if on_done is not None:
-                on_done(result)
+        while self._shipped and self._shipped[0].seq in self._answers:
+            verb = self._shipped.popleft()
+            result = self._answers.pop(verb.seq)
+            self._in_flight[verb.kind] -= 1
+            if verb.on_done is not None:
+                verb.on_done(result)
             applied += 1
+        return applied
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until every sent call has answered, then drain. False on timeout."""
-        with self._cond:
-            idle = self._cond.wait_for(lambda: not self._todo and sum(self._in_flight.values()) == len(self._done), timeout_s)
+        self._ship(wait=True)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while any(v.seq not in self._answers for v in self._shipped):
+            remaining = 1.0 if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._receive(remaining)
+        idle = not self._held and all(v.seq in self._answers for v in self._shipped)
         self.drain()
         return idle
 
+    @property
+    def busy(self) -> bool:
+        """Calls sent whose answers have not been drained (read-only)."""
+        return bool(self._held or self._shipped)
+
     def in_flight(self, kind: str) -> int:
         """Calls of ``kind`` sent whose answers have not been drained yet."""
-        with self._cond:
-            return self._in_flight[kind]
+        return self._in_flight[kind]
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Finish what was sent (answers are drained by the caller if it wants them) and stop."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout_s)
+        """Send what was sent (answers are drained by the caller if it wants them) and stop."""
+        if self._closed:
+            return
+        self._ship(wait=True)
+        self._closed = True
+        self._carrier.close(timeout_s)
 
-    # -- courier thread ---------------------------------------------------------------------------
+    # -- internals (engine thread) ------------------------------------------------------------------
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._todo or self._closed)
-                if not self._todo:
+    def _ship(self, *, wait: bool) -> None:
+        """Hand the carrier the held verbs whose fences completed, in order; with ``wait``, all
+        of them (waiting for the device)."""
+        while self._held:
+            verb = self._held[0]
+            if not verb.after.done():
+                if not wait:
                     return
-                fn, on_done, kind, after = self._todo.popleft()
+                verb.after.wait()
+            self._held.popleft()
+            self._shipped.append(verb)
+            if self._gone is not None:
+                self._answers[verb.seq] = self._gone
+                continue
             try:
-                after.wait()
-                result = self._attempt(fn, kind)
-            except Exception as exc:  # noqa: BLE001 - handed to on_done, which decides
-                result = exc
-            self._resending = False
-            with self._cond:
-                self._done.append((result, on_done, kind))
-                self._cond.notify_all()
-            if self.on_answer is not None:
-                self.on_answer()
+                args = verb.args()
+            except Exception as exc:  # noqa: BLE001 - a verb whose arguments cannot be built fails alone
+                self._answers[verb.seq] = exc
+                continue
+            verb.generation = self.generation()
+            self._carrier.put(("verb", verb.seq, verb.kind, verb.method, args))
 
-    def _forgotten(self, kind: str, exc: BaseException, generation: int) -> bool:
-        return (kind in IDEMPOTENT_KINDS and isinstance(exc, (NotFound, FailedPrecondition))
-                and self.forgot_us is not None and self.forgot_us(generation))
+    def _receive(self, timeout_s: float) -> None:
+        """Take the carrier's messages: the first waiting up to ``timeout_s``, then what is there."""
+        try:
+            message = self._carrier.get(timeout_s)
+            while message is not None:
+                self._take(message)
+                message = self._carrier.get(0)
+        except CarrierGone as exc:
+            self._lost(exc)
 
-    def _attempt(self, fn: Callable[[], Any], kind: str) -> Any:
-        """``fn()``, sent again with backoff (20 ms doubling to 0.1 s: a kvstore that is back is
-        used within 0.1 s, and a refused connection costs nothing) while it fails in a way
-        ``retryable`` allows, for up to ``retry_s``; then its last error is raised."""
-        deadline = time.monotonic() + self.retry_s
-        delay = 0.02
-        while True:
-            generation = self.generation()
-            try:
-                return fn()
-            except Exception as exc:
-                if not (retryable(kind, exc) or self._forgotten(kind, exc, generation)):
-                    raise
-                if time.monotonic() + delay > deadline or self._closed:
-                    raise
-                if self.retries % 50 == 0:
-                    log.warning("kvstore %s failed (%s); retrying for up to %.0f s", kind, exc, self.retry_s)
-                self.retries += 1
-                self._resending = True
-                time.sleep(delay)
-                delay = min(delay * 2, 0.1)
+    def _take(self, message: tuple) -> None:
+        kind, seq = message[0], message[1]
+        if kind == "answer":
+            self._answers[seq] = message[2]
+            self.resending = False
+        elif kind == "retrying":
+            self.resending = True
+            self.retries += 1
+        elif kind == "stuck":
+            self.resending = True
+            self.retries += 1
+            verb = next((v for v in self._shipped if v.seq == seq), None)
+            if verb is not None and self.forgot_us is not None and self.forgot_us(verb.generation):
+                try:
+                    args = verb.args()
+                except Exception:  # noqa: BLE001 - its error stands
+                    self._carrier.put(("give_up", seq))
+                    return
+                verb.generation = self.generation()
+                self._carrier.put(("resend", seq, args))
+            else:
+                self._carrier.put(("give_up", seq))
+
+    def _lost(self, exc: CarrierGone) -> None:
+        """The carrier died: every verb it held is answered with that, and so is every later one."""
+        if self._gone is not None:
+            return
+        self._gone = exc
+        log.error("%s", exc.message)
+        for verb in self._shipped:
+            self._answers.setdefault(verb.seq, exc)
+        if self.on_gone is not None:
+            self.on_gone(exc)
+
+
+def thread_courier(link, *, retry_s: float = 10.0) -> KVStoreCourier:
+    """A courier whose carrier is a thread of this process, over ``link``."""
+    return KVStoreCourier(ThreadCarrier(link, retry_s=retry_s))
 

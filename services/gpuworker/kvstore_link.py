@@ -1,13 +1,14 @@
 """The worker's side of the kvstore contract, over synchronous gRPC.
 
-* :class:`KVStoreLink` — register (new incarnation), heartbeat, and the reservation verbs the
-  engine thread calls between steps (Publish, Release, Abort). Every call has a deadline.
+* :class:`KVStoreLink` — register (new incarnation), heartbeat, and the reservation verbs
+  (Publish, Extend, Trim, Release, Abort), which the courier's carrier calls (a thread, or a
+  process of its own, so arguments and answers are plain values). Every call has a deadline.
 * :class:`ReservationBlockSource` — the engine's ``BlockSource`` protocol mapped onto ONE batched
   ``Extend`` and ONE batched ``Trim`` RPC per step (request id → reservation id), both carried by
   the worker's :class:`~services.gpuworker.kvstore_courier.KVStoreCourier`: the step waits for an
   Extend (it needs the blocks now, and ahead-of-need Extends make that rare) but not for a Trim.
 
-Called from the engine thread (reservation verbs) and the heartbeat thread (lease); gRPC stubs
+Called from a carrier (reservation verbs) and the heartbeat thread (lease); gRPC stubs
 are thread-safe and this module holds no other shared mutable state except the incarnation,
 which only :meth:`KVStoreLink.register` changes.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import grpc
 
@@ -33,10 +34,13 @@ from services.common.errors import (
 from services.common.channels import open_sync_channel
 from services.common.spec import SpecMode
 from services.common.wire import spec_mode_to_proto, tokens_to_proto
-from services.gpuworker.engine.fence import COMPLETE, StepFence
-from services.gpuworker.kvstore_courier import KVStoreCourier, LateAnswer
+from services.gpuworker.kvstore_carrier import LateAnswer
 from tandem.kvstore.v1 import kvstore_pb2 as kv
 from tandem.kvstore.v1 import kvstore_pb2_grpc
+
+if TYPE_CHECKING:  # a carrier process imports this module: no torch, no engine at run time
+    from services.gpuworker.engine.fence import StepFence
+    from services.gpuworker.kvstore_courier import KVStoreCourier
 
 log = logging.getLogger(__name__)
 
@@ -179,27 +183,38 @@ class KVStoreLink:
 
     # -- reservation verbs ------------------------------------------------------------------------
 
-    def publish_many(self, items: list[tuple[str, int, list[int], int, int]]) -> list[kv.PublishResponse | TandemError]:
+    def publish_many(self, items: list[tuple[str, int, list[int], int, int]]) -> list[PublishAnswer | TandemError | None]:
         """One PublishMany of ``items`` (reservation id, incarnation, new tokens, final positions,
         known tokens — ``known_tokens`` is what the kvstore holds before the new ones, which makes a
-        resend safe): per item its answer, or its error as a
-        typed domain error. A call
-        whose every item failed NOT_FOUND / FAILED_PRECONDITION raises that error instead, as a
-        lone Publish would: the courier then asks whether the kvstore forgot this worker (a
-        restart) and resends the whole batch once it re-registered."""
+        resend safe): per item its answer, or its error as a typed domain error. An item of
+        incarnation 0 (its reservation died with a memory kvstore) is not sent and answers None.
+        A call whose every item failed NOT_FOUND / FAILED_PRECONDITION raises that error
+        instead, as a lone Publish would: the courier then asks whether the kvstore forgot this
+        worker (a restart) and resends the whole batch once it re-registered."""
+        sent = [item for item in items if item[1]]
+        if not sent:
+            return [None] * len(items)
         request = kv.PublishManyRequest(items=[
             kv.PublishRequest(reservation_id=rid, incarnation=inc, new_tokens=tokens_to_proto(new), final_positions=final,
-                              known_tokens=known) for rid, inc, new, final, known in items])
+                              known_tokens=known) for rid, inc, new, final, known in sent])
         results = self._call(self._stub.PublishMany, request).results
-        if len(results) != len(items):
-            raise Unavailable(f"kvstore: PublishMany answered {len(results)} results for {len(items)} items")
-        answers = [r.response if r.code == 0 else _item_error(r) for r in results]
-        if answers and all(isinstance(a, (NotFound, FailedPrecondition)) for a in answers):
+        if len(results) != len(sent):
+            raise Unavailable(f"kvstore: PublishMany answered {len(results)} results for {len(sent)} items")
+        answers = [PublishAnswer(r.response.reservation.published_blocks, list(r.response.reservation.block_table))
+                   if r.code == 0 else _item_error(r) for r in results]
+        if all(isinstance(a, (NotFound, FailedPrecondition)) for a in answers):
             raise answers[0]
-        return answers
+        if len(sent) == len(items):
+            return answers
+        back = iter(answers)
+        return [next(back) if item[1] else None for item in items]
 
-    def release(self, reservation_id: str, incarnation: int, new_tokens, final_positions: int) -> kv.ReleaseResponse:
-        return self._call(
+    def release(self, reservation_id: str, incarnation: int, new_tokens, final_positions: int) -> bool:
+        """End the reservation, publishing what it computed. Incarnation 0 (it died with a memory
+        kvstore): nothing is sent, False."""
+        if not incarnation:
+            return False
+        self._call(
             self._stub.Release,
             kv.ReleaseRequest(
                 reservation_id=reservation_id,
@@ -208,20 +223,49 @@ class KVStoreLink:
                 final_positions=final_positions,
             ),
         )
+        return True
 
     def abort(self, reservation_id: str, incarnation: int) -> None:
-        """Abort, tolerating a reservation the kvstore already dropped (lease lapse, restart)."""
+        """Abort, tolerating a reservation the kvstore already dropped (lease lapse, restart;
+        incarnation 0: it died with a memory kvstore, nothing is sent)."""
+        if not incarnation:
+            return
         try:
             self._call(self._stub.Abort, kv.AbortRequest(reservation_id=reservation_id, incarnation=incarnation,
                                                          worker_id=self.worker_id))
         except (NotFound, FailedPrecondition) as exc:
             log.info("abort of %s: %s", reservation_id, exc.message)
 
-    def extend(self, items: list[kv.CapacityItem]) -> list[kv.CapacityResult]:
-        return list(self._call(self._stub.Extend, kv.ExtendRequest(items=items)).results)
+    def extend(self, items: list[tuple[str, int, int]]) -> list[CapacityAnswer]:
+        """One Extend of ``items`` (reservation id, incarnation, capacity in positions)."""
+        return _capacity(self._call(self._stub.Extend, kv.ExtendRequest(items=_capacity_items(items))).results)
 
-    def trim(self, items: list[kv.CapacityItem]) -> list[kv.CapacityResult]:
-        return list(self._call(self._stub.Trim, kv.TrimRequest(items=items)).results)
+    def trim(self, items: list[tuple[str, int, int]]) -> list[CapacityAnswer]:
+        """One Trim of ``items`` (reservation id, incarnation, capacity kept in positions)."""
+        return _capacity(self._call(self._stub.Trim, kv.TrimRequest(items=_capacity_items(items))).results)
+
+
+class PublishAnswer(NamedTuple):
+    """What a Publish answers that the worker uses (plain values: answers cross a pipe)."""
+
+    published_blocks: int
+    block_table: list[int]  # the reservation's table, deduplicated blocks remapped
+
+
+class CapacityAnswer(NamedTuple):
+    """One item of an Extend or Trim answer (plain values: answers cross a pipe)."""
+
+    code: int  # 0 = OK, else a gRPC status code
+    message: str
+    block_table: list[int]
+
+
+def _capacity_items(items: list[tuple[str, int, int]]) -> list[kv.CapacityItem]:
+    return [kv.CapacityItem(reservation_id=rid, incarnation=inc, capacity_positions=cap) for rid, inc, cap in items]
+
+
+def _capacity(results) -> list[CapacityAnswer]:
+    return [CapacityAnswer(r.code, r.message, list(r.block_table)) for r in results]
 
 
 class ReservationRef(Protocol):
@@ -241,8 +285,7 @@ class ReservationBlockSource:
     is named by its new one in every call queued after the owner updated it.
     """
 
-    def __init__(self, link: KVStoreLink, courier: KVStoreCourier, *, step_wait_s: float = 1.0):
-        self._link = link
+    def __init__(self, courier: KVStoreCourier, *, step_wait_s: float = 1.0):
         self._courier = courier
         self._bound: dict[str, ReservationRef] = {}  # request id -> its owner's record
         self.step_wait_s = step_wait_s  # longest a step waits for its own Extend
@@ -265,9 +308,8 @@ class ReservationBlockSource:
         bindings = [self._bound[rid] for rid in rids]
         caps = [wants[rid] for rid in rids]
 
-        def items() -> list[kv.CapacityItem]:
-            return [kv.CapacityItem(reservation_id=b.reservation_id, incarnation=b.incarnation, capacity_positions=c)
-                    for b, c in zip(bindings, caps)]
+        def items() -> tuple[list[tuple[str, int, int]]]:  # link.extend / link.trim's arguments
+            return ([(b.reservation_id, b.incarnation, c) for b, c in zip(bindings, caps)],)
 
         return rids, items
 
@@ -293,7 +335,7 @@ class ReservationBlockSource:
 
         self.pending.update(rids)
         try:
-            results = self._courier.call(lambda: self._link.extend(items()), wait_s=wait_s, on_late=late)
+            results = self._courier.call("extend", items, wait_s=wait_s, on_late=late)
         except LateAnswer as exc:  # still pending: ``late`` takes it off when the answer comes
             return {rid: exc for rid in wants}
         except TandemError as exc:  # the whole call failed: every item failed, nothing changed
@@ -309,7 +351,7 @@ class ReservationBlockSource:
             answers.setdefault(rid, Unavailable("kvstore: an Extend for this request is pending"))
         return answers
 
-    def trim(self, keeps: dict[str, int], *, after: StepFence = COMPLETE) -> dict[str, list[int]]:
+    def trim(self, keeps: dict[str, int], *, after: StepFence | None = None) -> dict[str, list[int]]:
         """Sent once ``after`` completed, not waited for: the engine cuts its tables as asked
         (answers nothing). A failed trim leaves the reservation as it was: keeping blocks is
         always safe."""
@@ -323,7 +365,10 @@ class ReservationBlockSource:
                 if result.code != 0:
                     log.warning("trim of %s failed: %s", rid, result.message)
 
-        self._courier.send(lambda: self._link.trim(items()), done, kind="trim", after=after)
+        if after is None:
+            self._courier.send("trim", "trim", items, done)
+        else:
+            self._courier.send("trim", "trim", items, done, after=after)
         return {}
 
 

@@ -6,13 +6,15 @@
 
 The engine is not thread-safe, so exactly one thread owns it. Between two steps that thread admits
 new requests, applies aborts, and hands kvstore verbs to the courier (``kvstore_courier.py``),
-which sends them in order on its own thread while the engine keeps stepping: Publish as soon as
-blocks become final (so concurrent requests can reuse them early), Extend ahead of need (a
-watermark of headroom, in chunks), Release when a request ends, Abort on failure or cancellation.
-A step waits for the kvstore only when a request has truly run out of capacity. Every verb that
-frees blocks is sent after the step that last wrote them has completed on the device, as DESIGN
-§2 requires: the courier thread waits on that step's fence (``engine/fence.py``), so the engine
-thread never waits for the device except for a step's accept/reject verdict; answers are applied on this thread, in the order the verbs were sent.
+whose carrier (a thread, or on CUDA a process of its own) sends them in order while the engine
+keeps stepping: Publish as soon as blocks become final (so concurrent requests can reuse them
+early), Extend ahead of need (a watermark of headroom, in chunks), Release when a request ends,
+Abort on failure or cancellation. A step waits for the kvstore only when a request has truly run
+out of capacity. Every verb that frees blocks is sent after the step that last wrote them has
+completed on the device, as DESIGN §2 requires: the courier holds it until that step's fence
+(``engine/fence.py``) reports done, which it asks without waiting, so the engine thread never
+waits for the device except for a step's accept/reject verdict; answers are applied on this
+thread, in the order the verbs were sent.
 """
 
 from __future__ import annotations
@@ -182,9 +184,6 @@ class EngineRunner:
         self._owned_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stop = threading.Event()
-        # an idle engine thread waits on its commands: a kvstore answer (a Release that lets the
-        # request id go, an Extend) wakes it instead of waiting out the poll
-        courier.on_answer = lambda: self._commands.put(("wake",))
         self.steps = 0
         self._on_step = on_step
         # Re-announced to a kvstore that forgot us (see reregister): what our pages hold, the
@@ -266,7 +265,14 @@ class EngineRunner:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._outbox.flush()
-            self._drain_commands(block=not self.engine.has_work() and not self._waiting)
+            idle = not self.engine.has_work() and not self._waiting
+            if idle and self.courier.busy:
+                # answers (a Release that lets a request id go) come from the courier, requests
+                # through the commands: wait on the first briefly, then look at the second
+                self.courier.wait_answer(0.002)
+                self._drain_commands(block=False)
+            else:
+                self._drain_commands(block=idle)
             if self._stop.is_set():
                 break
             self.courier.drain()
@@ -418,20 +424,15 @@ class EngineRunner:
         if not batch:
             return
 
-        def call():
-            # incarnations are read when it is sent: a kvstore restart may have renewed them
-            # (0: the reservation died with the kvstore's memory, nothing to publish)
-            incs = [p.job.incarnation for p in batch]  # read once: the engine thread may renew them
-            items = [(p.job.reservation_id, inc, p.new_tokens, p.final, p.known) for p, inc in zip(batch, incs) if inc]
-            answers = iter(self.link.publish_many(items) if items else ())
-            return [next(answers) if inc else None for inc in incs]
+        def args():  # built when it is shipped: a kvstore restart may have renewed incarnations
+            return ([(p.job.reservation_id, p.job.incarnation, p.new_tokens, p.final, p.known) for p in batch],)
 
         def done(answers) -> None:
             for i, p in enumerate(batch):
                 answer = answers if isinstance(answers, Exception) else answers[i]
                 self._published(p.job.spec.request_id, answer, p.at_risk)
 
-        self.courier.send(call, done, kind="publish", after=self.engine.last_fence)
+        self.courier.send("publish", "publish_many", args, done, after=self.engine.last_fence)
 
     def _published(self, rid: str, response, at_risk: list[int]) -> None:
         """A Publish answered (engine thread; possibly inside a step's blocking Extend, so
@@ -445,11 +446,11 @@ class EngineRunner:
             log.warning("publish for %s failed: %s", rid, response)
             self.cancel(rid, response if isinstance(response, TandemError) else Unavailable(str(response)))
             return
-        job.published_blocks = response.reservation.published_blocks
+        job.published_blocks = response.published_blocks
         # dedup: another request published the same blocks first; the kvstore freed our copy and
         # pinned theirs (identical KV by the publish invariant), so read theirs from now on
         try:
-            self.engine.remap_blocks(rid, list(response.reservation.block_table))
+            self.engine.remap_blocks(rid, response.block_table)
         except TandemError as exc:
             self.cancel(rid, exc)
 
@@ -461,7 +462,7 @@ class EngineRunner:
             return
         rids, items = self.source.extend_request(wants)
         self._extending.update(rids)
-        self.courier.send(lambda: self.link.extend(items()), lambda results: self._extended(rids, results), kind="extend")
+        self.courier.send("extend", "extend", items, lambda results: self._extended(rids, results))
 
     def _extended(self, rids: list[str], results) -> None:
         self._extending.difference_update(rids)
@@ -492,8 +493,8 @@ class EngineRunner:
             self._disown(rid)
 
         self._ending_jobs[rid] = job
-        self.courier.send(lambda: job.incarnation and self.link.release(job.reservation_id, job.incarnation, new_tokens, final),
-                          released, kind="release", after=self.engine.last_fence)
+        self.courier.send("release", "release", lambda: (job.reservation_id, job.incarnation, new_tokens, final),
+                          released, after=self.engine.last_fence)
         self._outbox.post(job, "done", result.finish_reason, self._usage(job, result.counts))
 
     def _fail(self, rid: str, exc: Exception) -> None:
@@ -526,8 +527,8 @@ class EngineRunner:
 
         # freed only once the last step that may have written these blocks completed
         self._ending_jobs[rid] = job
-        self.courier.send(lambda: job.incarnation and self.link.abort(job.reservation_id, job.incarnation), aborted,
-                          kind="abort", after=self.engine.last_fence)
+        self.courier.send("abort", "abort", lambda: (job.reservation_id, job.incarnation), aborted,
+                          after=self.engine.last_fence)
 
     def _on_table(self, rid: str, table) -> None:
         """The kvstore handed this table out: its blocks past the published ones are the

@@ -9,6 +9,7 @@ process of its own (``engine_process.py``); what the gRPC side needs to know abo
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from services.common.spec import SpecMode
 from services.common.startup import StartupError
 from services.gpuworker.build import build_engine
 from services.gpuworker.engine.report import StepReport
+from services.gpuworker.kvstore_carrier import CarrierGone, LinkRecipe, ProcessCarrier, ThreadCarrier
 from services.gpuworker.kvstore_courier import KVStoreCourier
 from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource
 from services.gpuworker.runner import EngineRunner, Outbox
@@ -55,8 +57,8 @@ def build_runtime(
     load or run, with one line."""
     if settings.gil_switch_interval_ms is not None:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
-    courier = KVStoreCourier()
-    source = ReservationBlockSource(link, courier)
+    courier = build_courier(settings, link)
+    source = ReservationBlockSource(courier)
     try:
         built = build_engine(settings, lambda _num_blocks: source)
     except TandemError as exc:  # a missing or unusable model folder, no room for KV: one line, not a traceback
@@ -89,3 +91,23 @@ def build_runtime(
         graphs=graphs,
     )
     return runner, facts
+
+
+def build_courier(settings: WorkerSettings, link: KVStoreLink) -> KVStoreCourier:
+    """The courier of the engine's kvstore verbs, its carrier as ``settings`` say: a process of
+    its own with its own link to the same kvstore, or a thread over ``link``."""
+    if not settings.carrier_process:
+        return KVStoreCourier(ThreadCarrier(link))
+    recipe = LinkRecipe(settings.kvstore, settings.rpc_timeout_s, settings.worker_id, settings.model_dump())
+    courier = KVStoreCourier(ProcessCarrier(recipe))
+    courier.on_gone = _carrier_gone
+    return courier
+
+
+def _carrier_gone(exc: CarrierGone) -> None:
+    """The carrier process died: no kvstore verb of this engine can be sent any more. Exit, so
+    the worker's gRPC process sees the engine process gone and stops, and a supervisor starts a
+    new incarnation (what is reserved dies with the lease)."""
+    log.critical("%s; the engine process exits", exc.message)
+    logging.shutdown()
+    os._exit(70)

@@ -49,6 +49,9 @@ class WorkerSettings(TandemSettings):
     engine_process: bool | None = Field(
         None, description="run the engine in an OS process of its own, beside the gRPC process (unset: on for CUDA, where the engine and gRPC streaming would share one GIL; off on CPU)"
     )
+    kvstore_carrier: Literal["thread", "process"] | None = Field(
+        None, description="what sends the engine's kvstore verbs: 'process', an OS process of its own (the engine thread then shares its GIL with nothing: a courier thread beside it cost a third of a served step at 64 requests, docs/benchmarks.md), or 'thread', a thread of the engine's process (unset: 'process' where the engine runs in its own process, else 'thread')"
+    )
     max_batch_size: int = Field(64, ge=1, description="requests per step")
     prefill_wait_steps: int = Field(0, ge=0, le=64, description="hold a new prompt up to this many engine steps while others decode, so one forward prefills several (TGI's max_waiting_tokens; 0: start every prompt at once)")
     prefill_batch: int = Field(4, ge=1, le=1024, description="with prefill_wait_steps: release the waiting prompts as soon as this many wait")
@@ -77,6 +80,11 @@ class WorkerSettings(TandemSettings):
     def separate_engine_process(self) -> bool:
         """``engine_process`` as set, or its device default."""
         return self.engine_process if self.engine_process is not None else self.on_cuda
+
+    @property
+    def carrier_process(self) -> bool:
+        """``kvstore_carrier`` as set, or its default: a process beside an engine process."""
+        return self.kvstore_carrier == "process" if self.kvstore_carrier is not None else self.separate_engine_process
 
     @property
     def step_tokens(self) -> int:

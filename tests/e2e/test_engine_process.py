@@ -26,6 +26,16 @@ def _engine(svc):
     return runner
 
 
+def _carriers_of(pid: int) -> list[int]:
+    """``pid``'s children that are kvstore carrier processes."""
+    found = []
+    for child in children_of(pid):
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"services.gpuworker.kvstore_carrier" in f.read():
+                found.append(child)
+    return found
+
+
 def _wait_disowned(runner) -> None:
     """Until the engine has disowned every request (once their Release or Abort was answered)."""
     end = time.monotonic() + TIMEOUT
@@ -160,13 +170,33 @@ def test_the_engine_process_does_not_outlive_a_killed_worker(suite):
         wait_registered(suite, "doomed", proc)
         children = children_of(proc.pid)
         assert children, "the worker has no engine process"
+        carriers = [pid for child in children for pid in _carriers_of(child)]
+        assert len(carriers) == 1, "the engine process sends its kvstore verbs from a carrier process"
+        children += carriers
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         end = time.monotonic() + 20
         while any(alive(pid) for pid in children):
-            assert time.monotonic() < end, "the engine process outlived its worker"
+            assert time.monotonic() < end, "the engine process or its carrier outlived the worker"
             time.sleep(0.1)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_dead_carrier_process_stops_the_engine_process_and_the_worker(suite):
+    """Without its carrier no kvstore verb of the engine can go out: the engine process exits,
+    and the worker stops with it, as when the engine process itself dies."""
+    svc = suite.add_worker("lonely", engine_process=True)
+    suite.add_router()
+    assert suite.generate(LONG_PREFIX, max_new_tokens=4)[0]  # verbs went through the carrier
+    engine = _engine(svc)
+    _wait_disowned(engine)  # every answer is in: the engine is idle, with nothing in flight
+    [carrier] = _carriers_of(engine.pid)
+    os.kill(carrier, signal.SIGKILL)
+    end = time.monotonic() + TIMEOUT
+    while svc.server.serving:
+        assert time.monotonic() < end, "the worker kept serving without a carrier"
+        time.sleep(0.05)
+    assert engine.exited and not alive(carrier)

@@ -1,21 +1,49 @@
-"""The courier that keeps the kvstore off the engine's critical path: calls run in the order they
-were sent, on its own thread; answers are applied only when the engine thread drains them, in
-that same order; a blocking call waits for everything sent before it."""
+"""The courier that keeps the kvstore off the engine's critical path: verbs go out in the order
+they were sent, each only once its step fence completed, through a carrier (a thread, or a
+process of its own); answers are applied only when the engine thread drains them, in that same
+order; a blocking call waits for everything sent before it.
+
+The semantics are pinned with a thread carrier over a link whose one method runs what it is given
+(a verb's behaviour, scripted per test); the process carrier is then driven against a real
+kvstore, through a real link in the carrier process."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
 import pytest
 
-from services.common.errors import Unavailable
+from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.gpuworker.engine.fence import COMPLETE
+from services.gpuworker.kvstore_carrier import CarrierGone, LinkRecipe, ProcessCarrier, ThreadCarrier, retryable
 from services.gpuworker.kvstore_courier import KVStoreCourier
+
+
+class RunLink:
+    """A link whose verb ``run(fn)`` answers ``fn()``; it records the carrier thread's name."""
+
+    def __init__(self):
+        self.threads: list[str] = []
+
+    def run(self, fn):
+        self.threads.append(threading.current_thread().name)
+        return fn()
+
+
+def send(courier: KVStoreCourier, fn, on_done=None, kind: str = "other", after=COMPLETE) -> None:
+    courier.send(kind, "run", lambda: (fn,), on_done, after=after)
+
+
+def call(courier: KVStoreCourier, fn, **kw):
+    return courier.call("run", lambda: (fn,), **kw)
 
 
 @pytest.fixture
 def courier():
-    c = KVStoreCourier(retry_s=0)  # no retries here: riding through outages is tested below
+    c = KVStoreCourier(ThreadCarrier(RunLink(), retry_s=0))  # no retries: outages are tested below
     yield c
     c.close()
 
@@ -23,44 +51,59 @@ def courier():
 def test_answers_are_applied_in_send_order_only_when_drained(courier):
     ran, applied = [], []
     gate = threading.Event()
-    courier.send(lambda: (gate.wait(5), ran.append("publish"))[1] or "p", applied.append, kind="publish")
-    courier.send(lambda: ran.append("extend") or "e", applied.append, kind="extend")
-    assert courier.in_flight("publish") == 1 and applied == []
+    send(courier, lambda: (gate.wait(5), ran.append("publish"))[1] or "p", applied.append, kind="publish")
+    send(courier, lambda: ran.append("extend") or "e", applied.append, kind="extend")
+    assert courier.in_flight("publish") == 1 and courier.busy and applied == []
     gate.set()
     assert courier.wait_idle(5)
     assert ran == ["publish", "extend"] and applied == ["p", "e"]
-    assert courier.in_flight("publish") == 0
+    assert courier.in_flight("publish") == 0 and not courier.busy
 
 
-def test_nothing_is_applied_on_the_courier_thread(courier):
+def test_nothing_is_applied_on_the_carrier_thread(courier):
     applied = []
-    courier.send(lambda: 1, lambda r: applied.append(threading.current_thread().name))
+    send(courier, lambda: 1, lambda r: applied.append(threading.current_thread().name))
     time.sleep(0.1)
     assert applied == []  # answered, but not drained yet
     courier.drain()
     assert applied == [threading.current_thread().name]
+    assert courier._carrier.loop.link.threads == ["kvstore-carrier"]  # the call itself ran there
 
 
 def test_call_waits_for_earlier_calls_and_applies_their_answers_first(courier):
     order = []
-    courier.send(lambda: time.sleep(0.05) or "slow", lambda r: order.append(r), kind="publish")
-    assert courier.call(lambda: "now") == "now"
+    send(courier, lambda: time.sleep(0.05) or "slow", lambda r: order.append(r), kind="publish")
+    assert call(courier, lambda: "now") == "now"
     assert order == ["slow"]  # the earlier answer was applied before call() returned
+
+
+def test_a_late_call_raises_and_its_answer_goes_to_on_late(courier):
+    from services.gpuworker.kvstore_carrier import LateAnswer
+
+    gate, late = threading.Event(), []
+    with pytest.raises(LateAnswer):
+        call(courier, lambda: gate.wait(5) and "at last", wait_s=0.05, on_late=late.append)
+    assert late == []
+    gate.set()
+    assert courier.wait_idle(5) and late == ["at last"]
 
 
 def test_exceptions_reach_on_done_or_the_caller(courier):
     got = []
-    courier.send(lambda: (_ for _ in ()).throw(Unavailable("kvstore down")), got.append)
+    send(courier, lambda: (_ for _ in ()).throw(Unavailable("kvstore down")), got.append)
     with pytest.raises(Unavailable):
-        courier.call(lambda: (_ for _ in ()).throw(Unavailable("still down")))
+        call(courier, lambda: (_ for _ in ()).throw(Unavailable("still down")))
     assert len(got) == 1 and isinstance(got[0], Unavailable)
+    # a bug in a verb reaches its caller as a RuntimeError naming it (what crosses a pipe)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        call(courier, lambda: 1 / 0)
 
 
 def test_closed_courier_refuses_new_calls():
-    c = KVStoreCourier()
+    c = KVStoreCourier(ThreadCarrier(RunLink()))
     c.close()
     with pytest.raises(RuntimeError):
-        c.send(lambda: None)
+        send(c, lambda: None)
 
 
 class GatedFence:
@@ -76,19 +119,32 @@ class GatedFence:
         return self.gate.is_set()
 
 
-def test_a_freeing_verb_waits_for_its_step_fence_off_the_engine_thread(courier):
+def test_a_freeing_verb_is_held_until_its_step_fence_completes_without_waiting_for_it(courier):
     """Release/Abort/Trim go out only after the step that wrote the blocks completed (DESIGN §2),
-    and the engine thread is not the one that waits: send returns at once."""
+    and the engine thread does not wait for the device: it asks the fence as it sends and drains."""
     fence, ran = GatedFence(), []
     t0 = time.monotonic()
-    courier.send(lambda: ran.append("release"), kind="release", after=fence)
-    courier.send(lambda: ran.append("publish"), kind="publish")  # FIFO: after the release
+    send(courier, lambda: ran.append("release"), kind="release", after=fence)
+    send(courier, lambda: ran.append("publish"), kind="publish")  # FIFO: after the release
+    assert courier.drain() == 0
     assert time.monotonic() - t0 < 1.0
     time.sleep(0.1)
     assert ran == [] and courier.in_flight("release") == 1
     fence.gate.set()
+    courier.drain()  # ships both now; their answers come later
     assert courier.wait_idle(5)
     assert ran == ["release", "publish"]
+
+
+def test_a_verbs_arguments_are_built_when_it_is_shipped(courier):
+    """A verb held behind a fence names what its owner holds when it goes out (an incarnation
+    renewed by a re-registration meanwhile), not what it held when it was queued."""
+    fence, seen = GatedFence(), []
+    job = {"incarnation": 1}
+    courier.send("release", "run", lambda: (lambda inc=job["incarnation"]: seen.append(inc) or inc,), after=fence)
+    job["incarnation"] = 2
+    fence.gate.set()
+    assert courier.wait_idle(5) and seen == [2]
 
 
 def test_cpu_steps_report_a_complete_fence():
@@ -114,25 +170,22 @@ def _flaky(failures: list[Exception], answer="ok"):
 
 
 def test_an_outage_is_ridden_through_where_a_retry_is_safe():
-    from services.common.errors import Unavailable
-    from services.gpuworker.kvstore_courier import retryable
-
-    c = KVStoreCourier(retry_s=5.0)
+    c = KVStoreCourier(ThreadCarrier(RunLink(), retry_s=5.0))
     try:
         # The step's Extend (idempotent: a target capacity) rides through any UNAVAILABLE.
         fn, calls = _flaky([Unavailable("kvstore: Socket closed"), Unavailable("kvstore: failed to connect to all addresses")])
-        assert c.call(fn) == "ok" and len(calls) == 3
+        assert call(c, fn) == "ok" and len(calls) == 3 and c.retries == 2 and not c.resending
         # The worker's Publish names the tokens the kvstore held before it: resent on any cut.
         got = []
         fn, calls = _flaky([Unavailable("kvstore: Stream removed (Socket closed)")])
-        c.send(fn, got.append, kind="publish")
+        send(c, fn, got.append, kind="publish")
         assert c.wait_idle(5) and got == ["ok"] and len(calls) == 2
         # Any other call is sent again only when it certainly changed nothing.
         got = []
         fn, calls = _flaky([Unavailable("kvstore: this instance lost its Redis lease (another kvstore leads); retry")])
-        c.send(fn, got.append, kind="other")
+        send(c, fn, got.append, kind="other")
         fn2, calls2 = _flaky([Unavailable("kvstore: Socket closed")])
-        c.send(fn2, got.append, kind="other")
+        send(c, fn2, got.append, kind="other")
         assert c.wait_idle(5)
         assert got[0] == "ok" and len(calls) == 2
         assert isinstance(got[1], Unavailable) and len(calls2) == 1  # ambiguous: not resent
@@ -140,15 +193,140 @@ def test_an_outage_is_ridden_through_where_a_retry_is_safe():
         c.close()
     assert not retryable("trim", ValueError("a bug is no outage"))
     # Bounded: past retry_s the last error is the answer.
-    c = KVStoreCourier(retry_s=0.1)
+    c = KVStoreCourier(ThreadCarrier(RunLink(), retry_s=0.1))
     try:
         fn, calls = _flaky([Unavailable("kvstore: failed to connect")] * 100)
-        try:
-            c.call(fn)
-        except Unavailable:
-            pass
-        else:
-            raise AssertionError("an outage longer than retry_s must surface")
+        with pytest.raises(Unavailable):
+            call(c, fn)
         assert 2 <= len(calls) < 10
     finally:
         c.close()
+
+
+class ForgetfulLink:
+    """A kvstore that knows only incarnation ``current``: verbs naming another are NOT_FOUND."""
+
+    def __init__(self, current: int):
+        self.current = current
+        self.seen: list[int] = []
+
+    def release(self, incarnation: int) -> int:
+        self.seen.append(incarnation)
+        if incarnation != self.current:
+            raise NotFound("kvstore: unknown reservation")
+        return incarnation
+
+
+@pytest.mark.parametrize("forgot", [True, False])
+def test_a_verb_the_kvstore_forgot_is_resent_with_its_arguments_built_again(forgot):
+    """A memory kvstore restarted: a worker verb answered NOT_FOUND is resent once the worker
+    re-registered, naming the new incarnation; if the kvstore did not forget us, the error stands."""
+    link, job = ForgetfulLink(current=2), {"incarnation": 1}
+    c = KVStoreCourier(ThreadCarrier(link, retry_s=5.0))
+
+    def forgot_us(generation: int) -> bool:
+        assert threading.current_thread() is threading.main_thread()  # asked on the engine thread
+        if forgot:
+            job["incarnation"] = 2  # the re-registration renewed it
+        return forgot
+
+    c.forgot_us = forgot_us
+    got = []
+    try:
+        c.send("release", "release", lambda: (job["incarnation"],), got.append)
+        send_after = []
+        c.send("other", "release", lambda: (2,), send_after.append)  # FIFO: waits behind the stuck verb
+        assert c.wait_idle(5)
+    finally:
+        c.close()
+    if forgot:
+        assert got == [2] and link.seen == [1, 2, 2]
+    else:
+        assert isinstance(got[0], NotFound) and link.seen == [1, 2]
+    assert send_after == [2]
+
+
+def test_a_worker_verb_of_an_unknown_kind_is_not_resent_when_forgotten():
+    link = ForgetfulLink(current=2)
+    c = KVStoreCourier(ThreadCarrier(link, retry_s=5.0))
+    c.forgot_us = lambda generation: True
+    got = []
+    try:
+        c.send("other", "release", lambda: (1,), got.append)
+        assert c.wait_idle(5)
+    finally:
+        c.close()
+    assert isinstance(got[0], NotFound) and link.seen == [1]
+
+
+# -- the process carrier, against a real kvstore ------------------------------------------------------
+
+
+def _registered(svc):
+    from services.common.spec import SpecMode
+    from services.gpuworker.kvstore_link import KVStoreLink
+
+    link = KVStoreLink(svc.address, timeout_s=2.0)
+    info = link.register(worker_id="w", address="x", model_id="m", spec_mode=SpecMode.NONE, mtp_depth=0,
+                         block_size=4, num_blocks=32, vocab_size=100, max_seq_len=64)
+    return link, info.incarnation
+
+
+def test_a_process_carrier_carries_every_verb_to_the_kvstore_in_order(start_kvstore):
+    from services.gpuworker.kvstore_link import CapacityAnswer, PublishAnswer
+
+    svc = start_kvstore()
+    link, inc = _registered(svc)
+    r = svc.in_loop(lambda: svc.payload.reserve(worker_id="w", incarnation=inc, request_id="q",
+                                                tokens=list(range(10)), headroom_positions=2))
+    carrier = ProcessCarrier(LinkRecipe(svc.address, 2.0, "w"))
+    c = KVStoreCourier(carrier)
+    got = []
+    try:
+        assert carrier.pid != os.getpid()
+        c.send("publish", "publish_many", lambda: ([(r.reservation_id, inc, [], 8, 0)],), got.append)
+        c.send("extend", "extend", lambda: ([(r.reservation_id, inc, 20)],), got.append)
+        c.send("trim", "trim", lambda: ([(r.reservation_id, inc, 16)],), got.append)
+        c.send("release", "release", lambda: (r.reservation_id, inc, [10, 11], 12), got.append)
+        c.send("abort", "abort", lambda: (r.reservation_id, inc), got.append)  # ended already: tolerated
+        assert c.wait_idle(10)
+        [published], [extended], [trimmed], released, aborted = got
+        assert isinstance(published, PublishAnswer) and published.published_blocks == 2
+        assert published.block_table == list(r.block_table)
+        assert isinstance(extended, CapacityAnswer) and extended.code == 0 and len(extended.block_table) == 5
+        assert trimmed.code == 0 and len(trimmed.block_table) == 4
+        assert released is True and aborted is None
+        stats = svc.in_loop(lambda: svc.payload.stats())
+        assert stats.live_reservations == 0
+        # a kvstore error comes back typed, and the carrier goes on
+        with pytest.raises(NotFound):
+            c.call("release", lambda: ("r-ghost", inc, [], 4))
+    finally:
+        c.close()
+        link.close()
+
+
+def test_a_dead_carrier_process_answers_every_verb_with_unavailable(start_kvstore):
+    svc = start_kvstore()
+    carrier = ProcessCarrier(LinkRecipe(svc.address, 2.0, "w"))
+    c = KVStoreCourier(carrier)
+    gone, got = [], []
+    c.on_gone = gone.append
+    try:
+        assert c.call("abort", lambda: ("r-x", 0)) is None  # up and answering
+        os.kill(carrier.pid, signal.SIGKILL)
+        c.send("abort", "abort", lambda: ("r-x", 0), got.append)
+        c.wait_idle(5)
+        c.send("abort", "abort", lambda: ("r-x", 0), got.append)  # after it is known gone
+        c.drain()
+        assert len(got) == 2 and all(isinstance(g, CarrierGone) for g in got)
+        assert len(gone) == 1 and isinstance(gone[0], Unavailable)
+    finally:
+        c.close()
+
+
+def test_failed_precondition_counts_as_forgotten_for_worker_verbs():
+    from services.gpuworker.kvstore_carrier import maybe_forgotten
+
+    assert maybe_forgotten("publish", FailedPrecondition("kvstore: stale incarnation"))
+    assert not maybe_forgotten("other", FailedPrecondition("x")) and not maybe_forgotten("publish", Unavailable("x"))

@@ -63,10 +63,15 @@ def test_publish_many_answers_per_item_and_raises_when_every_item_was_forgotten(
         inc = info.incarnation
         ok, bad, ghost = link.publish_many([(r.reservation_id, inc, [], 8, 0), (r.reservation_id, inc, [], 99, 0),
                                             ("r-ghost", inc, [], 4, 0)])
-        assert ok.reservation.published_blocks == 2
+        assert ok.published_blocks == 2 and ok.block_table == list(r.block_table)  # plain values: they cross a pipe
         assert isinstance(bad, InvalidArgument) and isinstance(ghost, NotFound)
         with pytest.raises(NotFound):
             link.publish_many([("r-ghost", inc, [], 4, 0)])
+        # incarnation 0: the reservation died with a memory kvstore; nothing is sent for it
+        assert link.publish_many([(r.reservation_id, 0, [], 8, 0)]) == [None]
+        dead, again = link.publish_many([("r-ghost", 0, [], 4, 0), (r.reservation_id, inc, [], 8, 0)])
+        assert dead is None and again.published_blocks == 2
+        assert link.release("r-ghost", 0, [], 4) is False and link.abort("r-ghost", 0) is None
         link.register(worker_id="w", address="x", model_id="m", spec_mode=SpecMode.NONE, mtp_depth=0,
                       block_size=4, num_blocks=16, vocab_size=100, max_seq_len=64)  # r died with incarnation inc
         with pytest.raises(FailedPrecondition):

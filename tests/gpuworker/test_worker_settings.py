@@ -46,7 +46,7 @@ def test_gil_switch_interval_is_applied_where_the_engine_runs(monkeypatch):
     def no_courier(*a, **k):  # stop right after the interval is set: nothing else is under test
         raise Stop
 
-    monkeypatch.setattr(runtime, "KVStoreCourier", no_courier)
+    monkeypatch.setattr(runtime, "build_courier", no_courier)
     with pytest.raises(Stop):
         runtime.build_runtime(WorkerSettings(gil_switch_interval_ms=0.5), link=None)
     assert seen == [0.0005]
