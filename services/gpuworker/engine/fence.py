@@ -3,12 +3,12 @@
 DESIGN §2 lets a worker free blocks (Trim, Release, Abort) only after the step that last wrote them
 completed on the device. Blocking the engine thread on ``torch.cuda.synchronize`` for that would
 serialize host and device every step; instead each step records a fence (a CUDA event at the end of
-its work on the stream) and whoever sends a freeing verb waits on the fence first — the kvstore
-courier thread, off the step::
+its work on the stream) and the kvstore courier holds a freeing verb until the fence reports done,
+which the engine thread asks (``done``: an event query, no wait) as it sends and drains::
 
-    engine thread   step N: launch ─ verdict ─ launch fill ─ record fence N ─┐  step N+1: plan, launch …
-    device                    [ target N ][ fill N ]·fence N                 │
-    courier thread                                   wait(fence N) ─────────▶ Trim / Release / Abort
+    engine thread   step N: launch ─ verdict ─ launch fill ─ record fence N ─┐  step N+1: … verdict ─ done(N)? ─ ship
+    device                    [ target N ][ fill N ]·fence N                 │                    Trim / Release / Abort
+    carrier                                                                  └───────────────────▶ to the kvstore
 
 The only host-device synchronisation left in a step is the accept/reject verdict.
 """
@@ -33,10 +33,10 @@ class StepFence:
     def record(cls, device: torch.device, *, blocking: bool = False) -> "StepFence":
         """A fence after everything queued so far on ``device``'s current stream. ``blocking``:
         a thread waiting on it sleeps until the device gets there (``cudaEventBlockingSync``)
-        instead of spinning in the driver. Right for a step's fence, which the courier waits on
-        nearly all the time while the engine thread launches the next step (a spinning waiter
-        holds a core and polls the same driver the launches go through); wrong for a verdict
-        the engine thread itself waits on, where a spin answers soonest."""
+        instead of spinning in the driver. Right for a step's fence, which is asked ``done`` every
+        turn and waited on only by an engine with nothing else to do (or a step that needs a
+        kvstore answer now); wrong for a verdict the engine thread waits on every step, where a
+        spin answers soonest."""
         if device.type != "cuda":
             return COMPLETE
         event = torch.cuda.Event(blocking=blocking)
