@@ -247,7 +247,7 @@ def worker_settings(args, model_dir: Path, a: int | None):
               backend="flashinfer" if gpu else "torch", dtype="bfloat16" if gpu else "float32",
               num_blocks=kv_blocks(args), forced_acceptance=a)
     for name in ("cuda_graphs", "overlap_steps", "fused_spec_steps", "fused_spec_graphs", "max_batch_tokens", "chunk_size", "gil_switch_interval_ms", "engine_process",
-                 "prefill_wait_steps", "prefill_batch"):
+                 "kvstore_carrier", "prefill_wait_steps", "prefill_batch"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     return WorkerSettings(**kw)
@@ -757,6 +757,8 @@ def parse_args(argv):
                    help="worker setting fused_spec_graphs (default: the worker's)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="worker setting engine_process (default: the worker's: own process on CUDA)")
+    p.add_argument("--kvstore-carrier", choices=("process", "thread"),
+                   help="worker setting kvstore_carrier (default: the worker's: a process beside an engine process)")
     p.add_argument("--max-batch-tokens", type=int, help="worker setting (default: the worker's)")
     p.add_argument("--chunk-size", type=int, help="worker setting (default: the worker's)")
     p.add_argument("--prefill-wait-steps", type=int,
