@@ -287,17 +287,25 @@ def _carrier_main(verbs: Connection, answers: Connection) -> None:
     _, recipe, retry_s, log_level = verbs.recv()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     link = recipe.build()
-    gone = [False]
+    gone = threading.Event()
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
 
-    def receive() -> tuple:
-        try:
-            return verbs.recv()
-        except (EOFError, OSError):
-            gone[0] = True  # the engine process is gone: nobody will read an answer
-            return ("close",)
+    def read() -> None:
+        """Empty the pipe as messages come, whatever the loop is doing (retrying through an
+        outage, say): the engine thread's sends must never block on a full pipe."""
+        while True:
+            try:
+                inbox.put(verbs.recv())
+            except (EOFError, OSError):
+                gone.set()  # the engine process is gone: nobody will read an answer
+                inbox.put(("close",))
+                return
 
     def abandoned() -> bool:
-        return gone[0] or os.getppid() != parent  # reparented: the engine process died
+        return gone.is_set() or os.getppid() != parent  # reparented: the engine process died
+
+    threading.Thread(target=read, name="verbs", daemon=True).start()
+    receive = inbox.get
 
     def answer(message: tuple) -> None:
         try:

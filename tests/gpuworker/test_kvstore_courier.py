@@ -330,3 +330,26 @@ def test_failed_precondition_counts_as_forgotten_for_worker_verbs():
 
     assert maybe_forgotten("publish", FailedPrecondition("kvstore: stale incarnation"))
     assert not maybe_forgotten("other", FailedPrecondition("x")) and not maybe_forgotten("publish", Unavailable("x"))
+
+
+def test_sending_never_blocks_on_a_carrier_process_that_is_riding_out_an_outage():
+    """No kvstore answers (an outage): the carrier retries its first verb, and the engine thread
+    goes on sending — megabytes, far past what a pipe buffers — without blocking on the pipe."""
+    from tests.free_ports import free_port
+
+    carrier = ProcessCarrier(LinkRecipe(f"127.0.0.1:{free_port()}", 1.0, "w"), retry_s=60.0)
+    c = KVStoreCourier(carrier)
+    try:
+        assert carrier.get(0.5) is None  # up, and nothing to say
+
+        def engine() -> None:
+            for i in range(300):
+                c.send("publish", "publish_many", lambda: ([(f"r-{i}", 1, list(range(2000)), 8, 0)],))
+
+        sender = threading.Thread(target=engine, daemon=True)  # a blocked send cannot time out: watch it
+        sender.start()
+        sender.join(10.0)
+        assert not sender.is_alive(), "the engine thread blocked sending to the carrier"
+        assert c.busy and c.drain() == 0
+    finally:
+        carrier.close(timeout_s=0.5)  # killed: its retries would take minutes
