@@ -5,7 +5,7 @@ sent and when (after the step fence of the blocks a verb frees) and applies the 
 only runs ``link.<method>(*args)`` for each verb and answers it by sequence number::
 
     engine thread (courier)                    carrier loop (own KVStoreLink)                kvstore
-    put ("verb", seq, kind, method, args) ───▶ FIFO ── link.<method>(*args) ─────────────────▶
+    put ("verbs", [(seq, kind, method, args), …]) ▶ FIFO ── link.<method>(*args) ────────────▶
     get ◀── ("answer", seq, result or typed error)
         ◀── ("retrying", seq)          an outage: resent in place, with backoff (``retryable``)
         ◀── ("stuck", seq, error)      NOT_FOUND / FAILED_PRECONDITION on a worker verb: did the
@@ -126,8 +126,8 @@ class _CarrierLoop:
 
     def _take(self, message: tuple) -> tuple | None:
         """File one message; a resend/give-up is returned to the caller waiting for it."""
-        if message[0] == "verb":
-            self._todo.append(message[1:])
+        if message[0] == "verbs":
+            self._todo.extend(message[1])
         elif message[0] == "close":
             self._closing = True
         else:

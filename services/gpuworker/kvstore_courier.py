@@ -99,15 +99,15 @@ class KVStoreCourier:
     def send(self, kind: str, method: str, args: Args, on_done: Done | None = None, *,
              after: StepFence = COMPLETE) -> None:
         """Queue ``link.<method>(*args())`` (a kvstore call; ``args`` runs when it is shipped),
-        to go out once ``after`` completed (the fence of the step that last wrote the blocks it
-        frees) and everything sent before it went. Its result (or exception) reaches
+        to go out at the next :meth:`drain` (or ``call``, ``wait_*``) once ``after`` completed
+        (the fence of the step that last wrote the blocks it frees) and everything sent before
+        it went: one message carries a turn's verbs. Its result (or exception) reaches
         ``on_done`` at a later :meth:`drain`."""
         if self._closed:
             raise RuntimeError("the kvstore courier is closed")
         self._next_seq += 1
         self._held.append(_Verb(self._next_seq, kind, method, args, on_done, after))
-        self._in_flight[kind] += 1
-        self._ship(wait=False)
+        self._in_flight[kind] += 1  # shipped at the next drain (the engine loop's next turn), with the turn's others
 
     def call(self, method: str, args: Args, *, wait_s: float | None = None, on_late: Done | None = None) -> Any:
         """Run ``link.<method>(*args())`` after everything sent before it, wait for it, apply
@@ -195,13 +195,15 @@ class KVStoreCourier:
     # -- internals (engine thread) ------------------------------------------------------------------
 
     def _ship(self, *, wait: bool) -> None:
-        """Hand the carrier the held verbs whose fences completed, in order; with ``wait``, all
-        of them (waiting for the device)."""
+        """Hand the carrier the held verbs whose fences completed, in order, as one message (each
+        message costs a pickle and a write that wakes the carrier); with ``wait``, all of them
+        (waiting for the device)."""
+        batch = []
         while self._held:
             verb = self._held[0]
             if not verb.after.done():
                 if not wait:
-                    return
+                    break
                 verb.after.wait()
             self._held.popleft()
             self._shipped.append(verb)
@@ -214,7 +216,9 @@ class KVStoreCourier:
                 self._answers[verb.seq] = exc
                 continue
             verb.generation = self.generation()
-            self._carrier.put(("verb", verb.seq, verb.kind, verb.method, args))
+            batch.append((verb.seq, verb.kind, verb.method, args))
+        if batch:
+            self._carrier.put(("verbs", batch))
 
     def _receive(self, timeout_s: float) -> None:
         """Take the carrier's messages: the first waiting up to ``timeout_s``, then what is there."""

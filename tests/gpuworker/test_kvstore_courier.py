@@ -63,11 +63,38 @@ def test_answers_are_applied_in_send_order_only_when_drained(courier):
 def test_nothing_is_applied_on_the_carrier_thread(courier):
     applied = []
     send(courier, lambda: 1, lambda r: applied.append(threading.current_thread().name))
+    assert courier.drain() == 0  # shipped now, with whatever else the turn sent
     time.sleep(0.1)
     assert applied == []  # answered, but not drained yet
     courier.drain()
     assert applied == [threading.current_thread().name]
     assert courier._carrier.loop.link.threads == ["kvstore-carrier"]  # the call itself ran there
+
+
+def test_a_turns_verbs_travel_as_one_message():
+    """Each message to a carrier process is a pickle and a write that wakes it: the verbs a turn
+    sent go out together at its drain, behind a fence that has not completed yet if need be."""
+    puts = []
+
+    class Counting(ThreadCarrier):
+        def put(self, message):
+            puts.append(message)
+            super().put(message)
+
+    c = KVStoreCourier(Counting(RunLink()))
+    fence = GatedFence()
+    try:
+        for kind in ("publish", "extend", "release"):
+            send(c, lambda: kind, kind=kind)
+        send(c, lambda: "held", kind="release", after=fence)
+        send(c, lambda: "after it", kind="abort")
+        assert puts == []
+        c.drain()
+        assert [m[0] for m in puts] == ["verbs"] and [v[1] for v in puts[0][1]] == ["publish", "extend", "release"]
+        fence.gate.set()
+        assert c.wait_idle(5) and [v[1] for v in puts[1][1]] == ["release", "abort"] and len(puts) == 2
+    finally:
+        c.close()
 
 
 def test_call_waits_for_earlier_calls_and_applies_their_answers_first(courier):
