@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -100,70 +101,98 @@ class Carrier(Protocol):
 
 
 class _CarrierLoop:
-    """The loop every carrier runs: take verbs, run them in order, answer each (blocking)."""
+    """The loop every carrier runs: take verbs, run them in order, answer each (blocking).
+
+    ``follows``: the link is the carrier's own (a process), so it takes the engine link's
+    registration (incarnation, re-registration count) from each message, for ``forgot_us``; a
+    thread carrier shares the engine's link and must not."""
 
     def __init__(self, link, retry_s: float, receive: Callable[[], tuple], answer: Callable[[tuple], None],
-                 abandoned: Callable[[], bool] = lambda: False):
+                 abandoned: Callable[[], bool] = lambda: False, *, follows: bool = True):
         self.link = link
-        self._abandoned = abandoned  # nobody will read our answers any more: stop, even mid-retry
         self.retry_s = retry_s
+        self.stopping = threading.Event()  # close was asked: no more retries (set as soon as it is known)
         self._receive = receive  # blocks until the next message from the engine thread
         self._answer = answer
-        self._todo: collections.deque = collections.deque()
-        self._closing = False
+        self._abandoned = abandoned  # nobody will read our answers any more: stop, even mid-retry
+        self._follows = follows
+        self._todo: collections.deque = collections.deque()  # [seq, kind, method, args, generation]
+        self._closed = False  # the close message was taken: stop once the verbs before it are done
         self._retries = 0
 
     def run(self) -> None:
         while True:
             while not self._todo:
-                if self._closing:
+                if self._closed or self._abandoned():
                     return
                 self._take(self._receive())
             if self._abandoned():
                 return
-            seq, kind, method, args = self._todo.popleft()
-            self._answer(("answer", seq, self._attempt(seq, kind, method, args)))
+            verb = self._todo.popleft()
+            self._answer(("answer", verb[0], self._attempt(verb)))
 
     def _take(self, message: tuple) -> tuple | None:
-        """File one message; a resend/give-up is returned to the caller waiting for it."""
-        if message[0] == "verbs":
-            self._todo.extend(message[1])
-        elif message[0] == "close":
-            self._closing = True
+        """File one message; a resend / give-up is returned to the caller waiting for it."""
+        kind = message[0]
+        if kind == "verbs":
+            _, batch, registration = message
+            self._follow(registration)
+            self._todo.extend([*verb, registration[1]] for verb in batch)
+        elif kind == "close":
+            self._closed = True
+            self.stopping.set()
         else:
             return message
         return None
 
+    def _follow(self, registration: tuple[int, int]) -> None:
+        if self._follows:
+            self.link.follow(*registration)
+
     def _reply_to(self, seq: int) -> tuple | None:
         """Wait for the engine thread's word on a stuck verb (None if we are told to close)."""
-        while not self._closing:
+        while not self._closed and not self._abandoned():
             reply = self._take(self._receive())
             if reply is not None and reply[1] == seq:
                 return reply
         return None
 
-    def _attempt(self, seq: int, kind: str, method: str, args: tuple) -> Any:
+    def _attempt(self, verb: list) -> Any:
         """``link.<method>(*args)``, sent again with backoff (20 ms doubling to 0.1 s: a kvstore
         that is back is used within 0.1 s, and a refused connection costs nothing) while it
-        fails in a way that allows it, for up to ``retry_s``; then its last error is the answer."""
+        fails in a way that allows it, for up to ``retry_s``; then its last error is the answer.
+
+        A worker verb answered NOT_FOUND / FAILED_PRECONDITION by a kvstore that forgot this
+        worker (``KVStoreLink.forgot_us``: one Heartbeat, here, off the engine thread) is
+        "stuck": the engine thread builds its arguments again, and those of every verb queued
+        behind it from before its re-registration, under the incarnation it holds now."""
+        seq, kind, method, args, generation = verb
         deadline = time.monotonic() + self.retry_s
         delay = 0.02
         while True:
             try:
                 return getattr(self.link, method)(*args)
             except Exception as exc:  # noqa: BLE001 - the answer, typed
-                if self._closing or self._abandoned() or time.monotonic() + delay > deadline:
+                if self.stopping.is_set() or self._abandoned() or time.monotonic() + delay > deadline:
                     return portable(exc)
                 if retryable(kind, exc):
                     if self._retries % 50 == 0:
                         log.warning("kvstore %s failed (%s); retrying for up to %.0f s", kind, exc, self.retry_s)
                     self._answer(("retrying", seq))
-                elif maybe_forgotten(kind, exc):
+                elif maybe_forgotten(kind, exc) and self.link.forgot_us(generation):
                     self._answer(("stuck", seq, portable(exc)))
                     reply = self._reply_to(seq)
                     if reply is None or reply[0] == "give_up":
                         return portable(exc)
-                    args = reply[2]  # ("resend", seq, args): built again under the new incarnation
+                    _, _, rebuilt, registration = reply  # ("resend", seq, {seq: args}, registration)
+                    self._follow(registration)
+                    for queued in self._todo:
+                        if queued[0] in rebuilt:
+                            queued[3], queued[4] = rebuilt[queued[0]], registration[1]
+                    args = rebuilt[seq]
+                    if registration[1] != generation:  # re-registered: the new arguments should land now
+                        generation = registration[1]
+                        continue
                 else:
                     return portable(exc)
                 self._retries += 1
@@ -177,7 +206,7 @@ class ThreadCarrier:
     def __init__(self, link, *, retry_s: float = 10.0, name: str = "kvstore-carrier"):
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.loop = _CarrierLoop(link, retry_s, self._inbox.get, self._outbox.put)
+        self.loop = _CarrierLoop(link, retry_s, self._inbox.get, self._outbox.put, follows=False)
         self._thread = threading.Thread(target=self.loop.run, name=name, daemon=True)
         self._thread.start()
 
@@ -191,6 +220,7 @@ class ThreadCarrier:
             return None
 
     def close(self, timeout_s: float = 5.0) -> None:
+        self.loop.stopping.set()  # a verb retrying through an outage gives up now
         self._inbox.put(("close",))
         self._thread.join(timeout_s)
 
@@ -221,19 +251,27 @@ class LinkRecipe:
 class ProcessCarrier:
     """A carrier in an OS process of its own, with its own kvstore link built from ``recipe``.
 
-    Started as a plain ``python -m services.gpuworker.kvstore_carrier`` over two pipes, not as a
-    ``multiprocessing`` child: the engine process that owns it is a daemonic ``multiprocessing``
-    child itself, which may not have children of its own that way. It exits when told to close or
-    when its parent's end of the pipe closes (the parent died)."""
+    Started as a plain ``python -P -m services.gpuworker.kvstore_carrier`` over two pipes, not as
+    a ``multiprocessing`` child: the engine process that owns it is a daemonic ``multiprocessing``
+    child itself, which may not have children of its own that way (``-P``: a ``services`` folder
+    in the working directory must not shadow ours). The constructor waits until it is up
+    (``CarrierGone`` if it cannot start). It ignores SIGINT and SIGTERM (a Ctrl-C reaches the
+    whole process group, and the engine still has Aborts to send while it stops) and exits when
+    told to close, or when its parent died."""
 
-    def __init__(self, recipe: LinkRecipe, *, retry_s: float = 10.0, name: str = "kvstore-carrier"):
+    def __init__(self, recipe: LinkRecipe, *, retry_s: float = 10.0, name: str = "kvstore-carrier",
+                 start_timeout_s: float = 60.0):
         verbs_in, verbs_out = os.pipe()
         answers_in, answers_out = os.pipe()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # what spawn hands a child
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "services.gpuworker.kvstore_carrier", str(verbs_in), str(answers_out), name],
+                [sys.executable, "-P", "-m", "services.gpuworker.kvstore_carrier", str(verbs_in), str(answers_out), name],
                 pass_fds=(verbs_in, answers_out), env=env, stdin=subprocess.DEVNULL)
+        except BaseException:
+            os.close(verbs_out)
+            os.close(answers_in)
+            raise
         finally:
             os.close(verbs_in)  # only the child holds these now: its exit closes the pipes for us
             os.close(answers_out)
@@ -241,6 +279,14 @@ class ProcessCarrier:
         self._answers = Connection(answers_in, writable=False)
         self._gone = False
         self.put(("start", recipe, retry_s, logging.getLogger().getEffectiveLevel()))
+        try:
+            ready = self.get(start_timeout_s)
+        except CarrierGone:
+            self.close(0.1)
+            raise
+        if ready != ("ready",):
+            self.close(0.1)
+            raise CarrierGone(f"the kvstore carrier process did not start within {start_timeout_s:.0f} s")
 
     @property
     def pid(self) -> int:
@@ -267,7 +313,7 @@ class ProcessCarrier:
             if not self._answers.poll(timeout_s):
                 return None
             return self._answers.recv()
-        except (EOFError, OSError):
+        except Exception:  # noqa: BLE001 - EOF, or a message we cannot read: either way it is lost to us
             raise self._lost() from None
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -276,36 +322,50 @@ class ProcessCarrier:
             self._process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self._process.kill()
-            self._process.wait(1.0)
+            try:
+                self._process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                log.error("the kvstore carrier process %d did not exit after SIGKILL", self._process.pid)
         self._verbs.close()
         self._answers.close()
 
 
 def _carrier_main(verbs: Connection, answers: Connection) -> None:
     """The carrier process: its first message says how to reach the kvstore."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
     _, recipe, retry_s, log_level = verbs.recv()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     link = recipe.build()
     gone = threading.Event()
     inbox: queue.SimpleQueue = queue.SimpleQueue()
+    loop: _CarrierLoop
+
+    def abandoned() -> bool:
+        return gone.is_set() or os.getppid() != parent  # reparented: the engine process died
 
     def read() -> None:
         """Empty the pipe as messages come, whatever the loop is doing (retrying through an
         outage, say): the engine thread's sends must never block on a full pipe."""
         while True:
             try:
-                inbox.put(verbs.recv())
-            except (EOFError, OSError):
-                gone.set()  # the engine process is gone: nobody will read an answer
+                message = verbs.recv()
+            except Exception:  # noqa: BLE001 - EOF (the engine process is gone) or unreadable: stop
+                gone.set()
                 inbox.put(("close",))
                 return
+            if message[0] == "close":
+                loop.stopping.set()  # stop retrying now, not when the loop reaches the message
+            inbox.put(message)
 
-    def abandoned() -> bool:
-        return gone.is_set() or os.getppid() != parent  # reparented: the engine process died
-
-    threading.Thread(target=read, name="verbs", daemon=True).start()
-    receive = inbox.get
+    def receive() -> tuple:
+        while True:  # an idle carrier still notices its parent dying
+            try:
+                return inbox.get(timeout=1.0)
+            except queue.Empty:
+                if abandoned():
+                    return ("close",)
 
     def answer(message: tuple) -> None:
         try:
@@ -313,8 +373,11 @@ def _carrier_main(verbs: Connection, answers: Connection) -> None:
         except (OSError, ValueError):
             pass  # nobody is listening any more
 
+    loop = _CarrierLoop(link, retry_s, receive, answer, abandoned)
+    threading.Thread(target=read, name="verbs", daemon=True).start()
+    answer(("ready",))
     try:
-        _CarrierLoop(link, retry_s, receive, answer, abandoned).run()
+        loop.run()
     finally:
         link.close()
 

@@ -25,10 +25,12 @@ step's verbs go out at the latest when the next step's verdict has come back.
 
 A verb is a link method's name and a function that builds its arguments when it is shipped, so a
 verb queued across a kvstore restart names the incarnation renewed meanwhile. Riding through an
-outage is the carrier's (``retryable``); a worker verb answered NOT_FOUND / FAILED_PRECONDITION
-comes back here as "stuck": if the kvstore forgot this worker (``forgot_us``: a memory kvstore
-restarted), the engine thread builds its arguments again, under the incarnation the worker
-re-registered with, and the carrier resends them.
+outage is the carrier's (``retryable``), and so is asking whether the kvstore forgot this worker
+when a worker verb is answered NOT_FOUND / FAILED_PRECONDITION (``KVStoreLink.forgot_us``, a
+Heartbeat: never on the engine thread). If it did (a memory kvstore restarted), the verb comes
+back here "stuck", and the engine thread builds its arguments again, with those of every verb
+shipped behind it before the worker re-registered, under the incarnation it holds now: one round
+trip however many verbs queued up during the outage.
 
 Not thread-safe: the engine thread alone sends, calls and drains.
 """
@@ -86,12 +88,11 @@ class KVStoreCourier:
         self._gone: CarrierGone | None = None
         self.resending = False  # the carrier is resending a verb through an outage right now
         self.retries = 0  # verbs sent again (a counter for tests and logs)
-        # Set by the owner of the kvstore link: (generation) -> whether a verb that failed
-        # NOT_FOUND / FAILED_PRECONDITION failed only because the kvstore forgot this worker (a
-        # memory kvstore restarted): it is then resent, its arguments built again, once the
-        # worker re-registered with what it holds (``EngineRunner.reregister``).
-        self.forgot_us: Callable[[int], bool] | None = None
-        self.generation: Callable[[], int] = lambda: 0
+        # Set by the owner of the kvstore link: its registration now, (incarnation, generation =
+        # re-registrations with held state so far). Each shipment carries it: a carrier with a link
+        # of its own follows it, and a verb the kvstore forgot (a memory kvstore restarted) is
+        # resent with its arguments built again once the generation moved (``EngineRunner.reregister``).
+        self.registration: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.on_gone: Callable[[CarrierGone], None] | None = None  # the carrier died (once)
 
     # -- engine thread ----------------------------------------------------------------------------
@@ -122,12 +123,12 @@ class KVStoreCourier:
         verb = self._held[-1] if self._held else self._shipped[-1]
         self._ship(wait=True)
         deadline = None if wait_s is None else time.monotonic() + wait_s
-        while verb.seq not in self._answers:
+        while not self._answered_through(verb.seq):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 break
             self._receive(remaining if remaining is not None else 1.0)
-        if verb.seq not in self._answers:
+        if not self._answered_through(verb.seq):
             verb.on_done = on_late
             self.drain()
             raise LateAnswer(f"kvstore did not answer within {wait_s:.2f} s; the call goes on without us")
@@ -147,10 +148,12 @@ class KVStoreCourier:
         elif not self._shipped:
             time.sleep(timeout_s)  # nothing will answer: the caller's wait, as asked
 
-    def drain(self) -> int:
-        """Ship what its fence allows, then apply the answers that arrived, in the order their
-        calls were sent. Returns how many."""
-        self._ship(wait=False)
+    def drain(self, *, ship: bool = True) -> int:
+        """Ship what its fence allows (unless ``ship`` is False: a re-registration that will renew
+        the incarnations the held verbs name), then apply the answers that arrived, in the order
+        their calls were sent. Returns how many."""
+        if ship:
+            self._ship(wait=False)
         self._receive(0)  # also how a carrier that died is noticed by an idle engine (one poll)
         applied = 0
         while self._shipped and self._shipped[0].seq in self._answers:
@@ -199,6 +202,7 @@ class KVStoreCourier:
         message costs a pickle and a write that wakes the carrier); with ``wait``, all of them
         (waiting for the device)."""
         batch = []
+        registration = self.registration()
         while self._held:
             verb = self._held[0]
             if not verb.after.done():
@@ -215,10 +219,14 @@ class KVStoreCourier:
             except Exception as exc:  # noqa: BLE001 - a verb whose arguments cannot be built fails alone
                 self._answers[verb.seq] = exc
                 continue
-            verb.generation = self.generation()
+            verb.generation = registration[1]
             batch.append((verb.seq, verb.kind, verb.method, args))
         if batch:
-            self._carrier.put(("verbs", batch))
+            self._carrier.put(("verbs", batch, registration))
+
+    def _answered_through(self, seq: int) -> bool:
+        """Every verb shipped up to ``seq`` has its answer here (``drain`` can apply them all)."""
+        return all(v.seq in self._answers for v in self._shipped if v.seq <= seq)
 
     def _receive(self, timeout_s: float) -> None:
         """Take the carrier's messages: the first waiting up to ``timeout_s``, then what is there."""
@@ -239,17 +247,21 @@ class KVStoreCourier:
             self.resending = True
             self.retries += 1
         elif kind == "stuck":
+            # the carrier found the kvstore forgot us: build the stuck verb's arguments again, and
+            # those of every verb shipped behind it before the worker re-registered, in one reply
             self.resending = True
             self.retries += 1
-            verb = next((v for v in self._shipped if v.seq == seq), None)
-            if verb is not None and self.forgot_us is not None and self.forgot_us(verb.generation):
-                try:
-                    args = verb.args()
-                except Exception:  # noqa: BLE001 - its error stands
-                    self._carrier.put(("give_up", seq))
-                    return
-                verb.generation = self.generation()
-                self._carrier.put(("resend", seq, args))
+            registration = self.registration()
+            rebuilt = {}
+            for verb in self._shipped:
+                if verb.seq not in self._answers and (verb.seq == seq or verb.generation != registration[1]):
+                    try:
+                        rebuilt[verb.seq] = verb.args()
+                    except Exception:  # noqa: BLE001 - its first arguments stand; its error will too
+                        continue
+                    verb.generation = registration[1]
+            if seq in rebuilt:
+                self._carrier.put(("resend", seq, rebuilt, registration))
             else:
                 self._carrier.put(("give_up", seq))
 

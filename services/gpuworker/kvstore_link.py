@@ -148,6 +148,14 @@ class KVStoreLink:
             if restored:
                 self.generation += 1
 
+    def follow(self, incarnation: int, generation: int) -> None:
+        """Take the registration of the link that owns it (a carrier process's link follows the
+        engine's): the incarnation Heartbeats name, and the re-registration count ``forgot_us``
+        compares with."""
+        with self._lock:
+            self.incarnation = incarnation
+            self.generation = generation
+
     def forgot_us(self, generation: int) -> bool:
         """Whether a verb sent at ``generation`` that the kvstore answered NOT_FOUND or
         FAILED_PRECONDITION may have failed only because the kvstore forgot this worker: we

@@ -195,8 +195,7 @@ class EngineRunner:
         self._stale_below = 0  # jobs of incarnations below this were not re-announced
         source.on_table = self._on_table
         source.on_late = self._extended
-        courier.forgot_us = link.forgot_us  # resend verbs through a memory kvstore restart
-        courier.generation = lambda: link.generation
+        courier.registration = lambda: (link.incarnation, link.generation)  # see KVStoreCourier
 
     # -- any thread ---------------------------------------------------------------------------------
 
@@ -540,7 +539,9 @@ class EngineRunner:
     def _reregister(self, registration: dict) -> int:
         """See ``reregister`` (engine thread, between steps)."""
         self._drain_commands(block=False)  # requests that arrived are announced with the rest
-        self.courier.drain()  # adopt every answer that came (a dedup remap, an Extend)
+        # adopt every answer that came (a dedup remap, an Extend); the held verbs stay held, to
+        # be shipped under the incarnation this re-registration renews
+        self.courier.drain(ship=False)
         self.engine.last_fence.wait()  # what the kvstore is told is what the pages hold
         bs = self.engine.block_size
         waiting = [  # admitted once no Publish is in flight: nothing ran yet

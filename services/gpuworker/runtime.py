@@ -57,7 +57,10 @@ def build_runtime(
     load or run, with one line."""
     if settings.gil_switch_interval_ms is not None:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
-    courier = build_courier(settings, link)
+    try:
+        courier = build_courier(settings, link)
+    except CarrierGone as exc:
+        raise StartupError(f"cannot start the kvstore carrier process: {exc.message}") from None
     source = ReservationBlockSource(courier)
     try:
         built = build_engine(settings, lambda _num_blocks: source)
@@ -98,7 +101,7 @@ def build_courier(settings: WorkerSettings, link: KVStoreLink) -> KVStoreCourier
     its own with its own link to the same kvstore, or a thread over ``link``."""
     if not settings.carrier_process:
         return KVStoreCourier(ThreadCarrier(link))
-    recipe = LinkRecipe(settings.kvstore, settings.rpc_timeout_s, settings.worker_id, settings.model_dump())
+    recipe = LinkRecipe(link.address, link.timeout_s, settings.worker_id, settings.model_dump())
     courier = KVStoreCourier(ProcessCarrier(recipe))
     courier.on_gone = _carrier_gone
     return courier

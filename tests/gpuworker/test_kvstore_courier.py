@@ -231,11 +231,14 @@ def test_an_outage_is_ridden_through_where_a_retry_is_safe():
 
 
 class ForgetfulLink:
-    """A kvstore that knows only incarnation ``current``: verbs naming another are NOT_FOUND."""
+    """A kvstore that knows only incarnation ``current``: verbs naming another are NOT_FOUND.
+    ``forgot_us`` (asked by the carrier, off the engine thread) answers ``forgot``, and with it
+    the worker "re-registers": its job's incarnation and the link's generation move."""
 
-    def __init__(self, current: int):
-        self.current = current
+    def __init__(self, current: int, job: dict, forgot: bool):
+        self.current, self.job, self.forgot = current, job, forgot
         self.seen: list[int] = []
+        self.asked_on: list[str] = []
 
     def release(self, incarnation: int) -> int:
         self.seen.append(incarnation)
@@ -243,26 +246,31 @@ class ForgetfulLink:
             raise NotFound("kvstore: unknown reservation")
         return incarnation
 
+    def forgot_us(self, generation: int) -> bool:
+        self.asked_on.append(threading.current_thread().name)
+        if self.forgot:
+            self.job.update(incarnation=self.current, generation=generation + 1)
+        return self.forgot
+
+
+def _forgetful(forgot: bool):
+    job = {"incarnation": 1, "generation": 0}
+    link = ForgetfulLink(2, job, forgot)
+    c = KVStoreCourier(ThreadCarrier(link, retry_s=5.0))
+    c.registration = lambda: (job["incarnation"], job["generation"])
+    return c, link, job
+
 
 @pytest.mark.parametrize("forgot", [True, False])
 def test_a_verb_the_kvstore_forgot_is_resent_with_its_arguments_built_again(forgot):
     """A memory kvstore restarted: a worker verb answered NOT_FOUND is resent once the worker
-    re-registered, naming the new incarnation; if the kvstore did not forget us, the error stands."""
-    link, job = ForgetfulLink(current=2), {"incarnation": 1}
-    c = KVStoreCourier(ThreadCarrier(link, retry_s=5.0))
-
-    def forgot_us(generation: int) -> bool:
-        assert threading.current_thread() is threading.main_thread()  # asked on the engine thread
-        if forgot:
-            job["incarnation"] = 2  # the re-registration renewed it
-        return forgot
-
-    c.forgot_us = forgot_us
-    got = []
+    re-registered, naming the new incarnation; if the kvstore did not forget us, the error stands.
+    Whether it forgot is asked off the engine thread (a Heartbeat)."""
+    c, link, job = _forgetful(forgot)
+    got, after = [], []
     try:
         c.send("release", "release", lambda: (job["incarnation"],), got.append)
-        send_after = []
-        c.send("other", "release", lambda: (2,), send_after.append)  # FIFO: waits behind the stuck verb
+        c.send("other", "release", lambda: (2,), after.append)  # FIFO: waits behind the stuck verb
         assert c.wait_idle(5)
     finally:
         c.close()
@@ -270,20 +278,34 @@ def test_a_verb_the_kvstore_forgot_is_resent_with_its_arguments_built_again(forg
         assert got == [2] and link.seen == [1, 2, 2]
     else:
         assert isinstance(got[0], NotFound) and link.seen == [1, 2]
-    assert send_after == [2]
+    assert after == [2] and link.asked_on == ["kvstore-carrier"]
+
+
+def test_verbs_queued_through_a_restart_are_all_rebuilt_in_one_round_trip():
+    """Fifty verbs shipped before the worker re-registered: the first comes back stuck, and the
+    engine thread rebuilds every one of them at once: each is sent once more at most, at once."""
+    c, link, job = _forgetful(True)
+    got = []
+    try:
+        for _ in range(50):
+            c.send("release", "release", lambda: (job["incarnation"],), got.append)
+        started = time.monotonic()
+        assert c.wait_idle(5)
+        assert time.monotonic() - started < 1.0
+    finally:
+        c.close()
+    assert got == [2] * 50 and link.seen == [1] + [2] * 50 and link.asked_on == ["kvstore-carrier"]
 
 
 def test_a_worker_verb_of_an_unknown_kind_is_not_resent_when_forgotten():
-    link = ForgetfulLink(current=2)
-    c = KVStoreCourier(ThreadCarrier(link, retry_s=5.0))
-    c.forgot_us = lambda generation: True
+    c, link, job = _forgetful(True)
     got = []
     try:
         c.send("other", "release", lambda: (1,), got.append)
         assert c.wait_idle(5)
     finally:
         c.close()
-    assert isinstance(got[0], NotFound) and link.seen == [1]
+    assert isinstance(got[0], NotFound) and link.seen == [1] and link.asked_on == []
 
 
 # -- the process carrier, against a real kvstore ------------------------------------------------------
@@ -308,6 +330,7 @@ def test_a_process_carrier_carries_every_verb_to_the_kvstore_in_order(start_kvst
                                                 tokens=list(range(10)), headroom_positions=2))
     carrier = ProcessCarrier(LinkRecipe(svc.address, 2.0, "w"))
     c = KVStoreCourier(carrier)
+    c.registration = lambda: (inc, 0)  # the carrier's link follows it (its Heartbeats name it)
     got = []
     try:
         assert carrier.pid != os.getpid()
@@ -325,9 +348,11 @@ def test_a_process_carrier_carries_every_verb_to_the_kvstore_in_order(start_kvst
         assert released is True and aborted is None
         stats = svc.in_loop(lambda: svc.payload.stats())
         assert stats.live_reservations == 0
-        # a kvstore error comes back typed, and the carrier goes on
+        # a kvstore error comes back typed, at once (the kvstore knows us: nothing to resend)
+        started = time.monotonic()
         with pytest.raises(NotFound):
             c.call("release", lambda: ("r-ghost", inc, [], 4))
+        assert time.monotonic() - started < 2.0 and c.retries == 0
     finally:
         c.close()
         link.close()
@@ -380,3 +405,48 @@ def test_sending_never_blocks_on_a_carrier_process_that_is_riding_out_an_outage(
         assert c.busy and c.drain() == 0
     finally:
         carrier.close(timeout_s=0.5)  # killed: its retries would take minutes
+
+
+def test_a_carrier_process_starts_whatever_the_working_directory_holds(tmp_path, monkeypatch, start_kvstore):
+    """A ``services`` package in the working directory (a user's project) must not shadow ours."""
+    (tmp_path / "services").mkdir()
+    (tmp_path / "services" / "__init__.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    svc = start_kvstore()
+    c = KVStoreCourier(ProcessCarrier(LinkRecipe(svc.address, 2.0, "w")))
+    try:
+        assert c.call("abort", lambda: ("r-x", 0)) is None
+    finally:
+        c.close()
+
+
+def test_a_carrier_process_that_cannot_start_says_so_at_once():
+    with pytest.raises(CarrierGone):
+        ProcessCarrier(LinkRecipe("127.0.0.1:1", 1.0, "w", settings={"port": -5}), start_timeout_s=30)
+
+
+def test_a_carrier_process_ignores_ctrl_c(start_kvstore):
+    """Ctrl-C reaches the whole process group; the engine still has Aborts to send as it stops,
+    so its carrier must outlive the signal and leave when it is told to."""
+    svc = start_kvstore()
+    carrier = ProcessCarrier(LinkRecipe(svc.address, 2.0, "w"))
+    c = KVStoreCourier(carrier)
+    try:
+        os.kill(carrier.pid, signal.SIGINT)
+        os.kill(carrier.pid, signal.SIGTERM)
+        time.sleep(0.2)
+        assert c.call("abort", lambda: ("r-x", 0)) is None
+    finally:
+        c.close()
+    assert carrier._process.wait(5) == 0
+
+
+def test_closing_stops_a_verb_retrying_through_an_outage():
+    c = KVStoreCourier(ThreadCarrier(RunLink(), retry_s=60.0))
+    fn, calls = _flaky([Unavailable("kvstore: failed to connect")] * 10_000)
+    send(c, fn, kind="publish")
+    c.drain()
+    time.sleep(0.1)
+    started = time.monotonic()
+    c.close(timeout_s=10)
+    assert time.monotonic() - started < 2.0 and not c._carrier._thread.is_alive()
