@@ -21,3 +21,13 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def children_running(pid: int, marker: bytes) -> list[int]:
+    """``pid``'s children whose command line holds ``marker``."""
+    found = []
+    for kid in children_of(pid):
+        with open(f"/proc/{kid}/cmdline", "rb") as f:
+            if marker in f.read():
+                found.append(kid)
+    return found

@@ -45,15 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gpuworker.engine.fence import COMPLETE, StepFence
-from services.gpuworker.kvstore_carrier import (  # noqa: F401 - re-exported: the courier's vocabulary
-    IDEMPOTENT_KINDS,
-    Carrier,
-    CarrierGone,
-    LateAnswer,
-    ThreadCarrier,
-    portable,
-    retryable,
-)
+from services.gpuworker.kvstore_carrier import Carrier, CarrierGone, LateAnswer
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +62,6 @@ class _Verb:
     on_done: Done | None
     after: StepFence
     generation: int = 0  # the link's re-registration count when it was shipped (see forgot_us)
-
 
 
 class KVStoreCourier:
@@ -120,15 +111,9 @@ class KVStoreCourier:
         ``drain`` — the call still happens, in order; only the caller stops waiting for it."""
         box: list = []
         self.send("call", method, args, box.append)
-        verb = self._held[-1] if self._held else self._shipped[-1]
+        verb = self._held[-1]
         self._ship(wait=True)
-        deadline = None if wait_s is None else time.monotonic() + wait_s
-        while not self._answered_through(verb.seq):
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                break
-            self._receive(remaining if remaining is not None else 1.0)
-        if not self._answered_through(verb.seq):
+        if not self._receive_until(lambda: self._answered_through(verb.seq), wait_s):
             verb.on_done = on_late
             self.drain()
             raise LateAnswer(f"kvstore did not answer within {wait_s:.2f} s; the call goes on without us")
@@ -168,13 +153,7 @@ class KVStoreCourier:
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until every sent call has answered, then drain. False on timeout."""
         self._ship(wait=True)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while any(v.seq not in self._answers for v in self._shipped):
-            remaining = 1.0 if deadline is None else deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self._receive(remaining)
-        idle = not self._held and all(v.seq in self._answers for v in self._shipped)
+        idle = self._receive_until(lambda: self._answered_through(self._next_seq), timeout_s)
         self.drain()
         return idle
 
@@ -201,6 +180,8 @@ class KVStoreCourier:
         """Hand the carrier the held verbs whose fences completed, in order, as one message (each
         message costs a pickle and a write that wakes the carrier); with ``wait``, all of them
         (waiting for the device)."""
+        if not self._held:
+            return
         batch = []
         registration = self.registration()
         while self._held:
@@ -227,6 +208,17 @@ class KVStoreCourier:
     def _answered_through(self, seq: int) -> bool:
         """Every verb shipped up to ``seq`` has its answer here (``drain`` can apply them all)."""
         return all(v.seq in self._answers for v in self._shipped if v.seq <= seq)
+
+    def _receive_until(self, done: Callable[[], bool], timeout_s: float | None) -> bool:
+        """Take the carrier's messages until ``done()`` or ``timeout_s`` passed (None: no limit);
+        whether it is done."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not done():
+            remaining = 1.0 if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._receive(remaining)
+        return True
 
     def _receive(self, timeout_s: float) -> None:
         """Take the carrier's messages: the first waiting up to ``timeout_s``, then what is there."""
@@ -275,9 +267,4 @@ class KVStoreCourier:
             self._answers.setdefault(verb.seq, exc)
         if self.on_gone is not None:
             self.on_gone(exc)
-
-
-def thread_courier(link, *, retry_s: float = 10.0) -> KVStoreCourier:
-    """A courier whose carrier is a thread of this process, over ``link``."""
-    return KVStoreCourier(ThreadCarrier(link, retry_s=retry_s))
 

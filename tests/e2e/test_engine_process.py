@@ -18,7 +18,7 @@ from suite_rig import LONG_PREFIX, PROCESS_STARTUP_TIMEOUT, TIMEOUT, spawn_worke
 from tandem.common.v1 import common_pb2
 from tandem.router.v1 import router_pb2
 from tandem.worker.v1 import worker_pb2, worker_pb2_grpc
-from tests.proc_tree import alive, children_of
+from tests.proc_tree import alive, children_of, children_running
 
 
 def _engine(svc):
@@ -28,12 +28,7 @@ def _engine(svc):
 
 def _carriers_of(pid: int) -> list[int]:
     """``pid``'s children that are kvstore carrier processes."""
-    found = []
-    for child in children_of(pid):
-        with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"services.gpuworker.kvstore_carrier" in f.read():
-                found.append(child)
-    return found
+    return children_running(pid, b"services.gpuworker.kvstore_carrier")
 
 
 def _wait_disowned(runner) -> None:

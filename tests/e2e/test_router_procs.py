@@ -34,7 +34,7 @@ from services.router.procs import RouterProcs, child_settings
 from services.router.settings import RouterSettings
 from suite_rig import LONG_PREFIX, ROOT, TIMEOUT, wait_registered
 from tests.free_ports import start_on_free_port
-from tests.proc_tree import alive, children_of
+from tests.proc_tree import alive, children_running
 from tests.redis_server import free_port
 from tandem.router.v1 import router_pb2, router_pb2_grpc
 
@@ -206,12 +206,7 @@ def spawn_router(kv_address: str, *flags: str, env: dict[str, str] | None = None
 
 def router_children(pid: int) -> list[int]:
     """The serving children (multiprocessing's resource tracker is a child too; it is not ours)."""
-    out = []
-    for kid in children_of(pid):
-        with open(f"/proc/{kid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                out.append(kid)
-    return out
+    return children_running(pid, b"spawn_main")
 
 
 def wait_gone(pids: list[int], timeout_s: float = 20.0) -> list[int]:
