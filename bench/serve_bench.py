@@ -308,22 +308,106 @@ async def served_request(stub, prompt: list[int], level: Level, rid: str) -> Tra
     return trace
 
 
-async def served_level(stubs: list, level: Level, prompts: Prompts, max_s: float, prefix: str) -> tuple[list[Trace], float]:
-    """Closed loop: ``concurrency`` clients, each sending its next request when its last ended;
-    client j always uses ``stubs[j % len(stubs)]`` (one connection each: see ``open_channels``)."""
+async def closed_loop(stubs: list, level: Level, indices, clients: int, prompts: Prompts, max_s: float, prefix: str,
+                      t0: float) -> list[Trace]:
+    """``clients`` clients, each sending its next request (the next of ``indices``) when its last
+    ended, none after ``max_s`` from ``t0``; client j always uses ``stubs[j % len(stubs)]``."""
     traces: list[Trace] = []
-    issued = 0
-    t0 = time.monotonic()
+    todo = iter(indices)  # shared: each index is taken by one client
 
     async def client(stub) -> None:
-        nonlocal issued
-        while issued < level.requests and time.monotonic() - t0 < max_s:
-            i = issued
-            issued += 1
+        for i in todo:
+            if time.monotonic() - t0 >= max_s:
+                return
             traces.append(await served_request(stub, prompts.get(level, i), level, f"{prefix}-{level.tag}-{i}"))
 
-    await asyncio.gather(*(client(stubs[j % len(stubs)]) for j in range(level.concurrency)))
+    await asyncio.gather(*(client(stubs[j % len(stubs)]) for j in range(clients)))
+    return traces
+
+
+async def served_level(stubs: list, level: Level, prompts: Prompts, max_s: float, prefix: str) -> tuple[list[Trace], float]:
+    """Closed loop in this process: ``concurrency`` clients over the level's requests (one
+    connection per stub: see ``open_channels``). Returns the traces and the wall time."""
+    t0 = time.monotonic()
+    traces = await closed_loop(stubs, level, range(level.requests), level.concurrency, prompts, max_s, prefix, t0)
     return traces, time.monotonic() - t0
+
+
+class ClientProcs:
+    """``--client-procs N``: the served clients of the warm-ups and measured levels in N processes
+    of their own, so that the load generator is not what limits the served figures (one Python
+    process streaming 64 requests used ~0.9 of a core at c 64 k 0 on the H200 box, where every
+    token it parses delays the next request a client sends). Process p runs the level's client
+    slots s with s mod N = p over the requests i with (i mod concurrency) mod N = p; all start
+    from the same ``t0`` (``time.monotonic`` is system-wide), and the wall is until the last ends."""
+
+    def __init__(self, n: int, address: str, channels_each: int, prompts: Prompts):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.cpu_s = 0.0  # the children's CPU seconds so far (os.times of each, all threads)
+        self._conns, self._procs = [], []
+        for _ in range(n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=client_proc_main, daemon=True,
+                               args=(child, address, channels_each, prompts.seed, len(prompts.shared) + prompts.private_len,
+                                     prompts.vocab))
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        for conn in self._conns:
+            if conn.recv() != "ready":
+                raise RuntimeError("a client process did not start")
+
+    async def level(self, level: Level, max_s: float, prefix: str) -> tuple[list[Trace], float]:
+        n = len(self._conns)
+        t0 = time.monotonic()
+        busy = []
+        for p, conn in enumerate(self._conns):
+            clients = sum(1 for slot in range(level.concurrency) if slot % n == p)
+            if clients:
+                indices = [i for i in range(level.requests) if (i % level.concurrency) % n == p]
+                conn.send((level, indices, clients, max_s, prefix, t0))
+                busy.append(conn)
+        answers = await asyncio.gather(*(asyncio.to_thread(conn.recv) for conn in busy))
+        wall = time.monotonic() - t0
+        traces = []
+        for rows, cpu_s in answers:
+            traces += [Trace(*row) for row in rows]
+            self.cpu_s += cpu_s
+        return traces, wall
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def client_proc_main(conn, address: str, channels_each: int, seed: int, prompt_len: int, vocab: int) -> None:
+    """A client process of :class:`ClientProcs`: one event loop and its channels for all levels."""
+    from tandem.router.v1 import router_pb2_grpc
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+
+    async def open_stubs():
+        return [router_pb2_grpc.RouterStub(c) for c in open_channels(address, channels_each)]
+
+    stubs = loop.run_until_complete(open_stubs())
+    prompts = Prompts(seed, prompt_len, vocab)
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        level, indices, clients, max_s, prefix, t0 = job
+        cpu0 = sum(os.times()[:2])
+        traces = loop.run_until_complete(closed_loop(stubs, level, indices, clients, prompts, max_s, prefix, t0))
+        conn.send(([dataclasses.astuple(t) for t in traces], sum(os.times()[:2]) - cpu0))
 
 
 NO_STEPS = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0}  # step counters before the first step
@@ -331,11 +415,13 @@ NO_STEPS = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0}  # step counters before 
 
 def worker_steps(metrics_url: str) -> dict[str, float]:
     """The worker's engine-step counters from its Prometheus endpoint: steps, seconds in steps
-    and tokens generated — what ``step_stats`` turns into per-step figures."""
+    and tokens generated, and the engine thread's work between steps — what ``step_stats`` turns
+    into per-step figures."""
     import urllib.request
 
     names = {"tandem_worker_step_duration_seconds_count": "steps", "tandem_worker_step_duration_seconds_sum": "step_s",
-             "tandem_worker_generated_tokens_total": "tokens"}
+             "tandem_worker_generated_tokens_total": "tokens",
+             "tandem_worker_between_steps_seconds_total": "between_s"}
     out = {}
     with urllib.request.urlopen(metrics_url, timeout=5) as resp:
         for line in resp.read().decode().splitlines():
@@ -348,14 +434,25 @@ def worker_steps(metrics_url: str) -> dict[str, float]:
 def step_stats(before: dict, after: dict, wall_s: float) -> dict:
     """Engine steps of a level (pure): how many, mean host time of ``Engine.step`` (the call, as
     the worker's step histogram times it), tokens per step (≈ batch occupancy × tokens a step
-    gives a request) and the share of the level's wall time spent inside steps."""
+    gives a request), the share of the level's wall time spent inside steps, the share the
+    engine thread spent working between steps (admitting, applying results, kvstore verbs,
+    shipping events) and the rest: waiting with nothing to step (the served path not feeding it)."""
     if not before or not after:
         return {}
     steps = after["steps"] - before["steps"]
     busy = after["step_s"] - before["step_s"]
     return {"steps": int(steps), "step_ms_mean": 1e3 * busy / steps if steps else float("nan"),
             "tokens_per_step": (after["tokens"] - before["tokens"]) / steps if steps else float("nan"),
-            "in_step_share": busy / wall_s if wall_s > 0 else float("nan")}
+            "in_step_share": busy / wall_s if wall_s > 0 else float("nan"),
+            **between_stats(before, after, busy, wall_s)}
+
+
+def between_stats(before: dict, after: dict, busy_s: float, wall_s: float) -> dict:
+    """Shares of the wall between steps: the engine thread's own work, and its waits (pure)."""
+    if "between_s" not in after or wall_s <= 0:
+        return {}
+    between = after["between_s"] - before.get("between_s", 0.0)
+    return {"between_share": between / wall_s, "waiting_share": max(0.0, 1.0 - (busy_s + between) / wall_s)}
 
 
 def client_channels(args) -> int:
@@ -383,9 +480,10 @@ def router_cpu(cpu: dict[str, float]) -> float:
     return sum(v for k, v in cpu.items() if k == "router" or k.startswith("router."))
 
 
-def cpu_now(suite) -> dict[str, float]:
-    """CPU seconds used so far by each suite process and by this (client) process."""
-    return {**suite.cpu_seconds(), "client": sum(os.times()[:2])}
+def cpu_now(suite, pool: ClientProcs | None = None) -> dict[str, float]:
+    """CPU seconds used so far by each suite process and by the clients (this process and, with
+    ``--client-procs``, its client processes)."""
+    return {**suite.cpu_seconds(), "client": sum(os.times()[:2]) + (pool.cpu_s if pool else 0.0)}
 
 
 def profile_level(args, suite, level: Level, out_dir: Path | None) -> list[subprocess.Popen]:
@@ -415,6 +513,7 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
 
     out = {"levels": []}
     channels = open_channels(suite.router, client_channels(args))
+    pool: ClientProcs | None = None
     try:
         stubs = [router_pb2_grpc.RouterStub(channel) for channel in channels]
         levels = levels_of(args, a)
@@ -423,17 +522,25 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
         out["first_ttft_ms"] = (trace.events[0][0] - trace.start) * 1e3 if trace.events else float("nan")
         out["first_error"] = trace.error
         log(f"  first request after SERVING: TTFT {out['first_ttft_ms']:.0f} ms {trace.error}")
+        if args.client_procs > 1:
+            pool = ClientProcs(args.client_procs, suite.router, -(-client_channels(args) // args.client_procs), prompts)
+
+            async def run_level(level: Level):
+                return await pool.level(level, args.level_max_s, f"a{a}")
+        else:
+            async def run_level(level: Level):
+                return await served_level(stubs, level, prompts, args.level_max_s, f"a{a}")
         warmed = set()
         for level in levels:
             if level.k not in warmed:
                 warm = warmup_of(args, level.k, level.a)
-                traces, wall = await served_level(stubs, warm, prompts, args.level_max_s, f"a{a}")
+                traces, wall = await run_level(warm)
                 log(f"  warm-up {warm.name}: {len(traces)} requests in {wall:.1f} s")
                 warmed.add(level.k)
-            cpu0, steps0 = cpu_now(suite), worker_steps(metrics_url)
+            cpu0, steps0 = cpu_now(suite, pool), worker_steps(metrics_url)
             profilers = profile_level(args, suite, level, args.json.parent if args.json else None)
-            traces, wall = await served_level(stubs, level, prompts, args.level_max_s, f"a{a}")
-            cpu1, steps1 = cpu_now(suite), worker_steps(metrics_url)
+            traces, wall = await run_level(level)
+            cpu1, steps1 = cpu_now(suite, pool), worker_steps(metrics_url)
             for p in profilers:
                 p.wait(timeout=30)
             stats = {**asdict(level), **level_stats(traces, wall), **step_stats(steps0, steps1, wall)}
@@ -452,8 +559,12 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
                 + f", router {stats['router_cpu_us_per_token']:.0f} µs CPU/token, client {stats['client_cpu_us_per_token']:.0f}"
                 + (f", {stats['failed']} failed: {stats['errors']}" if stats["failed"] else "")
                 + (f"; {stats['steps']} steps of {stats['step_ms_mean']:.1f} ms, {stats['tokens_per_step']:.1f} tok/step, "
-                   f"{100 * stats['in_step_share']:.0f} % of the wall in steps" if stats.get("steps") else ""))
+                   f"{100 * stats['in_step_share']:.0f} % of the wall in steps" if stats.get("steps") else "")
+                + (f", {100 * stats['between_share']:.0f} % working between them, {100 * stats['waiting_share']:.0f} % "
+                   "waiting" if "between_share" in stats else ""))
     finally:
+        if pool is not None:
+            pool.close()
         await asyncio.gather(*(channel.close() for channel in channels))
     return out
 
@@ -767,6 +878,9 @@ def parse_args(argv):
     p.add_argument("--gil-switch-interval-ms", type=float, help="worker setting (default: Python's)")
     p.add_argument("--router-procs", type=int, default=1,
                    help="router processes on the router's port (tandem router --procs; the engine alone is unaffected)")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="processes the served clients run in (warm-ups and measured levels; the first request "
+                        "after SERVING stays in this one): more than 1 keeps the load generator from being the limit")
     p.add_argument("--client-channels", type=int, default=0,
                    help="connections the served clients spread over, client j on channel j mod N (0 = 1 with one "
                         "router process, else one per client of the largest level)")
@@ -788,8 +902,8 @@ def parse_args(argv):
         args.accept = [0]  # one suite: its k = 0 levels
     if args.k < 0 or any(not 0 <= a <= args.k for a in args.accept):
         p.error("--k must be >= 0 and forced acceptance values in [0, k]")
-    if args.router_procs < 1 or args.client_channels < 0:
-        p.error("--router-procs must be >= 1 and --client-channels >= 0")
+    if args.router_procs < 1 or args.client_channels < 0 or args.client_procs < 1:
+        p.error("--router-procs and --client-procs must be >= 1 and --client-channels >= 0")
     return args
 
 

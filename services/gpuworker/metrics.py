@@ -40,6 +40,7 @@ class StepTally:
     """What the metrics keep of one step: plain values, so an engine process can send it."""
 
     elapsed_s: float
+    between_s: float  # the engine thread's own work since the previous step (waits left out)
     generated: int
     prefill: int
     proposed: int
@@ -48,7 +49,7 @@ class StepTally:
     finish_reasons: tuple[str, ...]
 
     @classmethod
-    def of(cls, report: StepReport, elapsed_s: float) -> "StepTally":
+    def of(cls, report: StepReport, elapsed_s: float, between_s: float = 0.0) -> "StepTally":
         generated = prefill = proposed = accepted = 0
         lengths, reasons = [], []
         for result in report.results.values():
@@ -60,7 +61,7 @@ class StepTally:
                 lengths.extend(result.acceptance_lengths)
             if result.finish_reason is not None:
                 reasons.append(result.finish_reason.value)
-        return cls(elapsed_s, generated, prefill, proposed, accepted, tuple(lengths), tuple(reasons))
+        return cls(elapsed_s, between_s, generated, prefill, proposed, accepted, tuple(lengths), tuple(reasons))
 
 
 class WorkerMetrics:
@@ -78,6 +79,11 @@ class WorkerMetrics:
             "tandem_worker_step_duration_seconds", "Engine step latency (device-synchronized)",
             buckets=STEP_LATENCY_BUCKETS_S, registry=r,
         )
+        self.between_steps = Counter(
+            "tandem_worker_between_steps_seconds",
+            "Engine-thread work between two steps, waits left out (admitting requests, applying results, "
+            "kvstore verbs, shipping events): with the step durations, the share of the wall the engine is busy",
+            registry=r)
         self.generated_tokens = Counter("tandem_worker_generated_tokens", "Tokens generated (streamed to clients)", registry=r)
         self.prefill_tokens = Counter("tandem_worker_prefill_tokens", "Prompt positions the target computed (cache misses)", registry=r)
         self.proposed_drafts = Counter("tandem_worker_proposed_draft_tokens", "Draft tokens verified by the target", registry=r)
@@ -90,13 +96,14 @@ class WorkerMetrics:
         self.running = Gauge("tandem_worker_running_requests", "Requests admitted to the engine", registry=r)
         self.running.set_function(running)
 
-    def on_step(self, report: StepReport, elapsed_s: float) -> None:
+    def on_step(self, report: StepReport, elapsed_s: float, between_s: float = 0.0) -> None:
         """Record one completed step (engine thread; mutates the metrics only)."""
-        self.record(StepTally.of(report, elapsed_s))
+        self.record(StepTally.of(report, elapsed_s, between_s))
 
     def record(self, tally: "StepTally") -> None:
         """Record one step's tally (any thread; an engine in another process ships tallies)."""
         self.step_duration.observe(tally.elapsed_s)
+        self.between_steps.inc(tally.between_s)
         for length in tally.acceptance_lengths:
             self.acceptance_length.observe(length)
         for reason in tally.finish_reasons:

@@ -146,8 +146,10 @@ class Usage:
 class EngineRunner:
     """Owns the engine on a dedicated thread; ``submit``/``cancel`` are safe from any thread.
 
-    ``on_step(report, elapsed_s)``, if given, is called on the engine thread after every step that
-    completed (``elapsed_s`` includes the device sync); metrics use it. It must not block.
+    ``on_step(report, elapsed_s, between_s)``, if given, is called on the engine thread after every
+    step that completed (``elapsed_s`` includes the device sync; ``between_s`` is the engine
+    thread's own work since the previous step ended, its blocking waits left out: see ``_blocked``);
+    metrics use it. It must not block.
     """
 
     def __init__(
@@ -160,7 +162,7 @@ class EngineRunner:
         max_running: int = 256,
         extend_watermark_blocks: int = 2,
         extend_chunk_blocks: int = 4,
-        on_step: Callable[[StepReport, float], None] | None = None,
+        on_step: Callable[[StepReport, float, float], None] | None = None,
         outbox: Outbox | None = None,
         on_disown: Callable[[str], None] | None = None,
     ):
@@ -186,6 +188,8 @@ class EngineRunner:
         self._stop = threading.Event()
         self.steps = 0
         self._on_step = on_step
+        self._waited_s = 0.0  # blocked since the last step ended (see _blocked)
+        self._last_step_end: float | None = None
         # Re-announced to a kvstore that forgot us (see reregister): what our pages hold, the
         # requests whose end the kvstore has not confirmed, and admissions waiting for Publishes.
         self.ledger = CacheLedger()
@@ -268,7 +272,7 @@ class EngineRunner:
             if idle and self.courier.busy:
                 # answers (a Release that lets a request id go) come from the courier, requests
                 # through the commands: wait on the first briefly, then look at the second
-                self.courier.wait_answer(0.002)
+                self._blocked(self.courier.wait_answer, 0.002)
                 self._drain_commands(block=False)
             else:
                 self._drain_commands(block=idle)
@@ -279,12 +283,14 @@ class EngineRunner:
                 self._admit(self._waiting.popleft())
             if not self.engine.has_work():
                 if self._waiting:  # only requests waiting for Publish answers: wait for one
-                    self.courier.wait_answer(0.05)
+                    self._blocked(self.courier.wait_answer, 0.05)
                 continue
             try:
                 started = time.perf_counter()
+                between_s = self._between_steps(started)
                 report = self.engine.step()  # its device tail is fenced, not waited for (fence.py)
-                elapsed_s = time.perf_counter() - started
+                self._last_step_end = time.perf_counter()
+                elapsed_s = self._last_step_end - started
             except Exception as exc:  # a bug or a device failure: fail every request, keep serving
                 log.exception("engine step failed")
                 self._sync()
@@ -295,9 +301,9 @@ class EngineRunner:
             if not report.target_tokens and self.engine.has_work():
                 # every request waits for capacity the kvstore has not answered yet: wait for
                 # an answer instead of spinning
-                self.courier.wait_answer(0.05)
+                self._blocked(self.courier.wait_answer, 0.05)
             if self._on_step is not None:
-                self._on_step(report, elapsed_s)
+                self._on_step(report, elapsed_s, between_s)
             for rid, result in report.results.items():
                 job = self._jobs.get(rid)
                 if job is not None:
@@ -309,9 +315,25 @@ class EngineRunner:
         self.courier.wait_idle(timeout_s=5.0)
         self.courier.close()
 
+    def _blocked(self, wait: Callable, *args):
+        """Run a blocking wait (for a command or a kvstore answer), counting its time as waited:
+        ``between_s`` of the next step is the thread's own work between two steps, not its idling."""
+        started = time.perf_counter()
+        try:
+            return wait(*args)
+        finally:
+            self._waited_s += time.perf_counter() - started
+
+    def _between_steps(self, now: float) -> float:
+        """The engine thread's work since the last step ended, waits left out (mutates the waits)."""
+        waited, self._waited_s = self._waited_s, 0.0
+        if self._last_step_end is None:
+            return 0.0
+        return max(0.0, now - self._last_step_end - waited)
+
     def _drain_commands(self, *, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            command = self._blocked(self._commands.get, True, 0.5) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -236,3 +236,19 @@ def test_the_grafana_dashboard_queries_only_series_the_services_export(metered):
     queried = {name for panel in dashboard["panels"] for t in panel["targets"] for name in re.findall(r"tandem_\w+", t["expr"])}
     assert len(queried) >= 15
     assert queried <= exported, sorted(queried - exported)
+
+
+def test_between_steps_counts_the_engine_threads_work_not_its_idling(metered):
+    """``tandem_worker_between_steps_seconds``: the engine thread's work between two steps. The
+    idle gap between two requests is waiting, and must not be counted (else the first step of
+    the second request would carry the whole gap)."""
+    suite, m = metered
+    suite.generate(LONG_PREFIX + "first", max_new_tokens=8, num_draft_tokens=3)
+    idle_s = 1.5
+    time.sleep(idle_s)
+    suite.generate(LONG_PREFIX + "second", max_new_tokens=8, num_draft_tokens=3)
+    w = scrape(m["gpuworker"])
+    between = value(w, "tandem_worker_between_steps_seconds_total")
+    steps = value(w, "tandem_worker_step_duration_seconds_count")
+    assert steps >= 2 and between > 0
+    assert between < idle_s / 2, f"{between:.3f} s between {steps:.0f} steps: the idle gap was counted"
