@@ -154,7 +154,7 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
     swapped = threading.Event()
     prof = cProfile.Profile() if profile else None
 
-    def on_step(report, elapsed_s: float) -> None:  # the engine thread, after every step
+    def on_step(report, elapsed_s: float, _between_s: float = 0.0) -> None:  # the engine thread, after every step
         if not swapped.is_set():
             if pin:
                 os.sched_setaffinity(0, {0})  # 0: the calling thread
@@ -228,7 +228,9 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
            "outside_us": statistics.median([t - s for t, s in zip(turns, steps_in)]) * 1e6}
     if prof is not None:
         out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        stats = pstats.Stats(prof, stream=out)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats("runner.py|kvstore_courier|engine_process|cache_ledger|kvstore_link", 40)
         row["profile"] = out.getvalue()
     return row
 

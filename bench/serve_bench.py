@@ -154,6 +154,7 @@ def level_stats(traces: list[Trace], wall_s: float) -> dict:
         "requests": len(traces), "failed": len(traces) - len(ok), "tokens": tokens, "wall_s": wall_s,
         "tokens_per_s": tokens / wall_s if wall_s > 0 else float("nan"),
         "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+        "ttft_mean_ms": sum(ttft) / len(ttft) if ttft else float("nan"),
         "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
         "tokens_per_msg": later_tokens / later_msgs if later_msgs else float("nan"),
         # decode-only rate of one stream: tokens after the first ÷ time after the first
@@ -337,9 +338,11 @@ class ClientProcs:
     """``--client-procs N``: the served clients of the warm-ups and measured levels in N processes
     of their own, so that the load generator is not what limits the served figures (one Python
     process streaming 64 requests used ~0.9 of a core at c 64 k 0 on the H200 box, where every
-    token it parses delays the next request a client sends). Process p runs the level's client
-    slots s with s mod N = p over the requests i with (i mod concurrency) mod N = p; all start
-    from the same ``t0`` (``time.monotonic`` is system-wide), and the wall is until the last ends."""
+    token it parses delays the next request a client sends). The processes split the level's
+    client slots and requests (``client_shares``); all start from the same ``t0``
+    (``time.monotonic`` is system-wide), and the wall is until the last ends. One measured run
+    (H100, c 64) with 4 processes: client CPU 0.9 → 1.2 cores in all, TTFT and throughput level
+    with one process, i.e. the client was not the limit there."""
 
     def __init__(self, n: int, address: str, channels_each: int, prompts: Prompts):
         import multiprocessing
@@ -361,13 +364,10 @@ class ClientProcs:
                 raise RuntimeError("a client process did not start")
 
     async def level(self, level: Level, max_s: float, prefix: str) -> tuple[list[Trace], float]:
-        n = len(self._conns)
         t0 = time.monotonic()
         busy = []
-        for p, conn in enumerate(self._conns):
-            clients = sum(1 for slot in range(level.concurrency) if slot % n == p)
+        for conn, (clients, indices) in zip(self._conns, client_shares(level, len(self._conns))):
             if clients:
-                indices = [i for i in range(level.requests) if (i % level.concurrency) % n == p]
                 conn.send((level, indices, clients, max_s, prefix, t0))
                 busy.append(conn)
         answers = await asyncio.gather(*(asyncio.to_thread(conn.recv) for conn in busy))
@@ -388,6 +388,14 @@ class ClientProcs:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
+
+
+def client_shares(level: Level, n: int) -> list[tuple[int, list[int]]]:
+    """(clients, request indices) of each of ``n`` client processes (pure): process p runs the
+    client slots s < concurrency with s mod n = p, over the requests i with (i mod concurrency)
+    mod n = p, so each request is sent once and the processes share the load as the slots do."""
+    return [(sum(1 for slot in range(level.concurrency) if slot % n == p),
+             [i for i in range(level.requests) if (i % level.concurrency) % n == p]) for p in range(n)]
 
 
 def client_proc_main(conn, address: str, channels_each: int, seed: int, prompt_len: int, vocab: int) -> None:
@@ -413,21 +421,47 @@ def client_proc_main(conn, address: str, channels_each: int, seed: int, prompt_l
 NO_STEPS = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0}  # step counters before the first step
 
 
-def worker_steps(metrics_url: str) -> dict[str, float]:
-    """The worker's engine-step counters from its Prometheus endpoint: steps, seconds in steps
-    and tokens generated, and the engine thread's work between steps — what ``step_stats`` turns
-    into per-step figures."""
+WORKER_COUNTERS = {"tandem_worker_step_duration_seconds_count": "steps", "tandem_worker_step_duration_seconds_sum": "step_s",
+                   "tandem_worker_generated_tokens_total": "tokens", "tandem_worker_between_steps_seconds_total": "between_s",
+                   "tandem_worker_time_to_first_token_seconds_sum": "worker_ttft_s",
+                   "tandem_worker_time_to_first_token_seconds_count": "worker_ttft_n"}
+ROUTER_COUNTERS = {"tandem_router_ttft_seconds_sum": "router_ttft_s", "tandem_router_ttft_seconds_count": "router_ttft_n"}
+
+
+def scrape(urls: list[str], names: dict[str, str]) -> dict[str, float]:
+    """The named samples of Prometheus endpoints, summed over ``urls`` (unreachable ones skipped)."""
     import urllib.request
 
-    names = {"tandem_worker_step_duration_seconds_count": "steps", "tandem_worker_step_duration_seconds_sum": "step_s",
-             "tandem_worker_generated_tokens_total": "tokens",
-             "tandem_worker_between_steps_seconds_total": "between_s"}
-    out = {}
-    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
+    out: dict[str, float] = {}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
             name, _, value = line.partition(" ")
             if name in names:
-                out[names[name]] = float(value)
+                out[names[name]] = out.get(names[name], 0.0) + float(value)
+    return out
+
+
+def worker_steps(metrics_url: str, router_urls: list[str] = ()) -> dict[str, float]:
+    """The worker's engine-step counters from its Prometheus endpoint: steps, seconds in steps
+    and tokens generated, and the engine thread's work between steps — what ``step_stats`` turns
+    into per-step figures — and the worker's and router's TTFT sums (``ttft_split``)."""
+    return {**scrape([metrics_url], WORKER_COUNTERS), **scrape(list(router_urls), ROUTER_COUNTERS)}
+
+
+def ttft_split(before: dict, after: dict) -> dict:
+    """Mean TTFT of a level's requests as the router and the worker timed them (pure): the
+    worker's is its arrival to the engine's first token, the router's its arrival to the first
+    token it got; the client's mean minus the router's is the client and its connection."""
+    out = {}
+    for who in ("router", "worker"):
+        n = after.get(f"{who}_ttft_n", 0.0) - before.get(f"{who}_ttft_n", 0.0)
+        if n > 0:
+            out[f"ttft_mean_{who}_ms"] = 1e3 * (after[f"{who}_ttft_s"] - before.get(f"{who}_ttft_s", 0.0)) / n
     return out
 
 
@@ -507,7 +541,7 @@ def profile_level(args, suite, level: Level, out_dir: Path | None) -> list[subpr
     return procs
 
 
-async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: str) -> dict:
+async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: str, router_urls: list[str] = ()) -> dict:
     """First request right after SERVING, a warm-up per k, then every measured level."""
     from tandem.router.v1 import router_pb2_grpc
 
@@ -537,13 +571,14 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
                 traces, wall = await run_level(warm)
                 log(f"  warm-up {warm.name}: {len(traces)} requests in {wall:.1f} s")
                 warmed.add(level.k)
-            cpu0, steps0 = cpu_now(suite, pool), worker_steps(metrics_url)
+            cpu0, steps0 = cpu_now(suite, pool), worker_steps(metrics_url, router_urls)
             profilers = profile_level(args, suite, level, args.json.parent if args.json else None)
             traces, wall = await run_level(level)
-            cpu1, steps1 = cpu_now(suite, pool), worker_steps(metrics_url)
+            cpu1, steps1 = cpu_now(suite, pool), worker_steps(metrics_url, router_urls)
             for p in profilers:
                 p.wait(timeout=30)
-            stats = {**asdict(level), **level_stats(traces, wall), **step_stats(steps0, steps1, wall)}
+            stats = {**asdict(level), **level_stats(traces, wall), **step_stats(steps0, steps1, wall),
+                     **ttft_split(steps0, steps1)}
             # share of one core each process used during the level (1.0 = a core busy)
             stats["cpu_cores"] = {k: round((cpu1[k] - cpu0.get(k, 0.0)) / wall, 2) for k in cpu1} if wall > 0 else {}
             # router CPU per streamed token, all its processes together (what --router-procs spreads)
@@ -561,7 +596,9 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
                 + (f"; {stats['steps']} steps of {stats['step_ms_mean']:.1f} ms, {stats['tokens_per_step']:.1f} tok/step, "
                    f"{100 * stats['in_step_share']:.0f} % of the wall in steps" if stats.get("steps") else "")
                 + (f", {100 * stats['between_share']:.0f} % working between them, {100 * stats['waiting_share']:.0f} % "
-                   "waiting" if "between_share" in stats else ""))
+                   "waiting" if "between_share" in stats else "")
+                + (f"; TTFT mean client {stats['ttft_mean_ms']:.0f} / router {stats['ttft_mean_router_ms']:.0f} / worker "
+                   f"{stats['ttft_mean_worker_ms']:.0f} ms" if "ttft_mean_worker_ms" in stats and "ttft_mean_router_ms" in stats else ""))
     finally:
         if pool is not None:
             pool.close()
@@ -579,16 +616,19 @@ def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log) -> 
         log_dir.mkdir()
         log(f"[served a={a}] starting kvstore + worker ({' '.join(settings_flags(settings))}) + router ...")
         t0 = time.monotonic()
-        metrics_port = free_port()
+        metrics_port, router_metrics = free_port(), free_port()
+        # process i of a router group (0..N-1) serves its metrics on router_metrics + i
+        router_urls = [f"http://127.0.0.1:{router_metrics + i}/metrics" for i in range(args.router_procs)]
         try:
-            suite = start_suite(log_dir, [settings_flags(settings) + ["--metrics-port", str(metrics_port)]], router,
-                                env=GC_ENV, timeout_s=args.startup_timeout_s)
+            suite = start_suite(log_dir, [settings_flags(settings) + ["--metrics-port", str(metrics_port)]],
+                                router + ["--metrics-port", str(router_metrics)], env=GC_ENV, timeout_s=args.startup_timeout_s)
         except Exception:
             print_logs(log_dir)
             raise
         log(f"[served a={a}] all SERVING after {time.monotonic() - t0:.1f} s")
         try:
-            result = asyncio.run(served_suite(args, suite, a, prompts, log, f"http://127.0.0.1:{metrics_port}/metrics"))
+            result = asyncio.run(served_suite(args, suite, a, prompts, log, f"http://127.0.0.1:{metrics_port}/metrics",
+                                              router_urls))
         finally:
             suite.stop()
         if result["first_error"] or any(r["failed"] for r in result["levels"]):

@@ -45,6 +45,8 @@ from services.common.interceptors import (
 
 log = logging.getLogger(__name__)
 
+# time to first token, router and worker alike (comparable bucket by bucket)
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 # From sub-millisecond kvstore verbs to minute-long Generate streams.
 RPC_LATENCY_BUCKETS_S = (
     0.0002, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,

@@ -6,7 +6,11 @@ gauge is read from the runner when scraped. Derived figures:
 
 * tokens/s = ``rate(tandem_worker_generated_tokens_total)``;
 * mean acceptance length = ``tandem_worker_acceptance_length_sum / _count`` (tokens a request
-  gained per verify step: 1 + accepted drafts), or from the proposed/accepted draft counters.
+  gained per verify step: 1 + accepted drafts), or from the proposed/accepted draft counters;
+* the engine thread's time: in steps (``tandem_worker_step_duration_seconds_sum``), working
+  between them (``tandem_worker_between_steps_seconds_total``), the rest of the wall waiting;
+* the worker's part of TTFT (``tandem_worker_time_to_first_token_seconds``: Generate's arrival
+  here to the engine's first token) against the router's (``tandem_router_ttft_seconds``).
 
 For autoscalers and gateways (semantics of vLLM's ``num_requests_waiting`` and
 ``kv_cache_usage_perc``), labelled ``model_name``:
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.common.metrics import MethodObserver, ServiceMetrics
+from services.common.metrics import TTFT_BUCKETS_S, MethodObserver, ServiceMetrics
 from services.gpuworker.engine.report import StepReport
 from tandem.worker.v1 import worker_pb2
 
@@ -92,6 +96,11 @@ class WorkerMetrics:
             "tandem_worker_acceptance_length", "Tokens a request gained per verify step (1 + accepted drafts)",
             buckets=ACCEPTANCE_BUCKETS, registry=r,
         )
+        self.ttft = Histogram(
+            "tandem_worker_time_to_first_token_seconds",
+            "Arrival of Generate at the worker to the engine's first token (completed requests): queueing "
+            "and prefill here, the rest of a client's TTFT is the router and the network",
+            buckets=TTFT_BUCKETS_S, registry=r)
         self.finished = Counter("tandem_worker_requests_finished", "Requests the engine finished, by reason", ["reason"], registry=r)
         self.running = Gauge("tandem_worker_running_requests", "Requests admitted to the engine", registry=r)
         self.running.set_function(running)
@@ -114,8 +123,8 @@ class WorkerMetrics:
         self.accepted_drafts.inc(tally.accepted)
 
     def interceptor(self) -> grpc.aio.ServerInterceptor:
-        """A server interceptor keeping :attr:`waiting` (Worker.Generate only)."""
-        gauge = self.waiting
+        """A server interceptor keeping :attr:`waiting` and :attr:`ttft` (Worker.Generate only)."""
+        gauge, ttft = self.waiting, self.ttft
 
         def callbacks() -> dict:
             waiting = [False]  # this call's state
@@ -128,6 +137,8 @@ class WorkerMetrics:
                 if waiting[0] and (msg.token_ids or msg.HasField("usage")):
                     waiting[0] = False
                     gauge.dec()
+                if msg.HasField("usage") and msg.usage.completion_tokens:
+                    ttft.observe(msg.usage.time_to_first_token_s)
 
             def on_end(_code, _elapsed_s) -> None:
                 if waiting[0]:

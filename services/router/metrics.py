@@ -23,11 +23,10 @@ from collections.abc import Callable
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.common.metrics import MethodObserver, ServiceMetrics
+from services.common.metrics import TTFT_BUCKETS_S, MethodObserver, ServiceMetrics
 from tandem.router.v1 import router_pb2
 
 GENERATE_METHOD = "/" + router_pb2.DESCRIPTOR.services_by_name["Router"].full_name + "/Generate"
-TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 

@@ -81,3 +81,34 @@ def test_router_procs_spread_the_clients_over_connections_and_k0_runs_only_plain
     assert plain.accept == [0] and [lv.name for lv in sb.levels_of(plain, 0)] == ["c64 k0"]
     with pytest.raises(SystemExit):
         sb.parse_args([*CPU, "--router-procs", "0"])
+
+
+def test_between_step_shares_split_the_wall_outside_steps():
+    before = {"steps": 10.0, "step_s": 0.5, "tokens": 100.0, "between_s": 1.0}
+    after = {"steps": 30.0, "step_s": 0.9, "tokens": 180.0, "between_s": 1.05}
+    s = sb.step_stats(before, after, wall_s=0.5)
+    assert s["in_step_share"] == pytest.approx(0.8) and s["between_share"] == pytest.approx(0.1)
+    assert s["waiting_share"] == pytest.approx(0.1)
+    older = {k: v for k, v in after.items() if k != "between_s"}  # a worker without the counter
+    assert "between_share" not in sb.step_stats(before, older, wall_s=0.5)
+
+
+@pytest.mark.parametrize("concurrency,requests,n", [(64, 192, 4), (1, 4, 4), (6, 18, 4), (16, 16, 3)])
+def test_client_processes_share_the_slots_and_send_each_request_once(concurrency, requests, n):
+    level = sb.Level(concurrency=concurrency, k=0, a=None, requests=requests, max_new_tokens=8)
+    shares = sb.client_shares(level, n)
+    assert len(shares) == n and sum(c for c, _ in shares) == concurrency
+    sent = sorted(i for _, indices in shares for i in indices)
+    assert sent == list(range(requests))
+    for clients, indices in shares:
+        assert bool(clients) == bool(indices)  # no process holds requests it has no client for
+        # each process's requests are its slots' share: as many rounds as the level has
+        assert len(indices) == clients * (requests // concurrency) or requests % concurrency
+
+
+def test_ttft_split_is_the_mean_of_the_level_as_router_and_worker_timed_it():
+    before = {"router_ttft_s": 1.0, "router_ttft_n": 10.0, "worker_ttft_s": 0.5, "worker_ttft_n": 10.0}
+    after = {"router_ttft_s": 1.6, "router_ttft_n": 16.0, "worker_ttft_s": 0.62, "worker_ttft_n": 16.0}
+    s = sb.ttft_split(before, after)
+    assert s["ttft_mean_router_ms"] == pytest.approx(100.0) and s["ttft_mean_worker_ms"] == pytest.approx(20.0)
+    assert sb.ttft_split(before, before) == {}  # no request completed: no mean claimed

@@ -142,6 +142,9 @@ def test_counters_move_by_what_the_requests_did(metered):
     # one request at a time: every step served one request, at least one prefill step each
     assert value(w, "tandem_worker_step_duration_seconds_count") >= verify_steps + len(usages)
     assert value(w, "tandem_rpc_duration_seconds_count", method="/tandem.worker.v1.Worker/Generate", code="OK") == 2
+    # the worker's part of TTFT (its arrival to the engine's first token) lies inside the router's
+    assert value(w, "tandem_worker_time_to_first_token_seconds_count") == 2
+    assert 0 < value(w, "tandem_worker_time_to_first_token_seconds_sum") < value(r, "tandem_router_ttft_seconds_sum")
 
 
 def test_a_cancelled_stream_is_counted_and_leaves_nothing_in_flight(metered):
