@@ -424,7 +424,9 @@ NO_STEPS = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0}  # step counters before 
 WORKER_COUNTERS = {"tandem_worker_step_duration_seconds_count": "steps", "tandem_worker_step_duration_seconds_sum": "step_s",
                    "tandem_worker_generated_tokens_total": "tokens", "tandem_worker_between_steps_seconds_total": "between_s",
                    "tandem_worker_time_to_first_token_seconds_sum": "worker_ttft_s",
-                   "tandem_worker_time_to_first_token_seconds_count": "worker_ttft_n"}
+                   "tandem_worker_time_to_first_token_seconds_count": "worker_ttft_n",
+                   "tandem_worker_request_queue_time_seconds_sum": "queue_ttft_s",
+                   "tandem_worker_request_queue_time_seconds_count": "queue_ttft_n"}
 ROUTER_COUNTERS = {"tandem_router_ttft_seconds_sum": "router_ttft_s", "tandem_router_ttft_seconds_count": "router_ttft_n"}
 
 
@@ -455,10 +457,11 @@ def worker_steps(metrics_url: str, router_urls: list[str] = ()) -> dict[str, flo
 
 def ttft_split(before: dict, after: dict) -> dict:
     """Mean TTFT of a level's requests as the router and the worker timed them (pure): the
-    worker's is its arrival to the engine's first token, the router's its arrival to the first
-    token it got; the client's mean minus the router's is the client and its connection."""
+    worker's is its arrival to the engine's first token (``queue`` of it: until the engine
+    admitted the request), the router's its arrival to the first token it got; the client's mean
+    minus the router's is the client and its connection."""
     out = {}
-    for who in ("router", "worker"):
+    for who in ("router", "worker", "queue"):
         n = after.get(f"{who}_ttft_n", 0.0) - before.get(f"{who}_ttft_n", 0.0)
         if n > 0:
             out[f"ttft_mean_{who}_ms"] = 1e3 * (after[f"{who}_ttft_s"] - before.get(f"{who}_ttft_s", 0.0)) / n
@@ -598,7 +601,8 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
                 + (f", {100 * stats['between_share']:.0f} % working between them, {100 * stats['waiting_share']:.0f} % "
                    "waiting" if "between_share" in stats else "")
                 + (f"; TTFT mean client {stats['ttft_mean_ms']:.0f} / router {stats['ttft_mean_router_ms']:.0f} / worker "
-                   f"{stats['ttft_mean_worker_ms']:.0f} ms" if "ttft_mean_worker_ms" in stats and "ttft_mean_router_ms" in stats else ""))
+                   f"{stats['ttft_mean_worker_ms']:.0f} (queued {stats.get('ttft_mean_queue_ms', float('nan')):.0f}) ms"
+                   if "ttft_mean_worker_ms" in stats and "ttft_mean_router_ms" in stats else ""))
     finally:
         if pool is not None:
             pool.close()

@@ -10,7 +10,8 @@ gauge is read from the runner when scraped. Derived figures:
 * the engine thread's time: in steps (``tandem_worker_step_duration_seconds_sum``), working
   between them (``tandem_worker_between_steps_seconds_total``), the rest of the wall waiting;
 * the worker's part of TTFT (``tandem_worker_time_to_first_token_seconds``: Generate's arrival
-  here to the engine's first token) against the router's (``tandem_router_ttft_seconds``).
+  here to the engine's first token) against the router's (``tandem_router_ttft_seconds``), and
+  of that the wait for admission into the engine (``tandem_worker_request_queue_time_seconds``).
 
 For autoscalers and gateways (semantics of vLLM's ``num_requests_waiting`` and
 ``kv_cache_usage_perc``), labelled ``model_name``:
@@ -101,6 +102,10 @@ class WorkerMetrics:
             "Arrival of Generate at the worker to the engine's first token (completed requests): queueing "
             "and prefill here, the rest of a client's TTFT is the router and the network",
             buckets=TTFT_BUCKETS_S, registry=r)
+        self.queue_time = Histogram(
+            "tandem_worker_request_queue_time_seconds",
+            "Arrival of Generate at the worker to admission into the engine (completed requests): the rest "
+            "of the worker's TTFT is prefill", buckets=TTFT_BUCKETS_S, registry=r)
         self.finished = Counter("tandem_worker_requests_finished", "Requests the engine finished, by reason", ["reason"], registry=r)
         self.running = Gauge("tandem_worker_running_requests", "Requests admitted to the engine", registry=r)
         self.running.set_function(running)
@@ -122,9 +127,15 @@ class WorkerMetrics:
         self.proposed_drafts.inc(tally.proposed)
         self.accepted_drafts.inc(tally.accepted)
 
+    def observe_usage(self, usage) -> None:
+        """Record a completed request's TTFT and queue time (the runner's ``Usage``; gRPC process)."""
+        if usage.completion_tokens:
+            self.ttft.observe(usage.time_to_first_token_s)
+            self.queue_time.observe(usage.queue_time_s)
+
     def interceptor(self) -> grpc.aio.ServerInterceptor:
-        """A server interceptor keeping :attr:`waiting` and :attr:`ttft` (Worker.Generate only)."""
-        gauge, ttft = self.waiting, self.ttft
+        """A server interceptor keeping :attr:`waiting` (Worker.Generate only)."""
+        gauge = self.waiting
 
         def callbacks() -> dict:
             waiting = [False]  # this call's state
@@ -137,8 +148,6 @@ class WorkerMetrics:
                 if waiting[0] and (msg.token_ids or msg.HasField("usage")):
                     waiting[0] = False
                     gauge.dec()
-                if msg.HasField("usage") and msg.usage.completion_tokens:
-                    ttft.observe(msg.usage.time_to_first_token_s)
 
             def on_end(_code, _elapsed_s) -> None:
                 if waiting[0]:

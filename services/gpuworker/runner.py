@@ -65,6 +65,7 @@ class Job:
     known_tokens: int = 0  # tokens sent to the kvstore for this reservation (prompt at Reserve)
     published_blocks: int = 0  # what the kvstore confirmed
     publish_sent_blocks: int = 0  # what Publishes already sent will publish
+    admitted_at: float | None = None  # when the engine thread gave it to the engine (monotonic)
     first_token_at: float | None = None
     cache_salt: bytes = b""  # the reservation's (re-announced after a kvstore restart)
     kv_request_id: str = ""  # the kvstore's request id of the reservation ("" = spec.request_id)
@@ -141,6 +142,9 @@ class Usage:
     mean_acceptance_length: float
     decode_steps: int
     time_to_first_token_s: float
+    # arrival at the worker to admission into the engine (the gRPC process, the pipe, the engine
+    # thread's next turn, a wait for Publish answers); the rest of the TTFT is prefill
+    queue_time_s: float = 0.0
 
 
 class EngineRunner:
@@ -396,6 +400,7 @@ class EngineRunner:
         # at-risk set, and every new request (whose table holds that prefix) then waited for it.
         job.published_blocks = max(job.published_blocks, job.publish_sent_blocks)
         self.ledger.overwritten(job.spec.block_table[job.publish_sent_blocks:])  # a step writes these
+        job.admitted_at = time.monotonic()
         self._jobs[rid] = job
 
     def _on_result(self, job: Job, result) -> None:
@@ -639,6 +644,7 @@ class EngineRunner:
             mean_acceptance_length=counts.acceptance_length,
             decode_steps=counts.decode_steps,
             time_to_first_token_s=(job.first_token_at - job.arrived) if job.first_token_at else 0.0,
+            queue_time_s=(job.admitted_at - job.arrived) if job.admitted_at else 0.0,
         )
 
     def _sync(self) -> None:

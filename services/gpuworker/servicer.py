@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 
@@ -32,7 +33,7 @@ from services.common.wire import logprobs_to_proto, pack_tokens, spec_mode_to_pr
 from services.gpuworker.engine.engine import MAX_LOGPROBS
 from services.gpuworker.engine.request import FinishReason, RequestSpec
 from services.gpuworker.engine.sampling import SamplingParams
-from services.gpuworker.runner import AbortRequested, EngineRunner, Job
+from services.gpuworker.runner import AbortRequested, EngineRunner, Job, Usage
 from tandem.common.v1 import common_pb2 as common_pb
 from tandem.worker.v1 import worker_pb2 as pb
 from tandem.worker.v1 import worker_pb2_grpc
@@ -57,9 +58,11 @@ _FINISH = {  # OpenAI's reasons: the worker's max_seq_len is a length limit too
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Thin adapter; ``identity`` carries what Info reports (see ``server.WorkerIdentity``)."""
 
-    def __init__(self, runner: "EngineRunner | EngineProcess", identity, *, tracer_provider: trace.TracerProvider | None = None):
+    def __init__(self, runner: "EngineRunner | EngineProcess", identity, *, tracer_provider: trace.TracerProvider | None = None,
+                 on_usage: Callable[[Usage], None] | None = None):
         self.runner = runner
         self.identity = identity
+        self._on_usage = on_usage  # metrics: each completed request's usage
         self._tracer = get_tracer(__name__, tracer_provider)
         # reservation id -> request id, from Generate until the runner ended the reservation;
         # ``_pending`` are those claimed but not yet handed to the runner (see on_ending).
@@ -218,6 +221,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 elif kind == "done":
                     _, reason, usage = event
                     finished = True
+                    if self._on_usage is not None:
+                        self._on_usage(usage)
                     if decode_span is not None:
                         decode_span.set_attribute("tandem.completion_tokens", usage.completion_tokens)
                         decode_span.set_attribute("tandem.mean_acceptance_length", usage.mean_acceptance_length)

@@ -107,8 +107,11 @@ def test_client_processes_share_the_slots_and_send_each_request_once(concurrency
 
 
 def test_ttft_split_is_the_mean_of_the_level_as_router_and_worker_timed_it():
-    before = {"router_ttft_s": 1.0, "router_ttft_n": 10.0, "worker_ttft_s": 0.5, "worker_ttft_n": 10.0}
-    after = {"router_ttft_s": 1.6, "router_ttft_n": 16.0, "worker_ttft_s": 0.62, "worker_ttft_n": 16.0}
+    before = {"router_ttft_s": 1.0, "router_ttft_n": 10.0, "worker_ttft_s": 0.5, "worker_ttft_n": 10.0,
+              "queue_ttft_s": 0.1, "queue_ttft_n": 10.0}
+    after = {"router_ttft_s": 1.6, "router_ttft_n": 16.0, "worker_ttft_s": 0.62, "worker_ttft_n": 16.0,
+             "queue_ttft_s": 0.13, "queue_ttft_n": 16.0}
     s = sb.ttft_split(before, after)
     assert s["ttft_mean_router_ms"] == pytest.approx(100.0) and s["ttft_mean_worker_ms"] == pytest.approx(20.0)
+    assert s["ttft_mean_queue_ms"] == pytest.approx(5.0)
     assert sb.ttft_split(before, before) == {}  # no request completed: no mean claimed

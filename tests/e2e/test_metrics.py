@@ -145,6 +145,9 @@ def test_counters_move_by_what_the_requests_did(metered):
     # the worker's part of TTFT (its arrival to the engine's first token) lies inside the router's
     assert value(w, "tandem_worker_time_to_first_token_seconds_count") == 2
     assert 0 < value(w, "tandem_worker_time_to_first_token_seconds_sum") < value(r, "tandem_router_ttft_seconds_sum")
+    # ... and its wait for admission into the engine inside that
+    assert value(w, "tandem_worker_request_queue_time_seconds_count") == 2
+    assert 0 < value(w, "tandem_worker_request_queue_time_seconds_sum") < value(w, "tandem_worker_time_to_first_token_seconds_sum")
 
 
 def test_a_cancelled_stream_is_counted_and_leaves_nothing_in_flight(metered):
