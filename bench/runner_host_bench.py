@@ -40,6 +40,8 @@ import json
 import multiprocessing
 import os
 import pstats
+import queue
+import random
 import statistics
 import sys
 import tempfile
@@ -54,7 +56,9 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from _common import Suite, free_port, grouped_bars, machine  # noqa: E402
-from engine_host_bench import BLOCK, PROMPT, PlanOnlyAfterWarmup, null_forwards, null_plans_of, nulled_forward, run_case  # noqa: E402
+from engine_host_bench import (  # noqa: E402
+    BLOCK, PROMPT, PlanOnlyAfterWarmup, churn_max_new, null_forwards, null_plans_of, nulled_forward, run_case,
+)
 
 from services.common.spec import SpecMode  # noqa: E402
 from services.common.wire import tokens_to_proto  # noqa: E402
@@ -91,7 +95,7 @@ def _best_of(kept: dict | None, new: dict) -> dict:
     out = dict(new if new["turn_us"] < kept["turn_us"] else kept)
     out["alone_us"] = min(kept["alone_us"], new["alone_us"])
     for run in ("no_verbs", "unapplied", "thread"):
-        if run in new and run in kept:
+        if new.get(run) and kept.get(run):
             out[run] = min(kept[run], new[run], key=lambda r: r["turn_us"])
     return out
 
@@ -103,7 +107,7 @@ def _process_cpu_s(pid: int) -> float:
 
 
 def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str, profile: bool = False,
-               verbs: str = "all", pin: bool = False, carrier: str = "process") -> dict:
+               verbs: str = "all", pin: bool = False, carrier: str = "process", churn: bool = False) -> dict:
     """``batch`` requests decoding for ever (forced acceptance k) in an EngineRunner over the
     kvstore at ``kv_addr``; times ``steps`` steps after the first ``WARM_STEPS`` decodes.
     ``verbs``: "all" as served; "none": no kvstore traffic while timing (each reservation holds
@@ -111,14 +115,21 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
     dropped unsent); "unapplied": the same capacity, Publishes sent as served but their answers
     not applied (the courier's traffic alone, without the engine thread's work on the answers).
     ``carrier``: where the verbs are sent from, "process" (a CUDA worker's default) or "thread".
-    ``pin``: the engine thread runs on CPU 0 alone (the caller keeps everything else off it)."""
-    if verbs not in ("all", "none", "unapplied"):
-        raise ValueError(f"verbs: all, none or unapplied, not {verbs!r}")
+    ``pin``: the engine thread runs on CPU 0 alone (the caller keeps everything else off it).
+    ``churn``: requests end after ``churn_max_new`` tokens and a feeder thread reserves and submits
+    the next (half its prompt shared, as serve_bench's), as the worker's command thread does; the
+    pool has room for the batch and little more, so new requests' blocks are evicted cached ones,
+    handed out deepest first as the kvstore does (admissions and their ledger work included)."""
+    if verbs not in ("all", "none", "unapplied") or (churn and verbs != "all"):
+        raise ValueError(f"verbs: all, none or unapplied (churn: all only), not {verbs!r}")
     target, draft = models
-    if PROMPT + (steps + 3 * WARM_STEPS + 16) * (k + 1) >= target.config.max_seq_len:
+    if not churn and PROMPT + (steps + 3 * WARM_STEPS + 16) * (k + 1) >= target.config.max_seq_len:
         raise ValueError(f"{steps} steps of k = {k} pass the model's max_seq_len ({target.config.max_seq_len}): fewer --steps")
     backend = PlanOnlyAfterWarmup("cpu", target.attention_geometry(BLOCK))
-    per_request = -(-(PROMPT + (steps + 3 * WARM_STEPS + 40) * (k + 1) + 16) // BLOCK)
+    if churn:
+        per_request = -(-(PROMPT + 128 + 2 * (k + 1) + 4 * BLOCK) // BLOCK)  # prompt, 127 tokens, headroom, a chunk
+    else:
+        per_request = -(-(PROMPT + (steps + 3 * WARM_STEPS + 40) * (k + 1) + 16) // BLOCK)
     blocks = batch * per_request + 64
     link = KVStoreLink(kv_addr, timeout_s=10.0)
     if carrier == "process":
@@ -178,8 +189,10 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
         if prof is not None and len(ends) == WARM_STEPS + steps:
             prof.disable()
 
+    ended: queue.Queue = queue.Queue()  # churn: a reservation ended, the next request goes in
     runner = EngineRunner(engine, link, source, courier, max_running=batch, on_step=on_step, outbox=outbox,
-                          extend_watermark_blocks=2, extend_chunk_blocks=4)
+                          extend_watermark_blocks=2, extend_chunk_blocks=4,
+                          on_disown=ended.put if churn else None)
     outbox.running = lambda: runner.running
     if verbs == "none":
         runner._send_publishes = runner._step_publishes.clear  # the loop calls it once a turn
@@ -195,16 +208,34 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
     threading.Thread(target=heartbeat, daemon=True).start()
     counted = {}  # fused / continued steps when the timing starts and ends
     stub = kv_grpc.KVStoreStub(link._channel)
+    shared = [(3 * j) % 200 + 1 for j in range(PROMPT // 2)]
+
+    def admit(i: int) -> None:
+        if churn:
+            rng = random.Random(i)
+            prompt = shared + [rng.randrange(1, 200) for _ in range(PROMPT - len(shared))]
+        else:
+            prompt = [(7 * i + j) % 200 + 1 for j in range(PROMPT)]
+        rid = f"{worker}-r{i}"
+        r = stub.Reserve(kv.ReserveRequest(worker_id=worker, incarnation=info.incarnation, request_id=rid,
+                                           tokens=tokens_to_proto(prompt), headroom_positions=2 * (k + 1) if verbs == "all" else (per_request - 1) * BLOCK - PROMPT),
+                         timeout=10).reservation
+        spec = RequestSpec(request_id=rid, prompt_ids=prompt, block_table=list(r.block_table),
+                           reused_positions=int(r.reused_positions), max_new_tokens=churn_max_new(i) if churn else 10**6, k=k)
+        runner.submit(Job(spec, r.reservation_id, info.incarnation, kv_request_id=r.request_id))
+
+    def feed() -> None:  # churn: the worker's command thread, reduced to Reserve + submit
+        i = batch
+        while ended.get() is not None:
+            admit(i)
+            i += 1
+
+    feeder = threading.Thread(target=feed, name="feeder", daemon=True)
     try:
         for i in range(batch):
-            prompt = [(7 * i + j) % 200 + 1 for j in range(PROMPT)]
-            rid = f"{worker}-r{i}"
-            r = stub.Reserve(kv.ReserveRequest(worker_id=worker, incarnation=info.incarnation, request_id=rid,
-                                               tokens=tokens_to_proto(prompt), headroom_positions=2 * (k + 1) if verbs == "all" else (per_request - 1) * BLOCK - PROMPT),
-                             timeout=10).reservation
-            spec = RequestSpec(request_id=rid, prompt_ids=prompt, block_table=list(r.block_table),
-                               reused_positions=int(r.reused_positions), max_new_tokens=10**6, k=k)
-            runner.submit(Job(spec, r.reservation_id, info.incarnation, kv_request_id=r.request_id))
+            admit(i)
+        if churn:
+            feeder.start()
         end = time.monotonic() + 600
         while len(ends) < WARM_STEPS + steps:
             if time.monotonic() > end or not runner._thread.is_alive():
@@ -212,6 +243,7 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
             time.sleep(0.05)
     finally:
         beating.set()
+        ended.put(None)
         runner.stop()
         link.close()
         theirs.close()
@@ -247,7 +279,8 @@ def plot(rows: list[dict], png: Path, meta: dict) -> None:
         ("engine alone: Engine.step()", [r["alone_us"] for r in rows]),
         ("served: Engine.step() in the runner", [r["step_us"] for r in rows]),
         ("served: whole turn", [r["turn_us"] for r in rows]),
-        ("served, no kvstore verbs: whole turn", [r["no_verbs"]["turn_us"] for r in rows]),
+        *([("served, no kvstore verbs: whole turn", [r["no_verbs"]["turn_us"] for r in rows])]
+          if all(r.get("no_verbs") for r in rows) else []),
         *([("served, Publishes sent, answers not applied: whole turn", [r["unapplied"]["turn_us"] for r in rows])]
           if all("unapplied" in r for r in rows) else []),
         *([("served, verbs from a thread of the engine process: whole turn", [r["thread"]["turn_us"] for r in rows])]
@@ -278,6 +311,9 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true",
                     help="Linux: the engine thread (and the engine alone) on CPU 0, every other thread and process on the "
                          "other CPUs: what is left of the served cost when no other work competes for the engine's core")
+    ap.add_argument("--churn", action="store_true",
+                    help="requests end (8-127 new tokens) and the next are reserved and submitted, as on a busy server "
+                         "(k > 0 only; the engine alone runs engine_host_bench's churn; no no-verbs run)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--png", type=Path)
     args = ap.parse_args()
@@ -285,6 +321,8 @@ def main() -> None:
     torch.manual_seed(0)
     target, draft, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3, device="cpu", seed=0)
     cases = [(b, k) for b in map(int, args.batches.split(",")) for k in map(int, args.k.split(","))]
+    if args.churn and any(k == 0 for _, k in cases):
+        raise SystemExit("--churn needs k > 0")
     best: dict[tuple, dict] = {}
     others = set(range(os.cpu_count() or 1)) - {0}
     if args.pin and not others:
@@ -305,15 +343,16 @@ def main() -> None:
                         n += 1
                         if args.pin:
                             os.sched_setaffinity(0, {0})
-                        alone = run_case((target, draft), b, k, "split", args.steps)
+                        alone = run_case((target, draft), b, k, "split", args.steps, churn=args.churn)
                         if args.pin:
                             os.sched_setaffinity(0, others)
                         served = run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}", pin=args.pin,
-                                            carrier=args.carrier)
+                                            carrier=args.carrier, churn=args.churn)
                         if args.thread_too:
                             served["thread"] = run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}t",
-                                                          pin=args.pin, carrier="thread")
-                        quiet = run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}q", verbs="none", pin=args.pin)
+                                                          pin=args.pin, carrier="thread", churn=args.churn)
+                        quiet = None if args.churn else run_served((target, draft), kv_addr, b, k, args.steps, f"w{n}q",
+                                                                   verbs="none", pin=args.pin)
                         served["alone_us"] = alone["total_us"]
                         served["no_verbs"] = quiet
                         if args.unapplied:
@@ -326,8 +365,9 @@ def main() -> None:
                               f"CPU a turn: engine thread {served['engine_thread_cpu_us']:.0f}, courier {served['courier_thread_cpu_us']:.0f}, "
                               f"process {served['process_cpu_us']:.0f} us; "
                               f"fused {served['fused_share']:.0%} continued {served['continued_share']:.0%} "
-                              f"(alone {alone['fused_share']:.0%} / {alone['continued_share']:.0%}); without kvstore verbs: turn "
-                              f"{quiet['turn_us']:.0f} us = step {quiet['step_us']:.0f} + outside {quiet['outside_us']:.0f}"
+                              f"(alone {alone['fused_share']:.0%} / {alone['continued_share']:.0%})"
+                              + (f"; without kvstore verbs: turn {quiet['turn_us']:.0f} us = step {quiet['step_us']:.0f} + "
+                                 f"outside {quiet['outside_us']:.0f}" if quiet else "")
                               + (f"; Publishes sent, answers not applied: turn {served['unapplied']['turn_us']:.0f} us = step "
                                  f"{served['unapplied']['step_us']:.0f}, engine thread CPU {served['unapplied']['engine_thread_cpu_us']:.0f}"
                                  if args.unapplied else "")
@@ -336,7 +376,7 @@ def main() -> None:
                               flush=True)
                 if args.profile:
                     b, k = cases[-1]
-                    row = run_served((target, draft), kv_addr, b, k, args.steps, "wprof", profile=True)
+                    row = run_served((target, draft), kv_addr, b, k, args.steps, "wprof", profile=True, churn=args.churn)
                     print(row["profile"])
         finally:
             suite.stop()
@@ -348,9 +388,9 @@ def main() -> None:
         q, u = row["no_verbs"], row.get("unapplied")
         print(f"| {row['batch']} | {row['k']} | {row['alone_us']:.0f} | {row['step_us']:.0f} | {row['turn_us']:.0f} "
               f"({row['outside_us']:.0f}) | {row['turn_us'] / row['alone_us']:.2f} | {row['engine_thread_cpu_us']:.0f} / "
-              f"{row['courier_thread_cpu_us']:.0f} | {q['step_us']:.0f}, {q['turn_us']:.0f} |"
+              f"{row['courier_thread_cpu_us']:.0f} | " + (f"{q['step_us']:.0f}, {q['turn_us']:.0f} |" if q else "– |")
               + (f" Publishes sent, answers not applied: step {u['step_us']:.0f}, turn {u['turn_us']:.0f}, engine thread CPU "
-                 f"{u['engine_thread_cpu_us']:.0f} (no verbs {q['engine_thread_cpu_us']:.0f})" if u else ""))
+                 f"{u['engine_thread_cpu_us']:.0f} (no verbs {q['engine_thread_cpu_us']:.0f})" if u and q else ""))
     meta = machine()
     meta["machine"] = f"{meta['cpu']}, {meta['nproc']} cores, Python {meta['python']}" + (", engine pinned to CPU 0" if args.pin else "")
     if args.out:

@@ -55,9 +55,13 @@ class CacheLedger:
         if last in self._sequences:
             self._remove(self._sequences[last])
         grown: Sequence | None = None  # the longest sequence this one extends
-        for j in range(len(ids) - 2, -1, -1):
-            prev = self._sequences.get(ids[j])
-            if prev is None or prev.cache_salt != cache_salt or len(prev.block_ids) != j + 1 or prev.block_ids != ids[: j + 1]:
+        # the blocks of ours that end a sequence (usually one: our own last Publish), found by a
+        # set intersection instead of a lookup per block (16 Publishes a step at c 64 k 3)
+        ends = self._sequences.keys() & ids
+        ends.discard(last)
+        for j in sorted((ids.index(b) for b in ends), reverse=True):
+            prev = self._sequences[ids[j]]
+            if prev.cache_salt != cache_salt or len(prev.block_ids) != j + 1 or prev.block_ids != ids[: j + 1]:
                 continue
             if grown is None:
                 grown = prev
