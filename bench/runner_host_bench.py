@@ -171,7 +171,8 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
                 os.sched_setaffinity(0, {0})  # 0: the calling thread
             if len(report.results) == batch and all(r.new_token_ids for r in report.results.values()):
                 decoding[0] += 1
-            if decoding[0] >= 3:  # prefill, then the first decodes ran real forwards
+            if decoding[0] >= (1 if churn else 3):  # prefill, then the first decodes ran real forwards (churn:
+                # a request in prefill is always there after the first to end, 8 tokens in)
                 aux = engine.drafter.target_aux_layers if engine.drafter is not None else ()
                 null_forwards(engine.graphs, target.config.hidden_size, draft.chain_hidden_size,
                               target.embed_tokens.weight.dtype, target.config.vocab_size,
