@@ -1,17 +1,23 @@
 """The engine in an OS process of its own, so that it does not share a GIL with gRPC streaming.
 
     gRPC process (asyncio: Generate handlers)            engine process
-    EngineProcess.submit/cancel ──("add"|"abort")──▶ command thread ──▶ EngineRunner (its thread)
-    EngineProcess._call ─────────("call")──────────▶    (runs the runner method, answers)
-          ▲                                                               │ steps, kvstore verbs
+    EngineProcess.submit/cancel ──("add"|"abort")──────────────▶ EngineRunner's thread (its inbox,
+    EngineProcess._call/stop ────("call"|"stop")──▶ command thread    read between two steps)
+          ▲                                          (runs the runner method, answers)
+          │                                                               │ steps, kvstore verbs
           └── reader thread ◀── ("events", [(request id, event)], disowned, running, tallies)
                             ◀── ("answer", call id, ok, value)
               one "events" message per engine-loop turn; delivered once per asyncio loop
 
+Requests go on a pipe of their own that the engine thread polls itself: a command thread woken by
+each of them needed the GIL three times or more (each read, the unpickling, the queue), each
+time waiting for the engine thread, which holds it for nearly all of a host-bound step; at c 64
+k 3 that is two requests a step.
+
 With the engine thread and the gRPC event loop in one process, the engine held the GIL 57 % of
 the time at 64 concurrent streams and gRPC 36 % (py-spy, H200): the served path ran at 0.62 of
 the engine alone. vLLM (``EngineCore`` over ZMQ) and SGLang (scheduler process) split the same
-way. Here the split is two one-way ``multiprocessing`` pipes and pickled plain values: a turn's
+way. Here the split is one-way ``multiprocessing`` pipes and pickled plain values: a turn's
 events, tokens as int lists, typed errors (anything else travels as a ``RuntimeError``, which
 clients see as a bare INTERNAL).
 
@@ -72,12 +78,14 @@ class EngineProcess:
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         cmd_recv, cmd_send = ctx.Pipe(duplex=False)
         self._cmd = _Sender(cmd_send)
+        jobs_recv, jobs_send = ctx.Pipe(duplex=False)
+        self._requests = _Sender(jobs_send)  # "add" / "abort": read by the engine thread itself
         self._events, evt_send = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
             target=_engine_main, name=f"engine-{settings.worker_id}", daemon=True,
-            args=(settings.model_dump(), metrics, cmd_recv, evt_send, logging.getLogger().getEffectiveLevel()),
+            args=(settings.model_dump(), metrics, cmd_recv, jobs_recv, evt_send, logging.getLogger().getEffectiveLevel()),
         )
-        self._child_ends = (cmd_recv, evt_send)
+        self._child_ends = (cmd_recv, jobs_recv, evt_send)
         self._on_tally = on_tally
         self._on_exit = on_exit
         self._lock = threading.Lock()
@@ -143,10 +151,10 @@ class EngineProcess:
                 raise AlreadyExists(f"request {rid!r} is already running on this worker")
             self._jobs[rid] = job
         # the job without its event loop and queue, which stay here (its other fields are plain)
-        self._send(("add", dataclasses.replace(job, loop=None, events=None)))
+        self._requests.send(("add", dataclasses.replace(job, loop=None, events=None)))
 
     def cancel(self, request_id: str, reason: TandemError) -> None:
-        self._send(("abort", request_id, reason))
+        self._requests.send(("abort", request_id, reason))
 
     def adopt_registration(self, incarnation: int, worker_id: str, timeout_s: float = 30.0) -> None:
         """The gRPC process registered the worker: the engine's own kvstore link adopts the
@@ -285,7 +293,8 @@ class PipeOutbox(Outbox):
         self._sender.send(message)  # dropped if the gRPC process is gone: the command thread stops us
 
 
-def _engine_main(settings_data: dict, metrics: bool, commands: Connection, events: Connection, log_level: int) -> None:
+def _engine_main(settings_data: dict, metrics: bool, commands: Connection, requests: Connection, events: Connection,
+                 log_level: int) -> None:
     """Entry point of the engine process: build, report ready (or why not), run until told to
     stop or until the gRPC process goes away."""
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
@@ -301,7 +310,7 @@ def _engine_main(settings_data: dict, metrics: bool, commands: Connection, event
         link = KVStoreLink(settings.kvstore, timeout_s=settings.rpc_timeout_s, credentials=channel_credentials)
         link.worker_id = settings.worker_id  # Abort names its owner (no registration here)
         runner, facts = build_runtime(settings, link, on_step=outbox.tally if metrics else None, outbox=outbox,
-                                      on_disown=outbox.disown)
+                                      on_disown=outbox.disown, inbox=requests)
     except StartupError as exc:
         events.send(("failed", exc.message, exc.exit_code))
         return
@@ -331,15 +340,11 @@ def _engine_main(settings_data: dict, metrics: bool, commands: Connection, event
 
 
 def _handle(command: tuple, runner, outbox: PipeOutbox) -> bool:
-    """Carry out one command from the gRPC process; False for "stop"."""
+    """Carry out one control command from the gRPC process; False for "stop". (Requests, "add"
+    and "abort", come on a pipe of their own that the engine thread reads: ``EngineRunner``'s
+    inbox.)"""
     kind = command[0]
-    if kind == "add":
-        job = command[1]
-        try:
-            runner.submit(job)
-        except AlreadyExists:  # cannot happen: the gRPC side owns ids until we disown them
-            log.error("request %r submitted twice; the second is ignored", job.spec.request_id)
-    elif kind == "call":
+    if kind == "call":
         _, call_id, method, args = command
         try:
             outbox.send(("answer", call_id, True, getattr(runner, method)(*args)))
@@ -347,8 +352,6 @@ def _handle(command: tuple, runner, outbox: PipeOutbox) -> bool:
             if not isinstance(exc, TandemError):
                 exc = RuntimeError(f"{type(exc).__name__}: {exc}")
             outbox.send(("answer", call_id, False, exc))
-    elif kind == "abort":
-        runner.cancel(command[1], command[2])
     elif kind == "stop":
         return False
     return True

@@ -24,11 +24,14 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import multiprocessing.connection
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -43,6 +46,8 @@ from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource,
 from tandem.kvstore.v1 import kvstore_pb2 as kv
 
 log = logging.getLogger(__name__)
+# an idle engine thread looks at its stop flag this often (a command wakes it at once)
+IDLE_WAIT_S = 0.5
 
 
 class AbortRequested(Cancelled):
@@ -169,6 +174,7 @@ class EngineRunner:
         on_step: Callable[[StepReport, float, float], None] | None = None,
         outbox: Outbox | None = None,
         on_disown: Callable[[str], None] | None = None,
+        inbox: Connection | None = None,
     ):
         self.engine = engine
         self.link = link
@@ -183,6 +189,15 @@ class EngineRunner:
         self._outbox = outbox if outbox is not None else Outbox()
         self._on_disown = on_disown  # told when a request's reservation has been ended
         self._commands: queue.Queue = queue.Queue()
+        # An engine process's requests ("add", "abort"), read by the engine thread itself between
+        # steps: a thread blocked on the pipe needed the GIL several times per request (each
+        # read, the unpickling, the queue), each time waiting for the busy engine thread.
+        self._inbox = inbox
+        # ...and a wake-up for the queue while the thread waits on that pipe (stop, reregister)
+        self._wake_r, self._wake_w = os.pipe() if inbox is not None else (-1, -1)
+        if inbox is not None:
+            os.set_blocking(self._wake_r, False)
+            os.set_blocking(self._wake_w, False)
         self._jobs: dict[str, Job] = {}  # engine thread only: admitted, running requests
         # Any thread: every request from submit() until its reservation has been ended, so that
         # Worker.Abort finds a request that the engine thread has not picked up yet.
@@ -213,7 +228,7 @@ class EngineRunner:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Fail what is still running (aborting its reservations) and join the thread."""
         self._stop.set()
-        self._commands.put(("wake",))
+        self._put(("wake",))
         self._thread.join(timeout_s)
 
     def submit(self, job: Job) -> None:
@@ -223,10 +238,28 @@ class EngineRunner:
             if rid in self._owned:
                 raise AlreadyExists(f"request {rid!r} is already running on this worker")
             self._owned.add(rid)
-        self._commands.put(("add", job))
+        self._put(("add", job))
+
+    def _put(self, command: tuple) -> None:
+        self._commands.put(command)
+        if self._wake_w >= 0:  # the engine thread may be idle, waiting on its inbox
+            try:
+                os.write(self._wake_w, b"w")
+            except BlockingIOError:  # full: it has 64 KiB of wake-ups to read already
+                pass
+
+    def _own(self, job: Job) -> bool:
+        """A request read from the inbox: owned from now on, unless its id still is (False)."""
+        rid = job.spec.request_id
+        with self._owned_lock:
+            if rid in self._owned:  # cannot happen: the gRPC side owns ids until we disown them
+                log.error("request %r submitted twice; the second is ignored", rid)
+                return False
+            self._owned.add(rid)
+        return True
 
     def cancel(self, request_id: str, reason: TandemError) -> None:
-        self._commands.put(("abort", request_id, reason))
+        self._put(("abort", request_id, reason))
 
     def adopt_registration(self, incarnation: int, worker_id: str) -> None:
         """Another link registered this worker (the gRPC process's, when this runner is in an
@@ -243,7 +276,7 @@ class EngineRunner:
         kvstore's error (nothing changed here) if it refused. Any thread: the engine thread does
         it between two steps."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("reregister", registration, done))
+        self._put(("reregister", registration, done))
         return done.result(timeout_s)
 
     @property
@@ -335,12 +368,42 @@ class EngineRunner:
             return 0.0
         return max(0.0, now - self._last_step_end - waited)
 
-    def _drain_commands(self, *, block: bool) -> None:
+    def _next_command(self, *, block: bool):
+        """The next command (None if there is none): from the inbox pipe first (an engine
+        process's requests, read here so that no other thread of the process wakes for them),
+        then from the queue. ``block``: wait for one, at most ``IDLE_WAIT_S``."""
+        inbox = self._inbox
+        while inbox is not None:
+            try:
+                if not inbox.poll():
+                    break
+                command = inbox.recv()
+            except (EOFError, OSError):  # the gRPC process is gone: its control pipe stops us
+                self._inbox = inbox = None
+                break
+            if command[0] != "add" or self._own(command[1]):
+                return command
         try:
-            command = self._blocked(self._commands.get, True, 0.5) if block else self._commands.get_nowait()
+            return self._commands.get_nowait()
         except queue.Empty:
-            return
-        while True:
+            if not block:
+                return None
+        if inbox is None:
+            try:
+                return self._blocked(self._commands.get, True, IDLE_WAIT_S)
+            except queue.Empty:
+                return None
+        # idle in an engine process: wait on the pipe and on the queue's wake-up
+        self._blocked(multiprocessing.connection.wait, [inbox, self._wake_r], IDLE_WAIT_S)
+        try:
+            os.read(self._wake_r, 65536)
+        except BlockingIOError:
+            pass
+        return self._next_command(block=False)
+
+    def _drain_commands(self, *, block: bool) -> None:
+        command = self._next_command(block=block)
+        while command is not None:
             kind = command[0]
             if kind == "add":
                 self._admit(command[1])
@@ -361,10 +424,7 @@ class EngineRunner:
                     done.set_result(self._reregister(registration))
                 except Exception as exc:  # noqa: BLE001 - the caller sees it
                     done.set_exception(exc)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+            command = self._next_command(block=False)
 
     def _admit(self, job: Job) -> None:
         rid = job.spec.request_id

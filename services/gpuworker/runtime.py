@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from services.common.errors import TandemError
 from services.common.spec import SpecMode
@@ -51,6 +52,7 @@ def build_runtime(
     on_step: Callable[[StepReport, float, float], None] | None = None,
     outbox: Outbox | None = None,
     on_disown: Callable[[str], None] | None = None,
+    inbox: Connection | None = None,
 ) -> tuple[EngineRunner, EngineFacts]:
     """Load, build and warm up the engine (blocking: call it off the event loop) and wrap it in
     an :class:`EngineRunner` that is not started yet. ``StartupError`` for a model that cannot
@@ -78,7 +80,7 @@ def build_runtime(
     runner = EngineRunner(
         engine, link, source, courier, max_running=settings.max_running,
         extend_watermark_blocks=settings.extend_watermark_blocks, extend_chunk_blocks=settings.extend_chunk_blocks,
-        on_step=on_step, outbox=outbox, on_disown=on_disown,
+        on_step=on_step, outbox=outbox, on_disown=on_disown, inbox=inbox,
     )
     facts = EngineFacts(
         # the draft's weights shape the draft KV, so they are part of the cache namespace too
