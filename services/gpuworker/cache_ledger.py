@@ -23,12 +23,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 
-@dataclass(eq=False)  # compared and hashed by identity: block holders are sets of them
+@dataclass(eq=False, slots=True)  # compared and hashed by identity: block holders are sets of them
 class Sequence:
     cache_salt: bytes
-    tokens: list[int]  # the sequence as the kvstore held it (keys of every listed block)
+    stream: list[int]  # a request's tokens, only ever appended to: the first ``length`` are this sequence
+    length: int
     block_ids: list[int]  # block_ids[j] holds key block j
     tick: int  # when it was last extended (recent sequences are announced first)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The sequence as the kvstore held it (keys of every listed block)."""
+        return self.stream[: self.length]
 
 
 class CacheLedger:
@@ -46,7 +52,9 @@ class CacheLedger:
         """Blocks ``block_ids`` hold key blocks 0.. of ``tokens`` (a Publish sent them). A shorter
         sequence it extends is dropped: this one says the same and more. The usual case, a
         request publishing more of its own sequence, extends that sequence in place: only the
-        new blocks are touched (a Publish per request every few steps, at every batch size)."""
+        new blocks are touched (a Publish per request every few steps, at every batch size).
+        ``tokens`` is kept by reference with its length now (a copy of a long request's tokens
+        per Publish cost more than the rest of this): the caller only ever appends to it."""
         if not block_ids:
             return
         self._tick += 1
@@ -68,12 +76,12 @@ class CacheLedger:
             else:
                 self._remove(prev)
         if grown is None:
-            seq = Sequence(cache_salt, list(tokens), ids, self._tick)
+            seq = Sequence(cache_salt, tokens, len(tokens), ids, self._tick)
             new_blocks = ids
         else:
             del self._sequences[grown.block_ids[-1]]
             new_blocks = ids[len(grown.block_ids):]
-            grown.tokens, grown.block_ids, grown.tick = list(tokens), ids, self._tick
+            grown.stream, grown.length, grown.block_ids, grown.tick = tokens, len(tokens), ids, self._tick
             seq = grown
         self._sequences[last] = seq
         for b in new_blocks:
@@ -98,7 +106,7 @@ class CacheLedger:
             self._remove(seq)
         for seq, cut in cuts.items():  # a prefix another sequence ends at is said already
             if cut and seq.block_ids[cut - 1] not in self._sequences:
-                kept = Sequence(seq.cache_salt, seq.tokens, seq.block_ids[:cut], seq.tick)
+                kept = Sequence(seq.cache_salt, seq.stream, seq.length, seq.block_ids[:cut], seq.tick)
                 self._sequences[kept.block_ids[-1]] = kept
                 for k in kept.block_ids:
                     self._holders.setdefault(k, set()).add(kept)
@@ -108,7 +116,7 @@ class CacheLedger:
         ``max_count`` sequences in all (what one re-registration may carry)."""
         out, total = [], 0
         for seq in sorted(self._sequences.values(), key=lambda s: -s.tick):
-            total += len(seq.tokens)
+            total += seq.length
             if total > max_tokens or len(out) >= max_count:
                 break
             out.append(seq)

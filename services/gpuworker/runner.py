@@ -469,7 +469,9 @@ class EngineRunner:
             if job.first_token_at is None:
                 job.first_token_at = time.monotonic()
             job.tokens.extend(result.new_token_ids)
-            self._outbox.post(job, "tokens", list(result.new_token_ids), result.new_logprobs, result.counts)
+            counts = result.counts  # two plain ints: an engine process pickles one per request and step
+            self._outbox.post(job, "tokens", list(result.new_token_ids), result.new_logprobs,
+                              (counts.decode_steps, counts.accepted_drafts))
         if result.finish_reason is FinishReason.CAPACITY:
             self._fail(rid, result.error or ResourceExhausted("no KV capacity left for this request"))
             return

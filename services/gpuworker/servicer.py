@@ -207,7 +207,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         decode_span = self._tracer.start_span("decode", start_time=now, attributes={"tandem.request_id": spec.request_id})
                     # tokens of several steps waiting here (the client or the network is slower
                     # than the engine) go out as one message: fewer writes, no added latency
-                    ids, logprobs, counts = list(event[1]), list(event[2] or ()), event[3]
+                    ids, logprobs, (decode_steps, accepted) = list(event[1]), list(event[2] or ()), event[3]
                     while not job.events.empty():
                         nxt = job.events.get_nowait()
                         if nxt[0] != "tokens":
@@ -215,9 +215,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             break
                         ids.extend(nxt[1])
                         logprobs.extend(nxt[2] or ())
-                        counts = nxt[3]
+                        decode_steps, accepted = nxt[3]
                     yield pb.GenerateResponse(token_ids=ids, logprobs=logprobs_to_proto(logprobs) if logprobs else None,
-                                              decode_steps=counts.decode_steps, accepted_drafts=counts.accepted_drafts)
+                                              decode_steps=decode_steps, accepted_drafts=accepted)
                 elif kind == "done":
                     _, reason, usage = event
                     finished = True

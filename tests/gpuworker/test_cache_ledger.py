@@ -22,6 +22,23 @@ def test_a_longer_publish_supersedes_its_prefix_and_an_overwrite_cuts():
     assert _as_tuples(ledger) == [] and len(ledger) == 0
 
 
+def test_a_sequence_keeps_the_tokens_published_while_its_stream_grows():
+    ledger = CacheLedger()
+    stream = list(range(40))
+    ledger.published(b"", stream, [7, 2])
+    stream.extend(range(40, 50))  # the request streams on; its next Publish has not gone out yet
+    (seq,) = ledger.sequences(10**9, max_count=10)
+    assert seq.tokens == list(range(40))
+    ledger.published(b"", stream, [7, 2, 9])
+    stream.append(50)
+    (seq,) = ledger.sequences(10**9, max_count=10)
+    assert seq.tokens == list(range(50)) and seq.block_ids == [7, 2, 9]
+    ledger.overwritten([9])  # the cut keeps the tokens the kvstore held
+    (seq,) = ledger.sequences(10**9, max_count=10)
+    assert seq.tokens == list(range(50)) and seq.block_ids == [7, 2]
+    assert len(ledger.sequences(50, max_count=10)) == 1  # 50 tokens published; the stream holds 51
+
+
 def test_two_sequences_sharing_a_prefix_are_cut_together():
     ledger = CacheLedger()
     ledger.published(b"", [1] * 48, [3, 5, 6])
