@@ -29,6 +29,7 @@ Run:   python bench/runner_host_bench.py                      # B = 16, 64; k = 
        python bench/runner_host_bench.py --batches 64 --k 3 --profile   # + cProfile of the engine thread
        python bench/runner_host_bench.py --batches 64 --thread-too      # + the thread carrier, for comparison
        python bench/runner_host_bench.py --out docs/runner_host_bench.json --png docs/img/runner_host_bench.png
+       python bench/runner_host_bench.py --compare before1.json,before2.json after1.json,after2.json --png cmp.png
 """
 
 from __future__ import annotations
@@ -311,8 +312,40 @@ def plot(rows: list[dict], png: Path, meta: dict) -> None:
     fig.savefig(png, dpi=110)
 
 
+def plot_compare(before: list[Path], after: list[Path], png: Path) -> None:
+    """Before / after: the served turn's work outside the step (median over the runs of each
+    side, ``--out`` files of this script), per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def medians(paths: list[Path]) -> dict[tuple[int, int], float]:
+        runs = [json.loads(p.read_text())["rows"] for p in paths]
+        cases = sorted({(r["batch"], r["k"]) for rows in runs for r in rows})
+        return {c: statistics.median(r["outside_us"] for rows in runs for r in rows if (r["batch"], r["k"]) == c)
+                for c in cases}
+
+    old, new = medians(before), medians(after)
+    cases = [c for c in old if c in new]
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    grouped_bars(ax, [f"B={b}, k={k}" for b, k in cases], series=[
+        (f"before (median of {len(before)} runs)", [old[c] for c in cases]),
+        (f"after (median of {len(after)} runs)", [new[c] for c in cases]),
+    ])
+    meta = json.loads(after[0].read_text())["meta"]
+    ax.set_ylabel("served turn outside Engine.step(), µs (median)")
+    ax.set_title(f"the engine thread's work between steps, forwards nulled\n{meta['machine']}, {meta['date']}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                    help="no run: plot two sets of --out files (comma-separated paths each) to --png")
     ap.add_argument("--batches", default="16,64")
     ap.add_argument("--k", default="0,3", help="comma-separated k values")
     ap.add_argument("--steps", type=int, default=150)
@@ -334,6 +367,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--png", type=Path)
     args = ap.parse_args()
+    if args.compare:
+        if not args.png:
+            raise SystemExit("--compare needs --png")
+        before, after = ([Path(p) for p in side.split(",")] for side in args.compare)
+        plot_compare(before, after, args.png)
+        return
     torch.set_num_threads(1)
     torch.manual_seed(0)
     target, draft, _ = load_model("tiny", spec_mode=SpecMode.EAGLE3, device="cpu", seed=0)
