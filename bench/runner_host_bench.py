@@ -238,7 +238,7 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
                            reused_positions=int(r.reused_positions), max_new_tokens=churn_max_new(i) if churn else 10**6, k=k)
         runner.submit(Job(spec, r.reservation_id, info.incarnation, kv_request_id=r.request_id))
 
-    def feed() -> None:  # churn: the worker's command thread, reduced to Reserve + submit
+    def feed() -> None:  # churn: the gRPC side, reduced to Reserve + submit (the in-process queue, not an inbox pipe)
         i = batch
         while ended.get() is not None:
             admit(i)

@@ -33,13 +33,18 @@ so a supervisor restarts it as a new incarnation.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import logging
 import multiprocessing
+import os
+import select
+import struct
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 
 from services.common.errors import AlreadyExists, TandemError, Unavailable
 from services.common.startup import StartupError
@@ -68,6 +73,86 @@ class _Sender:
                 pass
 
 
+class _RequestSender:
+    """The request pipe's sending end, which never blocks its caller (the gRPC process's event
+    loop). The engine thread reads that pipe only between steps, so a long prompt, or several at
+    once, can fill the pipe's buffer (64 KiB) while a step runs: what does not fit waits in a
+    backlog that a thread of its own writes, in order, as the reader makes room; later messages
+    queue behind it. Frames are ``multiprocessing.Connection``'s (a 4-byte big-endian length, or
+    -1 and 8 bytes beyond 2 GiB), so the reader is a plain ``Connection``. A message to a process
+    that is gone is dropped: its reader or supervisor notices the EOF."""
+
+    def __init__(self, conn: Connection):
+        self._conn = conn  # owns the fd
+        self._fd = conn.fileno()
+        os.set_blocking(self._fd, False)
+        self._lock = threading.Lock()
+        self._has_backlog = threading.Condition(self._lock)
+        self._backlog: collections.deque[memoryview] = collections.deque()
+        self._closed = False
+        self._writer: threading.Thread | None = None
+
+    def send(self, message: tuple) -> None:
+        payload = ForkingPickler.dumps(message)
+        n = len(payload)
+        header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+        frame: memoryview | None = memoryview(header + payload)
+        with self._lock:
+            if self._closed:
+                return
+            if not self._backlog:  # the usual case: it fits now, written by the caller
+                frame = self._write(frame)
+                if frame is None:
+                    return
+            self._backlog.append(frame)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_backlog, name="engine-requests", daemon=True)
+                self._writer.start()
+            self._has_backlog.notify()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._backlog.clear()
+            self._has_backlog.notify()
+        self._conn.close()
+
+    def _write(self, frame: memoryview) -> memoryview | None:
+        """Write what fits now (lock held): the rest, or None when all of it went (or the
+        reader is gone, which drops the backlog)."""
+        try:
+            n = os.write(self._fd, frame)
+        except BlockingIOError:
+            return frame
+        except OSError:
+            self._closed = True
+            self._backlog.clear()
+            return None
+        return frame[n:] if n < len(frame) else None
+
+    def _write_backlog(self) -> None:
+        while True:
+            with self._lock:
+                while not self._backlog and not self._closed:
+                    self._has_backlog.wait()
+                if self._closed:
+                    return
+            try:
+                select.select([], [self._fd], [], 1.0)  # room; the timeout re-checks for close
+            except (OSError, ValueError):  # closed meanwhile
+                return
+            with self._lock:
+                if self._closed or not self._backlog:
+                    continue
+                rest = self._write(self._backlog[0])
+                if self._closed:
+                    return
+                if rest is None:
+                    self._backlog.popleft()
+                else:
+                    self._backlog[0] = rest
+
+
 class EngineProcess:
     """The gRPC side's handle on an engine process: the public surface of
     :class:`~services.gpuworker.runner.EngineRunner` (``submit``, ``cancel``, ``running``,
@@ -79,7 +164,7 @@ class EngineProcess:
         cmd_recv, cmd_send = ctx.Pipe(duplex=False)
         self._cmd = _Sender(cmd_send)
         jobs_recv, jobs_send = ctx.Pipe(duplex=False)
-        self._requests = _Sender(jobs_send)  # "add" / "abort": read by the engine thread itself
+        self._requests = _RequestSender(jobs_send)  # "add" / "abort": read by the engine thread itself
         self._events, evt_send = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
             target=_engine_main, name=f"engine-{settings.worker_id}", daemon=True,
@@ -125,6 +210,7 @@ class EngineProcess:
         if it does not within ``timeout_s``. Blocking."""
         self._stopping = True
         if not self._process.is_alive():  # never started, or already gone (see _gone)
+            self._requests.close()
             return
         self._send(("stop",))
         self._process.join(timeout_s)
@@ -132,6 +218,7 @@ class EngineProcess:
             log.warning("engine process did not stop within %.0f s; killing it", timeout_s)
             self._process.kill()
             self._process.join(5.0)
+        self._requests.close()
         if self._reader is not None:
             self._reader.join(timeout_s)
 
