@@ -12,7 +12,8 @@
 Requests go on a pipe of their own that the engine thread polls itself: a command thread woken by
 each of them needed the GIL three times or more (each read, the unpickling, the queue), each
 time waiting for the engine thread, which holds it for nearly all of a host-bound step; at c 64
-k 3 that is two requests a step.
+k 3 that is two requests a step. Since that pipe is read only between steps, its sends never
+block the event loop: what does not fit waits in a backlog (``_RequestSender``).
 
 With the engine thread and the gRPC event loop in one process, the engine held the GIL 57 % of
 the time at 64 concurrent streams and gRPC 36 % (py-spy, H200): the served path ran at 0.62 of

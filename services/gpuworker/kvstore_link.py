@@ -191,25 +191,33 @@ class KVStoreLink:
 
     # -- reservation verbs ------------------------------------------------------------------------
 
-    def publish_many(self, items: list[tuple[str, int, list[int], int, int]]) -> list[PublishAnswer | TandemError | None]:
+    def publish_many(self, items: list[tuple[str, int, list[int], int, int]],
+                     at_risk: list[tuple[int, list[int]]] | None = None) -> list[PublishAnswer | TandemError | None]:
         """One PublishMany of ``items`` (reservation id, incarnation, new tokens, final positions,
         known tokens — ``known_tokens`` is what the kvstore holds before the new ones, which makes a
         resend safe): per item its answer, or its error as a typed domain error. An item of
         incarnation 0 (its reservation died with a memory kvstore) is not sent and answers None.
         A call whose every item failed NOT_FOUND / FAILED_PRECONDITION raises that error
         instead, as a lone Publish would: the courier then asks whether the kvstore forgot this
-        worker (a restart) and resends the whole batch once it re-registered."""
-        sent = [item for item in items if item[1]]
+        worker (a restart) and resends the whole batch once it re-registered.
+
+        ``at_risk``, per item: (first table index, the caller's block ids from there) of the
+        blocks this Publish may deduplicate — the only ones a Publish can move. An answer whose
+        table still holds exactly those there carries no table (``block_table`` None): the
+        caller's table is current. Anything else, a resend's earlier dedup included, carries
+        the whole table. (64 tables of ~70 ids a step were most of what crossed the carrier's
+        pipe.)"""
+        sent = [i for i, item in enumerate(items) if item[1]]
         if not sent:
             return [None] * len(items)
         request = kv.PublishManyRequest(items=[
             kv.PublishRequest(reservation_id=rid, incarnation=inc, new_tokens=tokens_to_proto(new), final_positions=final,
-                              known_tokens=known) for rid, inc, new, final, known in sent])
+                              known_tokens=known) for rid, inc, new, final, known in (items[i] for i in sent)])
         results = self._call(self._stub.PublishMany, request).results
         if len(results) != len(sent):
             raise Unavailable(f"kvstore: PublishMany answered {len(results)} results for {len(sent)} items")
-        answers = [PublishAnswer(r.response.reservation.published_blocks, list(r.response.reservation.block_table))
-                   if r.code == 0 else _item_error(r) for r in results]
+        answers = [_publish_answer(r.response.reservation, at_risk[i] if at_risk is not None else None)
+                   if r.code == 0 else _item_error(r) for i, r in zip(sent, results)]
         if all(isinstance(a, (NotFound, FailedPrecondition)) for a in answers):
             raise answers[0]
         if len(sent) == len(items):
@@ -257,7 +265,18 @@ class PublishAnswer(NamedTuple):
     """What a Publish answers that the worker uses (plain values: answers cross a pipe)."""
 
     published_blocks: int
-    block_table: list[int]  # the reservation's table, deduplicated blocks remapped
+    # the reservation's table, deduplicated blocks remapped; None: the blocks the Publish could
+    # deduplicate did not move (see KVStoreLink.publish_many's ``at_risk``)
+    block_table: list[int] | None
+
+
+def _publish_answer(reservation, at_risk: tuple[int, list[int]] | None) -> PublishAnswer:
+    table = reservation.block_table
+    if at_risk is not None:
+        start, blocks = at_risk
+        if table[start : start + len(blocks)] == blocks:  # a repeated field's slice is a list
+            return PublishAnswer(reservation.published_blocks, None)
+    return PublishAnswer(reservation.published_blocks, list(table))
 
 
 class CapacityAnswer(NamedTuple):

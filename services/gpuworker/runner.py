@@ -83,7 +83,8 @@ class _Publish:
     new_tokens: list[int]
     final: int
     known: int
-    at_risk: list[int]
+    at_risk_from: int  # the table index of at_risk[0]
+    at_risk: list[int]  # the blocks it may deduplicate (free): published, not yet confirmed
 
 
 class Outbox:
@@ -512,7 +513,8 @@ class EngineRunner:
         # has not confirmed yet
         at_risk = table[job.published_blocks : blocks]
         self._publishing.add(at_risk)
-        self._step_publishes.append(_Publish(job, new_tokens, result.publishable_positions, known, at_risk))
+        self._step_publishes.append(_Publish(job, new_tokens, result.publishable_positions, known, job.published_blocks,
+                                             at_risk))
 
     def _send_publishes(self) -> None:
         """One PublishMany for the Publishes of the step just run (before its ahead-of-need
@@ -523,7 +525,8 @@ class EngineRunner:
             return
 
         def args():  # built when it is shipped: a kvstore restart may have renewed incarnations
-            return ([(p.job.reservation_id, p.job.incarnation, p.new_tokens, p.final, p.known) for p in batch],)
+            return ([(p.job.reservation_id, p.job.incarnation, p.new_tokens, p.final, p.known) for p in batch],
+                    [(p.at_risk_from, p.at_risk) for p in batch])
 
         def done(answers) -> None:
             for i, p in enumerate(batch):
@@ -545,6 +548,8 @@ class EngineRunner:
             self.cancel(rid, response if isinstance(response, TandemError) else Unavailable(str(response)))
             return
         job.published_blocks = response.published_blocks
+        if response.block_table is None:
+            return  # the blocks it could deduplicate did not move: the usual answer
         # dedup: another request published the same blocks first; the kvstore freed our copy and
         # pinned theirs (identical KV by the publish invariant), so read theirs from now on
         try:

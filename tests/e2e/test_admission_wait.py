@@ -38,10 +38,10 @@ def test_a_request_sharing_only_the_published_prefix_does_not_wait_for_publishes
     held = threading.Event()
     real_publish_many = runner.link.publish_many
 
-    def held_publish_many(items):  # the courier thread: every Publish stays in flight until released
+    def held_publish_many(*args):  # the courier thread: every Publish stays in flight until released
         held.set()
         release.wait(TIMEOUT)
-        return real_publish_many(items)
+        return real_publish_many(*args)
 
     runner.link.publish_many = held_publish_many
     calls = []
@@ -63,4 +63,61 @@ def test_a_request_sharing_only_the_published_prefix_does_not_wait_for_publishes
             call.cancel()
     stats = suite.wait_no_live_reservations()
     assert stats.live_reservations == 0
+    assert suite.invariants().ok
+
+
+def test_twin_requests_deduplicate_and_the_one_remapped_reads_the_others_blocks(suite):
+    """Two identical greedy requests in one batch publish the same blocks: the kvstore keeps one
+    copy and answers the second Publish with its remapped table (the only Publish answers that
+    carry a table); both streams still equal a lone request's, and nothing leaks."""
+    svc = suite.add_worker("w0", engine_process=False)
+    suite.add_router()
+    runner, _identity = svc.payload
+    prompt = LONG_PREFIX + "Question: which of two twins keeps its blocks?"
+    alone = suite.generate(prompt, max_new_tokens=24)[0]
+    suite.wait_no_live_reservations()
+    dedup_before = sum(w.deduplicated_blocks for w in suite.stats().workers)
+
+    started, release = threading.Barrier(3), threading.Event()
+    answers = []
+    real_publish_many = runner.link.publish_many
+
+    def held_publish_many(*args):  # the courier thread: the twins' Publishes wait until both run
+        release.wait(TIMEOUT)
+        got = real_publish_many(*args)
+        answers.extend(got)
+        return got
+
+    runner.link.publish_many = held_publish_many
+    outputs = {}
+
+    def twin(name: str) -> None:
+        call = suite.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text=prompt, max_new_tokens=24),
+                                   timeout=TIMEOUT)
+        ids = []
+        for msg in call:
+            if msg.token_ids and not ids:
+                started.wait(TIMEOUT)
+            ids.extend(msg.token_ids)
+        outputs[name] = ids
+
+    threads = [threading.Thread(target=twin, args=(n,)) for n in ("a", "b")]
+    try:
+        for t in threads:
+            t.start()
+        started.wait(TIMEOUT)  # both have their first token: both ran before any Publish answered
+        release.set()
+        for t in threads:
+            t.join(TIMEOUT)
+    finally:
+        release.set()
+        runner.link.publish_many = real_publish_many
+    tokens_alone = list(suite.stub.Generate(router_pb2.GenerateRequest(temperature=0.0, text=prompt, max_new_tokens=24),
+                                            timeout=TIMEOUT))
+    expected = [t for msg in tokens_alone for t in msg.token_ids]
+    assert outputs["a"] == outputs["b"] == expected, (alone, outputs)
+    moved = [a for a in answers if a is not None and not isinstance(a, Exception) and a.block_table is not None]
+    assert moved, "no Publish answer carried a remapped table: the twins did not deduplicate"
+    assert sum(w.deduplicated_blocks for w in suite.stats().workers) > dedup_before
+    assert suite.wait_no_live_reservations().live_reservations == 0
     assert suite.invariants().ok

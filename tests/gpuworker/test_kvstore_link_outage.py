@@ -78,3 +78,38 @@ def test_publish_many_answers_per_item_and_raises_when_every_item_was_forgotten(
             link.publish_many([(r.reservation_id, inc, [10, 11], 8, 10), (r.reservation_id, inc, [], 8, 0)])
     finally:
         link.close()
+
+
+def test_a_publish_answer_carries_the_table_only_when_its_at_risk_blocks_moved(start_kvstore):
+    """Twin requests on one worker: the second's Publish deduplicates its blocks against the
+    first's, so its answer brings the remapped table; a Publish whose blocks stayed put answers
+    without one, and so does a resend of it. A resend of the deduplicating Publish (its answer
+    lost) brings the table again: the blocks the caller still holds moved."""
+    from services.gpuworker.kvstore_link import KVStoreLink
+
+    svc = start_kvstore()
+    link = KVStoreLink(svc.address, timeout_s=2.0)
+    try:
+        info = link.register(worker_id="w", address="x", model_id="m", spec_mode=SpecMode.NONE, mtp_depth=0,
+                             block_size=4, num_blocks=32, vocab_size=100, max_seq_len=64)
+        inc = info.incarnation
+        prompt = list(range(10))
+        a = svc.in_loop(lambda: svc.payload.reserve(worker_id="w", incarnation=inc, request_id="a", tokens=prompt,
+                                                    headroom_positions=6))
+        b = svc.in_loop(lambda: svc.payload.reserve(worker_id="w", incarnation=inc, request_id="b", tokens=prompt,
+                                                    headroom_positions=6))
+        ta, tb = list(a.block_table), list(b.block_table)
+        assert ta[:2] != tb[:2]  # two copies of the same two full blocks, nothing published yet
+        (first,) = link.publish_many([(a.reservation_id, inc, [], 8, 0)], [(0, ta[:2])])
+        assert first.published_blocks == 2 and first.block_table is None  # nothing moved
+        (twin,) = link.publish_many([(b.reservation_id, inc, [], 8, 0)], [(0, tb[:2])])
+        assert twin.published_blocks == 2 and twin.block_table is not None
+        assert twin.block_table[:2] == ta[:2] and twin.block_table[2:] == tb[2:]  # b reads a's copy now
+        (lost_answer_resent,) = link.publish_many([(b.reservation_id, inc, [], 8, 0)], [(0, tb[:2])])
+        assert lost_answer_resent.block_table == twin.block_table
+        (again,) = link.publish_many([(a.reservation_id, inc, [], 8, 0)], [(0, ta[:2])])
+        assert again.block_table is None
+        (plain,) = link.publish_many([(b.reservation_id, inc, [], 8, 0)])  # no at-risk blocks given: the table
+        assert plain.block_table == twin.block_table
+    finally:
+        link.close()
