@@ -192,7 +192,7 @@ class KVStoreLink:
     # -- reservation verbs ------------------------------------------------------------------------
 
     def publish_many(self, items: list[tuple[str, int, list[int], int, int]],
-                     at_risk: list[tuple[int, list[int]]] | None = None) -> list[PublishAnswer | TandemError | None]:
+                     expected: list[tuple[int, int]] | None = None) -> list[PublishAnswer | TandemError | None]:
         """One PublishMany of ``items`` (reservation id, incarnation, new tokens, final positions,
         known tokens — ``known_tokens`` is what the kvstore holds before the new ones, which makes a
         resend safe): per item its answer, or its error as a typed domain error. An item of
@@ -201,12 +201,14 @@ class KVStoreLink:
         instead, as a lone Publish would: the courier then asks whether the kvstore forgot this
         worker (a restart) and resends the whole batch once it re-registered.
 
-        ``at_risk``, per item: (first table index, the caller's block ids from there) of the
-        blocks this Publish may deduplicate — the only ones a Publish can move. An answer whose
-        table still holds exactly those there carries no table (``block_table`` None): the
-        caller's table is current. Anything else, a resend's earlier dedup included, carries
-        the whole table. (64 tables of ~70 ids a step were most of what crossed the carrier's
-        pipe.)"""
+        ``expected``, per item: (n, ``table_digest`` of the caller's first n table blocks), n
+        the blocks this Publish publishes — the only positions a Publish can move. An answer
+        that deduplicated nothing and whose first n blocks are what the caller holds carries no
+        table (``block_table`` None): the caller's table is current. Anything else carries the
+        whole table: a dedup, a resend whose lost first answer deduplicated, a kvstore that lost
+        an acknowledged Publish (Redis ``everysec``) and publishes those blocks again, or an
+        answer the caller applied wrongly (every answer re-checks the whole published prefix).
+        (16 tables of ~70 ids a step at c 64 were most of what crossed the carrier's pipe.)"""
         sent = [i for i, item in enumerate(items) if item[1]]
         if not sent:
             return [None] * len(items)
@@ -216,7 +218,7 @@ class KVStoreLink:
         results = self._call(self._stub.PublishMany, request).results
         if len(results) != len(sent):
             raise Unavailable(f"kvstore: PublishMany answered {len(results)} results for {len(sent)} items")
-        answers = [_publish_answer(r.response.reservation, at_risk[i] if at_risk is not None else None)
+        answers = [_publish_answer(r.response, expected[i] if expected is not None else None)
                    if r.code == 0 else _item_error(r) for i, r in zip(sent, results)]
         if all(isinstance(a, (NotFound, FailedPrecondition)) for a in answers):
             raise answers[0]
@@ -265,16 +267,24 @@ class PublishAnswer(NamedTuple):
     """What a Publish answers that the worker uses (plain values: answers cross a pipe)."""
 
     published_blocks: int
-    # the reservation's table, deduplicated blocks remapped; None: the blocks the Publish could
-    # deduplicate did not move (see KVStoreLink.publish_many's ``at_risk``)
+    # the reservation's table, deduplicated blocks remapped; None: the blocks the Publish
+    # published are the ones the caller holds (see KVStoreLink.publish_many's ``expected``)
     block_table: list[int] | None
 
 
-def _publish_answer(reservation, at_risk: tuple[int, list[int]] | None) -> PublishAnswer:
+def table_digest(blocks) -> int:
+    """A digest of block ids that every process of the worker computes alike (the hash of a tuple
+    of ints is not salted per process, unlike a str's); 64 bits, so two different tables share
+    one about once in 2**64 comparisons."""
+    return hash(tuple(blocks))
+
+
+def _publish_answer(response, expected: tuple[int, int] | None) -> PublishAnswer:
+    reservation = response.reservation
     table = reservation.block_table
-    if at_risk is not None:
-        start, blocks = at_risk
-        if table[start : start + len(blocks)] == blocks:  # a repeated field's slice is a list
+    if expected is not None and not response.deduplicated:
+        n, digest = expected
+        if len(table) >= n and table_digest(table[:n]) == digest:  # a repeated field's slice is a list
             return PublishAnswer(reservation.published_blocks, None)
     return PublishAnswer(reservation.published_blocks, list(table))
 

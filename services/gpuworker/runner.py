@@ -42,7 +42,7 @@ from services.gpuworker.engine.report import StepReport
 from services.gpuworker.engine.request import DecodeCounts, FinishReason, RequestSpec
 from services.gpuworker.cache_ledger import CacheLedger
 from services.gpuworker.kvstore_courier import KVStoreCourier
-from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource, capacity_answers
+from services.gpuworker.kvstore_link import KVStoreLink, ReservationBlockSource, capacity_answers, table_digest
 from tandem.kvstore.v1 import kvstore_pb2 as kv
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,9 @@ class _Publish:
     new_tokens: list[int]
     final: int
     known: int
-    at_risk_from: int  # the table index of at_risk[0]
+    blocks: int  # the table blocks it publishes
+    digest: int  # table_digest of the table's first ``blocks`` when it was made: its answer
+    # carries the kvstore's table only if those differ there (KVStoreLink.publish_many)
     at_risk: list[int]  # the blocks it may deduplicate (free): published, not yet confirmed
 
 
@@ -508,13 +510,14 @@ class EngineRunner:
         job.known_tokens = len(job.tokens)
         job.publish_sent_blocks = blocks
         table = self.engine.state(job.spec.request_id).block_table
-        self.ledger.published(job.cache_salt, job.tokens, table[:blocks])
+        published = table[:blocks]
+        self.ledger.published(job.cache_salt, job.tokens, published)  # (it copies the list)
         # the blocks this Publish may free (deduplicate): those it publishes that the kvstore
         # has not confirmed yet
         at_risk = table[job.published_blocks : blocks]
         self._publishing.add(at_risk)
-        self._step_publishes.append(_Publish(job, new_tokens, result.publishable_positions, known, job.published_blocks,
-                                             at_risk))
+        self._step_publishes.append(_Publish(job, new_tokens, result.publishable_positions, known, blocks,
+                                             table_digest(published), at_risk))
 
     def _send_publishes(self) -> None:
         """One PublishMany for the Publishes of the step just run (before its ahead-of-need
@@ -526,7 +529,7 @@ class EngineRunner:
 
         def args():  # built when it is shipped: a kvstore restart may have renewed incarnations
             return ([(p.job.reservation_id, p.job.incarnation, p.new_tokens, p.final, p.known) for p in batch],
-                    [(p.at_risk_from, p.at_risk) for p in batch])
+                    [(p.blocks, p.digest) for p in batch])
 
         def done(answers) -> None:
             for i, p in enumerate(batch):

@@ -80,12 +80,14 @@ def test_publish_many_answers_per_item_and_raises_when_every_item_was_forgotten(
         link.close()
 
 
-def test_a_publish_answer_carries_the_table_only_when_its_at_risk_blocks_moved(start_kvstore):
+def test_a_publish_answer_carries_the_table_only_when_the_published_blocks_moved(start_kvstore):
     """Twin requests on one worker: the second's Publish deduplicates its blocks against the
     first's, so its answer brings the remapped table; a Publish whose blocks stayed put answers
     without one, and so does a resend of it. A resend of the deduplicating Publish (its answer
-    lost) brings the table again: the blocks the caller still holds moved."""
-    from services.gpuworker.kvstore_link import KVStoreLink
+    lost) brings the table again, and so does any answer when what the caller holds differs
+    anywhere in the published blocks (a block it should have remapped earlier, e.g. after a
+    Redis kvstore lost an acknowledged Publish)."""
+    from services.gpuworker.kvstore_link import KVStoreLink, table_digest
 
     svc = start_kvstore()
     link = KVStoreLink(svc.address, timeout_s=2.0)
@@ -100,16 +102,55 @@ def test_a_publish_answer_carries_the_table_only_when_its_at_risk_blocks_moved(s
                                                     headroom_positions=6))
         ta, tb = list(a.block_table), list(b.block_table)
         assert ta[:2] != tb[:2]  # two copies of the same two full blocks, nothing published yet
-        (first,) = link.publish_many([(a.reservation_id, inc, [], 8, 0)], [(0, ta[:2])])
+        (first,) = link.publish_many([(a.reservation_id, inc, [], 8, 0)], [(2, table_digest(ta[:2]))])
         assert first.published_blocks == 2 and first.block_table is None  # nothing moved
-        (twin,) = link.publish_many([(b.reservation_id, inc, [], 8, 0)], [(0, tb[:2])])
+        (twin,) = link.publish_many([(b.reservation_id, inc, [], 8, 0)], [(2, table_digest(tb[:2]))])
         assert twin.published_blocks == 2 and twin.block_table is not None
         assert twin.block_table[:2] == ta[:2] and twin.block_table[2:] == tb[2:]  # b reads a's copy now
-        (lost_answer_resent,) = link.publish_many([(b.reservation_id, inc, [], 8, 0)], [(0, tb[:2])])
+        (lost_answer_resent,) = link.publish_many([(b.reservation_id, inc, [], 8, 0)], [(2, table_digest(tb[:2]))])
         assert lost_answer_resent.block_table == twin.block_table
-        (again,) = link.publish_many([(a.reservation_id, inc, [], 8, 0)], [(0, ta[:2])])
+        (again,) = link.publish_many([(a.reservation_id, inc, [], 8, 0)], [(2, table_digest(ta[:2]))])
         assert again.block_table is None
-        (plain,) = link.publish_many([(b.reservation_id, inc, [], 8, 0)])  # no at-risk blocks given: the table
+        (stale,) = link.publish_many([(a.reservation_id, inc, [], 8, 0)], [(2, table_digest([ta[1], ta[0]]))])
+        assert stale.block_table == ta  # the caller's blocks differ from the kvstore's: the table comes back
+        (plain,) = link.publish_many([(b.reservation_id, inc, [], 8, 0)])  # nothing expected: the table
         assert plain.block_table == twin.block_table
     finally:
         link.close()
+
+
+def test_a_publish_the_kvstore_lost_is_caught_by_the_next_answer():
+    """A Redis kvstore (appendfsync everysec) that crashed may come back without a Publish it
+    had acknowledged. The request's next Publish then publishes those blocks again and may
+    deduplicate them below what the worker holds as confirmed: its answer must bring the table,
+    or the worker would keep reading blocks the kvstore freed (found by review)."""
+    from services.gpuworker.kvstore_link import _publish_answer, table_digest
+    from services.kvstore.journal import JournaledStore
+    from services.kvstore.types import WorkerSpec
+    from tandem.kvstore.v1 import kvstore_pb2 as kv
+
+    def as_proto(result):
+        r = result.reservation
+        return kv.PublishResponse(reservation=kv.Reservation(block_table=list(r.block_table), published_blocks=r.published_blocks),
+                                  deduplicated=result.deduplicated)
+
+    entries = []
+    leader = JournaledStore({}, sink=lambda seq, entry: entries.append(entry))
+    inc = leader.register_worker(WorkerSpec("w", "x", "m", SpecMode.NONE, 0, 4, 32, 100, 64)).incarnation
+    prompt = list(range(20))
+    r = leader.reserve(worker_id="w", incarnation=inc, request_id="r", tokens=prompt, headroom_positions=4)
+    held = list(r.block_table)  # the worker's table
+    snapshot = leader.snapshot()
+    # chunked prefill: the first chunk's Publish (blocks 0-1) is acknowledged without a table
+    first = _publish_answer(as_proto(leader.publish(reservation_id=r.reservation_id, incarnation=inc, final_positions=8,
+                                                    known_tokens=20)), (2, table_digest(held[:2])))
+    assert first.block_table is None and first.published_blocks == 2
+    entries.pop()  # ...and lost with the leader: the standby recovers without it
+    standby = JournaledStore.recover({}, snapshot, [])
+    twin = standby.reserve(worker_id="w", incarnation=inc, request_id="s", tokens=prompt, headroom_positions=4)
+    standby.publish(reservation_id=twin.reservation_id, incarnation=inc, final_positions=8, known_tokens=20)
+    # the second chunk's Publish (blocks 0-3): blocks 0-1 are deduplicated onto the twin's copies
+    second = _publish_answer(as_proto(standby.publish(reservation_id=r.reservation_id, incarnation=inc,
+                                                      final_positions=16, known_tokens=20)), (4, table_digest(held[:4])))
+    assert second.block_table is not None, "the worker was not told that blocks it reads moved"
+    assert second.block_table[:2] == list(twin.block_table[:2]) != held[:2]
