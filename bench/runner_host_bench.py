@@ -211,7 +211,7 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
     if verbs == "none":
         runner._send_publishes = runner._step_publishes.clear  # the loop calls it once a turn
     elif verbs == "unapplied":
-        runner._published = lambda rid, response, at_risk: runner._publishing.discard(at_risk)
+        runner._published = lambda rid, response, at_risk, published=None: runner._publishing.discard(at_risk)
     runner.start()
     beating = threading.Event()
 

@@ -206,8 +206,9 @@ class KVStoreLink:
         that deduplicated nothing and whose first n blocks are what the caller holds carries no
         table (``block_table`` None): the caller's table is current. Anything else carries the
         whole table: a dedup, a resend whose lost first answer deduplicated, a kvstore that lost
-        an acknowledged Publish (Redis ``everysec``) and publishes those blocks again, or an
-        answer the caller applied wrongly (every answer re-checks the whole published prefix).
+        an acknowledged Publish (Redis ``everysec``) and publishes those blocks again. (The caller
+        checks an answer without a table against what it holds when it applies it: a remap
+        applied since, which the kvstore's table does not show, means the kvstore lost it.)
         (16 tables of ~70 ids a step at c 64 were most of what crossed the carrier's pipe.)"""
         sent = [i for i, item in enumerate(items) if item[1]]
         if not sent:

@@ -83,9 +83,9 @@ class _Publish:
     new_tokens: list[int]
     final: int
     known: int
-    blocks: int  # the table blocks it publishes
-    digest: int  # table_digest of the table's first ``blocks`` when it was made: its answer
-    # carries the kvstore's table only if those differ there (KVStoreLink.publish_many)
+    published: list[int]  # the table's blocks it publishes, as they were when it was made
+    digest: int  # their table_digest: its answer carries the kvstore's table only if the
+    # kvstore's differ (KVStoreLink.publish_many)
     at_risk: list[int]  # the blocks it may deduplicate (free): published, not yet confirmed
 
 
@@ -516,7 +516,7 @@ class EngineRunner:
         # has not confirmed yet
         at_risk = table[job.published_blocks : blocks]
         self._publishing.add(at_risk)
-        self._step_publishes.append(_Publish(job, new_tokens, result.publishable_positions, known, blocks,
+        self._step_publishes.append(_Publish(job, new_tokens, result.publishable_positions, known, published,
                                              table_digest(published), at_risk))
 
     def _send_publishes(self) -> None:
@@ -529,19 +529,21 @@ class EngineRunner:
 
         def args():  # built when it is shipped: a kvstore restart may have renewed incarnations
             return ([(p.job.reservation_id, p.job.incarnation, p.new_tokens, p.final, p.known) for p in batch],
-                    [(p.blocks, p.digest) for p in batch])
+                    [(len(p.published), p.digest) for p in batch])
 
         def done(answers) -> None:
             for i, p in enumerate(batch):
                 answer = answers if isinstance(answers, Exception) else answers[i]
-                self._published(p.job.spec.request_id, answer, p.at_risk)
+                self._published(p.job.spec.request_id, answer, p.at_risk, p.published)
 
         self.courier.send("publish", "publish_many", args, done, after=self.engine.last_fence)
 
-    def _published(self, rid: str, response, at_risk: list[int]) -> None:
+    def _published(self, rid: str, response, at_risk: list[int], published: list[int] | None = None) -> None:
         """A Publish answered (engine thread; possibly inside a step's blocking Extend, so
         failures go through ``cancel``, which takes effect between steps). ``response`` None:
-        not sent (its reservation died with a kvstore restart)."""
+        not sent (its reservation died with a kvstore restart). ``published``: the blocks it
+        published as the request held them when it was made; an answer without a table says
+        the kvstore holds those."""
         self._publishing.discard(at_risk)
         job = self._jobs.get(rid)
         if job is None or response is None:
@@ -551,8 +553,15 @@ class EngineRunner:
             self.cancel(rid, response if isinstance(response, TandemError) else Unavailable(str(response)))
             return
         job.published_blocks = response.published_blocks
-        if response.block_table is None:
-            return  # the blocks it could deduplicate did not move: the usual answer
+        if response.block_table is None:  # the kvstore holds the blocks it published: the usual answer
+            held = self.engine.state(rid).block_table
+            if published is not None and held[: len(published)] != published:
+                # An answer applied since moved some of them, and the kvstore's table does not
+                # show it: only a kvstore that lost acknowledged writes (a Redis crash within
+                # appendfsync everysec) gets here. Which copy holds the KV is unknown: end it.
+                log.error("publish for %s: the kvstore's table lost a remap this worker applied", rid)
+                self.cancel(rid, Unavailable("the kvstore lost part of this request's state; retry it"))
+            return
         # dedup: another request published the same blocks first; the kvstore freed our copy and
         # pinned theirs (identical KV by the publish invariant), so read theirs from now on
         try:

@@ -92,3 +92,39 @@ def test_sends_to_a_reader_that_is_gone_are_dropped():
     sender.send(("add", list(range(50_000))))  # no error: the engine process's supervisor notices
     sender.send(("abort", "x"))
     sender.close()
+
+
+def test_an_answer_without_a_table_that_contradicts_an_applied_remap_ends_the_request(kvstore_service):
+    """A Publish answered without a table says the kvstore holds the blocks it published as the
+    request held them when it was made. If an answer applied since moved one of them (a remap),
+    and this answer still says the old ones, the kvstore lost that remap (a Redis crash within
+    its everysec window): the request ends with UNAVAILABLE instead of reading blocks the kvstore
+    may hand out again (found by review). An answer that agrees changes nothing."""
+    import queue
+
+    from services.common.errors import Unavailable
+    from services.gpuworker.engine.request import RequestSpec
+    from services.gpuworker.kvstore_link import PublishAnswer
+    from services.gpuworker.runner import Job
+
+    settings = WorkerSettings(kvstore=kvstore_service.address, device="cpu", kvstore_carrier="thread")
+    link = KVStoreLink(settings.kvstore, timeout_s=5.0)
+    runner, _facts = build_runtime(settings, link)  # not started: this thread plays the engine thread
+    try:
+        bs = runner.engine.block_size
+        table = list(range(1, 5))
+        job = Job(RequestSpec(request_id="r", prompt_ids=list(range(2 * bs + 1)), block_table=table), "res-r", 1)
+        runner._admit(job)
+        assert runner.engine_has("r")
+        published = table[:2]
+        runner._published("r", PublishAnswer(2, None), [], published)  # agrees: nothing to do
+        assert runner._commands.empty() and job.published_blocks == 2
+        runner.engine.state("r").block_table = [9, 2, 3, 4]  # a remap applied since (block 0 deduplicated)
+        runner._published("r", PublishAnswer(2, None), [], published)
+        kind, rid, reason = runner._commands.get_nowait()
+        assert (kind, rid) == ("abort", "r") and isinstance(reason, Unavailable)
+        with pytest.raises(queue.Empty):
+            runner._commands.get_nowait()
+    finally:
+        runner.courier.close()
+        link.close()
