@@ -132,6 +132,8 @@ class _RequestSender:
         return frame[n:] if n < len(frame) else None
 
     def _write_backlog(self) -> None:
+        room = select.poll()  # not select(): it fails for an fd numbered 1024 or more
+        room.register(self._fd, select.POLLOUT)
         while True:
             with self._lock:
                 while not self._backlog and not self._closed:
@@ -139,8 +141,8 @@ class _RequestSender:
                 if self._closed:
                     return
             try:
-                select.select([], [self._fd], [], 1.0)  # room; the timeout re-checks for close
-            except (OSError, ValueError):  # closed meanwhile
+                room.poll(1000)  # room, or a second gone: look at _closed again
+            except OSError:  # closed meanwhile
                 return
             with self._lock:
                 if self._closed or not self._backlog:
