@@ -304,12 +304,8 @@ def plot(rows: list[dict], png: Path, meta: dict) -> None:
         *([("served, verbs from a thread of the engine process: whole turn", [r["thread"]["turn_us"] for r in rows])]
           if all("thread" in r for r in rows) else []),
     ])
-    ax.set_ylabel("host µs per step (median), forwards nulled")
-    ax.set_title(f"served engine turn vs engine alone\n{meta['machine']}, {meta['date']}", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
+    _finish(fig, ax, png, "host µs per step (median), forwards nulled",
+            f"served engine turn vs engine alone\n{meta['machine']}, {meta['date']}")
 
 
 def plot_compare(before: list[Path], after: list[Path], png: Path) -> None:
@@ -334,8 +330,14 @@ def plot_compare(before: list[Path], after: list[Path], png: Path) -> None:
         (f"after (median of {len(after)} runs)", [new[c] for c in cases]),
     ])
     meta = json.loads(after[0].read_text())["meta"]
-    ax.set_ylabel("served turn outside Engine.step(), µs (median)")
-    ax.set_title(f"the engine thread's work between steps, forwards nulled\n{meta['machine']}, {meta['date']}", fontsize=10)
+    _finish(fig, ax, png, "served turn outside Engine.step(), µs (median)",
+            f"the engine thread's work between steps, forwards nulled\n{meta['machine']}, {meta['date']}")
+
+
+def _finish(fig, ax, png: Path, ylabel: str, title: str) -> None:
+    """Label a bar chart of this script and write it to ``png``."""
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)

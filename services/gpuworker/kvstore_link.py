@@ -275,8 +275,8 @@ class PublishAnswer(NamedTuple):
 
 def table_digest(blocks) -> int:
     """A digest of block ids that every process of the worker computes alike (the hash of a tuple
-    of ints is not salted per process, unlike a str's); 64 bits, so two different tables share
-    one about once in 2**64 comparisons."""
+    of ints is not salted per process, unlike a str's). Tables differing in one block never
+    share one; others about once in 2**61 comparisons."""
     return hash(tuple(blocks))
 
 

@@ -24,14 +24,13 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import multiprocessing.connection
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait as wait_for_any
 
 import torch
 
@@ -83,9 +82,9 @@ class _Publish:
     new_tokens: list[int]
     final: int
     known: int
-    published: list[int]  # the table's blocks it publishes, as they were when it was made
-    digest: int  # their table_digest: its answer carries the kvstore's table only if the
-    # kvstore's differ (KVStoreLink.publish_many)
+    # the table's blocks it publishes, as they were when it was made: its answer carries the
+    # kvstore's table only if the kvstore's differ (KVStoreLink.publish_many's ``expected``)
+    published: list[int]
     at_risk: list[int]  # the blocks it may deduplicate (free): published, not yet confirmed
 
 
@@ -244,10 +243,8 @@ class EngineRunner:
     def submit(self, job: Job) -> None:
         """Queue a request for the engine thread; ``AlreadyExists`` if its id is still owned."""
         rid = job.spec.request_id
-        with self._owned_lock:
-            if rid in self._owned:
-                raise AlreadyExists(f"request {rid!r} is already running on this worker")
-            self._owned.add(rid)
+        if not self._claim(rid):
+            raise AlreadyExists(f"request {rid!r} is already running on this worker")
         self._put(("add", job))
 
     def _put(self, command: tuple) -> None:
@@ -258,15 +255,21 @@ class EngineRunner:
             except BlockingIOError:  # full: it has 64 KiB of wake-ups to read already
                 pass
 
-    def _own(self, job: Job) -> bool:
-        """A request read from the inbox: owned from now on, unless its id still is (False)."""
-        rid = job.spec.request_id
+    def _claim(self, rid: str) -> bool:
+        """Own ``rid`` from now on; False (nothing changed) if it still is owned."""
         with self._owned_lock:
-            if rid in self._owned:  # cannot happen: the gRPC side owns ids until we disown them
-                log.error("request %r submitted twice; the second is ignored", rid)
+            if rid in self._owned:
                 return False
             self._owned.add(rid)
         return True
+
+    def _own(self, job: Job) -> bool:
+        """A request read from the inbox: claimed, or logged and ignored if its id still is
+        owned (which cannot happen: the gRPC side owns ids until we disown them)."""
+        if self._claim(job.spec.request_id):
+            return True
+        log.error("request %r submitted twice; the second is ignored", job.spec.request_id)
+        return False
 
     def cancel(self, request_id: str, reason: TandemError) -> None:
         self._put(("abort", request_id, reason))
@@ -407,7 +410,7 @@ class EngineRunner:
             except queue.Empty:
                 return None
         # idle in an engine process: wait on the pipe and on the queue's wake-up
-        self._blocked(multiprocessing.connection.wait, [inbox, self._wake_r], IDLE_WAIT_S)
+        self._blocked(wait_for_any, [inbox, self._wake_r], IDLE_WAIT_S)
         try:
             os.read(self._wake_r, 65536)
         except BlockingIOError:
@@ -516,8 +519,7 @@ class EngineRunner:
         # has not confirmed yet
         at_risk = table[job.published_blocks : blocks]
         self._publishing.add(at_risk)
-        self._step_publishes.append(_Publish(job, new_tokens, result.publishable_positions, known, published,
-                                             table_digest(published), at_risk))
+        self._step_publishes.append(_Publish(job, new_tokens, result.publishable_positions, known, published, at_risk))
 
     def _send_publishes(self) -> None:
         """One PublishMany for the Publishes of the step just run (before its ahead-of-need
@@ -529,7 +531,7 @@ class EngineRunner:
 
         def args():  # built when it is shipped: a kvstore restart may have renewed incarnations
             return ([(p.job.reservation_id, p.job.incarnation, p.new_tokens, p.final, p.known) for p in batch],
-                    [(len(p.published), p.digest) for p in batch])
+                    [(len(p.published), table_digest(p.published)) for p in batch])
 
         def done(answers) -> None:
             for i, p in enumerate(batch):
@@ -538,7 +540,7 @@ class EngineRunner:
 
         self.courier.send("publish", "publish_many", args, done, after=self.engine.last_fence)
 
-    def _published(self, rid: str, response, at_risk: list[int], published: list[int] | None = None) -> None:
+    def _published(self, rid: str, response, at_risk: list[int], published: list[int]) -> None:
         """A Publish answered (engine thread; possibly inside a step's blocking Extend, so
         failures go through ``cancel``, which takes effect between steps). ``response`` None:
         not sent (its reservation died with a kvstore restart). ``published``: the blocks it
@@ -555,7 +557,7 @@ class EngineRunner:
         job.published_blocks = response.published_blocks
         if response.block_table is None:  # the kvstore holds the blocks it published: the usual answer
             held = self.engine.state(rid).block_table
-            if published is not None and held[: len(published)] != published:
+            if held[: len(published)] != published:
                 # An answer applied since moved some of them, and the kvstore's table does not
                 # show it: only a kvstore that lost acknowledged writes (a Redis crash within
                 # appendfsync everysec) gets here. Which copy holds the KV is unknown: end it.

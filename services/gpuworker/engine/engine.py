@@ -347,15 +347,12 @@ class Engine(FusedSteps):
         s = self._states.get(request_id)
         if s is None:
             raise NotFound(f"unknown request {request_id!r}")
-        # a list is an answer the kvstore link decoded already (a Publish's, 16 a step at c 64 k 3)
-        new = block_table if type(block_table) is list else list(map(int, block_table))
-        if new == s.block_table:
-            return  # nothing deduplicated: the usual answer (one per Publish)
+        new = list(map(int, block_table))
         # the kvstore's table may be longer or shorter by now (an Extend or a Trim answered
         # since): only the positions both know are remapped
         n = min(len(new), len(s.block_table))
         if new[:n] == s.block_table[:n]:
-            return
+            return  # nothing deduplicated: the usual answer (one per Publish)
         self._check_only_final_blocks_moved(s, new[:n])
         s.block_table = new[:n] + s.block_table[n:]
 
