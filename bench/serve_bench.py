@@ -418,11 +418,13 @@ def client_proc_main(conn, address: str, channels_each: int, seed: int, prompt_l
         conn.send(([dataclasses.astuple(t) for t in traces], sum(os.times()[:2]) - cpu0))
 
 
-NO_STEPS = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0}  # step counters before the first step
+NO_STEPS = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0, "prefill_steps": 0.0, "prefill_step_s": 0.0}  # before the first step
 
 
 WORKER_COUNTERS = {"tandem_worker_step_duration_seconds_count": "steps", "tandem_worker_step_duration_seconds_sum": "step_s",
                    "tandem_worker_generated_tokens_total": "tokens", "tandem_worker_between_steps_seconds_total": "between_s",
+                   "tandem_worker_prefill_step_duration_seconds_count": "prefill_steps",
+                   "tandem_worker_prefill_step_duration_seconds_sum": "prefill_step_s",
                    "tandem_worker_time_to_first_token_seconds_sum": "worker_ttft_s",
                    "tandem_worker_time_to_first_token_seconds_count": "worker_ttft_n",
                    "tandem_worker_request_queue_time_seconds_sum": "queue_ttft_s",
@@ -481,7 +483,31 @@ def step_stats(before: dict, after: dict, wall_s: float) -> dict:
     return {"steps": int(steps), "step_ms_mean": 1e3 * busy / steps if steps else float("nan"),
             "tokens_per_step": (after["tokens"] - before["tokens"]) / steps if steps else float("nan"),
             "in_step_share": busy / wall_s if wall_s > 0 else float("nan"),
-            **between_stats(before, after, busy, wall_s)}
+            **prefill_stats(before, after, steps, busy), **between_stats(before, after, busy, wall_s)}
+
+
+def prefill_stats(before: dict, after: dict, steps: float, busy_s: float) -> dict:
+    """The steps that computed prompt positions (eager prefill / mixed) against the decode steps
+    (graph replays), with the mean time of each (pure)."""
+    if "prefill_steps" not in after:
+        return {}
+    n = after["prefill_steps"] - before.get("prefill_steps", 0.0)
+    prefill_s = after["prefill_step_s"] - before.get("prefill_step_s", 0.0)
+    nan = float("nan")
+    return {"prefill_steps": int(n), "prefill_step_ms_mean": 1e3 * prefill_s / n if n else nan,
+            "decode_step_ms_mean": 1e3 * (busy_s - prefill_s) / (steps - n) if steps > n else nan}
+
+
+def steps_line(stats: dict) -> str:
+    """A level's step figures in words (both suites print them alike)."""
+    if not stats.get("steps"):
+        return ""
+    line = (f"; {stats['steps']} steps of {stats['step_ms_mean']:.1f} ms, {stats['tokens_per_step']:.1f} tok/step, "
+            f"{100 * stats['in_step_share']:.0f} % of the wall in steps")
+    if "prefill_steps" in stats:
+        line += (f" ({stats['prefill_steps']} with prompts, {stats['prefill_step_ms_mean']:.1f} ms each; "
+                 f"decode {stats['decode_step_ms_mean']:.2f} ms)")
+    return line
 
 
 def between_stats(before: dict, after: dict, busy_s: float, wall_s: float) -> dict:
@@ -596,8 +622,7 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
                 + " ".join(f"{k} {v:.2f}" for k, v in stats["cpu_cores"].items())
                 + f", router {stats['router_cpu_us_per_token']:.0f} µs CPU/token, client {stats['client_cpu_us_per_token']:.0f}"
                 + (f", {stats['failed']} failed: {stats['errors']}" if stats["failed"] else "")
-                + (f"; {stats['steps']} steps of {stats['step_ms_mean']:.1f} ms, {stats['tokens_per_step']:.1f} tok/step, "
-                   f"{100 * stats['in_step_share']:.0f} % of the wall in steps" if stats.get("steps") else "")
+                + steps_line(stats)
                 + (f", {100 * stats['between_share']:.0f} % working between them, {100 * stats['waiting_share']:.0f} % "
                    "waiting" if "between_share" in stats else "")
                 + (f"; TTFT mean client {stats['ttft_mean_ms']:.0f} / router {stats['ttft_mean_router_ms']:.0f} / worker "
@@ -688,8 +713,12 @@ def engine_level(setup, level: Level, prompts: Prompts, prefix_blocks: list[int]
                 engine.adopt_table(rid, table)
         started = time.perf_counter()
         report = engine.step()
-        steps["step_s"] += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        steps["step_s"] += elapsed
         steps["steps"] += 1
+        if any(r.prefill_tokens for r in report.results.values()):
+            steps["prefill_steps"] += 1
+            steps["prefill_step_s"] += elapsed
         now = time.monotonic()
         for rid, r in report.results.items():
             if r.new_token_ids:
@@ -747,9 +776,7 @@ def run_engine_alone(args, model_dir: Path, prompts: Prompts, served: list[dict]
             out.append(stats)
             log(f"  alone  {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
                 f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms "
-                f"(served ÷ alone {row['tokens_per_s'] / stats['tokens_per_s']:.2f}); {stats['steps']} steps of "
-                f"{stats['step_ms_mean']:.1f} ms, {stats['tokens_per_step']:.1f} tok/step, "
-                f"{100 * stats['in_step_share']:.0f} % of the wall in steps")
+                f"(served ÷ alone {row['tokens_per_s'] / stats['tokens_per_s']:.2f})" + steps_line(stats))
         del setup, built
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -9,6 +9,9 @@ gauge is read from the runner when scraped. Derived figures:
   gained per verify step: 1 + accepted drafts), or from the proposed/accepted draft counters;
 * the engine thread's time: in steps (``tandem_worker_step_duration_seconds_sum``), working
   between them (``tandem_worker_between_steps_seconds_total``), the rest of the wall waiting;
+* of the steps, those that computed prompt positions (``tandem_worker_prefill_step_duration_seconds``):
+  prefill and mixed steps run eagerly, decode steps replay CUDA graphs, so the count of the former
+  against the latter shows whether prompts arrive together (one prefill) or trickle (many);
 * the worker's part of TTFT (``tandem_worker_time_to_first_token_seconds``: Generate's arrival
   here to the engine's first token) against the router's (``tandem_router_ttft_seconds``), and
   of that the wait for admission into the engine (``tandem_worker_request_queue_time_seconds``).
@@ -84,6 +87,10 @@ class WorkerMetrics:
             "tandem_worker_step_duration_seconds", "Engine step latency (device-synchronized)",
             buckets=STEP_LATENCY_BUCKETS_S, registry=r,
         )
+        self.prefill_step_duration = Histogram(
+            "tandem_worker_prefill_step_duration_seconds",
+            "Engine steps that computed prompt positions (prefill or mixed prefill + decode), also counted in "
+            "tandem_worker_step_duration_seconds: the rest are decode steps", buckets=STEP_LATENCY_BUCKETS_S, registry=r)
         self.between_steps = Counter(
             "tandem_worker_between_steps_seconds",
             "Engine-thread work between two steps, waits left out (admitting requests, applying results, "
@@ -117,6 +124,8 @@ class WorkerMetrics:
     def record(self, tally: "StepTally") -> None:
         """Record one step's tally (any thread; an engine in another process ships tallies)."""
         self.step_duration.observe(tally.elapsed_s)
+        if tally.prefill:
+            self.prefill_step_duration.observe(tally.elapsed_s)
         self.between_steps.inc(tally.between_s)
         for length in tally.acceptance_lengths:
             self.acceptance_length.observe(length)

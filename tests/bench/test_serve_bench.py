@@ -66,6 +66,9 @@ def test_engine_alone_forced_acceptance_on_a_transformers_model(tmp_path):
     # the step counters cover every streamed token, and the steps took part of the level's wall
     assert row["steps"] > 0 and row["tokens_per_step"] * row["steps"] == pytest.approx(row["tokens"])
     assert 0 < row["in_step_share"] <= 1
+    # three prompts were prefilled, by at least one step each unless two shared one; the rest decoded
+    assert 1 <= row["prefill_steps"] < row["steps"]
+    assert row["prefill_step_ms_mean"] > 0 and row["decode_step_ms_mean"] > 0
 
 
 def test_router_procs_spread_the_clients_over_connections_and_k0_runs_only_plain_levels():
@@ -91,6 +94,21 @@ def test_between_step_shares_split_the_wall_outside_steps():
     assert s["waiting_share"] == pytest.approx(0.1)
     older = {k: v for k, v in after.items() if k != "between_s"}  # a worker without the counter
     assert "between_share" not in sb.step_stats(before, older, wall_s=0.5)
+
+
+def test_prefill_steps_are_split_from_the_decode_steps():
+    before = {"steps": 10.0, "step_s": 0.5, "tokens": 100.0, "prefill_steps": 2.0, "prefill_step_s": 0.2}
+    after = {"steps": 30.0, "step_s": 0.9, "tokens": 180.0, "prefill_steps": 6.0, "prefill_step_s": 0.28}
+    s = sb.step_stats(before, after, wall_s=0.5)
+    # 4 steps with prompts took 80 ms (20 each); the other 16 took 320 ms (20 each)
+    assert s["prefill_steps"] == 4 and s["prefill_step_ms_mean"] == pytest.approx(20.0)
+    assert s["decode_step_ms_mean"] == pytest.approx(20.0)
+    after["prefill_step_s"] = 0.44  # 240 ms with prompts: 60 each, the decodes 160 / 16 = 10
+    s = sb.step_stats(before, after, wall_s=0.5)
+    assert s["prefill_step_ms_mean"] == pytest.approx(60.0) and s["decode_step_ms_mean"] == pytest.approx(10.0)
+    assert "with prompts, 60.0 ms each; decode 10.00 ms" in sb.steps_line(s)
+    older = {k: v for k, v in after.items() if not k.startswith("prefill")}  # a worker without the metric
+    assert "prefill_steps" not in sb.step_stats(before, older, wall_s=0.5)
 
 
 @pytest.mark.parametrize("concurrency,requests,n", [(64, 192, 4), (1, 4, 4), (6, 18, 4), (16, 16, 3)])

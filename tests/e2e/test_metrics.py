@@ -141,6 +141,11 @@ def test_counters_move_by_what_the_requests_did(metered):
     assert verify_steps + accepted + len(usages) >= completion
     # one request at a time: every step served one request, at least one prefill step each
     assert value(w, "tandem_worker_step_duration_seconds_count") >= verify_steps + len(usages)
+    # two prompts, each prefilled by at least one step of its own (one request at a time); the
+    # decode steps are not among them
+    prefill_steps = value(w, "tandem_worker_prefill_step_duration_seconds_count")
+    assert len(usages) <= prefill_steps <= value(w, "tandem_worker_step_duration_seconds_count") - verify_steps
+    assert 0 < value(w, "tandem_worker_prefill_step_duration_seconds_sum") < value(w, "tandem_worker_step_duration_seconds_sum")
     assert value(w, "tandem_rpc_duration_seconds_count", method="/tandem.worker.v1.Worker/Generate", code="OK") == 2
     # the worker's part of TTFT (its arrival to the engine's first token) lies inside the router's
     assert value(w, "tandem_worker_time_to_first_token_seconds_count") == 2
