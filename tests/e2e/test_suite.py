@@ -75,6 +75,9 @@ def test_load_outweighs_reuse_when_the_holder_is_busy(suite):
     suite.add_router(policy_gamma=1000.0)  # one in-flight request outweighs any prefix reuse
     _, _, first = suite.generate(LONG_PREFIX + "Q1", max_new_tokens=4)
     holder = first.worker_id
+    # the worker releases Q1's reservation after its stream ended; until the kvstore has it, Q1
+    # counts as load on the holder (gamma 1000) and the long request below would go elsewhere
+    assert suite.wait_no_live_reservations().live_reservations == 0
 
     # a long request on the holder (it goes there: same prefix, nothing in flight anywhere)
     long_call = suite.stub.Generate(
