@@ -56,6 +56,7 @@ import asyncio
 import importlib.metadata
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -570,6 +571,27 @@ def profile_level(args, suite, level: Level, out_dir: Path | None) -> list[subpr
     return procs
 
 
+def profile_alone(args, level: Level, out_dir: Path | None) -> subprocess.Popen | None:
+    """``--profile LEVEL`` for the engine alone: py-spy records this process (GIL holders only)
+    until ``stop_profile``; the engine alone's level is the served one's baseline."""
+    wanted = {name.replace(" ", "") for name in (args.profile or "").split(",")}
+    if level.name.replace(" ", "") not in wanted or out_dir is None:
+        return None
+    dest = out_dir / f"pyspy_alone_{level.name.replace(' ', '')}_gil.txt"
+    proc = subprocess.Popen([pyspy_binary(), "record", "--pid", str(os.getpid()), "--rate", "200", "--format", "raw",
+                             "--threads", "--nonblocking", "--gil", "-o", str(dest)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaches before the level starts
+    return proc
+
+
+def stop_profile(proc: subprocess.Popen | None) -> None:
+    """End a ``profile_alone`` recording; py-spy writes its file on SIGINT."""
+    if proc is not None:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+
+
 async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: str, router_urls: list[str] = ()) -> dict:
     """First request right after SERVING, a warm-up per k, then every measured level."""
     from tandem.router.v1 import router_pb2_grpc
@@ -771,7 +793,11 @@ def run_engine_alone(args, model_dir: Path, prompts: Prompts, served: list[dict]
             if level.k not in warmed:
                 engine_level(setup, warmup_of(args, level.k, level.a), prompts, prefix_blocks, reused, args.level_max_s)
                 warmed.add(level.k)
-            traces, wall, steps = engine_level(setup, level, prompts, prefix_blocks, reused, 1e9)
+            profiler = profile_alone(args, level, args.json.parent if args.json else None)
+            try:
+                traces, wall, steps = engine_level(setup, level, prompts, prefix_blocks, reused, 1e9)
+            finally:
+                stop_profile(profiler)
             stats = {**asdict(level), **level_stats(traces, wall), **steps}
             out.append(stats)
             log(f"  alone  {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
@@ -959,7 +985,7 @@ def parse_args(argv):
     p.add_argument("--model-dir", type=Path, help="where to save the model (default: a temporary folder)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: c 1,4; a 0,3; prompt 64; 16 new tokens")
-    p.add_argument("--profile", help="served levels to profile with py-spy, e.g. 'c64 k0,c64 k3 a3' (files beside --json)")
+    p.add_argument("--profile", help="levels to profile with py-spy, served and alone, e.g. 'c64 k0,c64 k3 a3' (files beside --json)")
     p.add_argument("--json", type=Path, help="write every figure here")
     p.add_argument("--plot", type=Path, help="write the PNG here")
     p.add_argument("--from-json", type=Path, help="no run: table and --plot from an earlier --json")
