@@ -759,6 +759,29 @@ def engine_level(setup, level: Level, prompts: Prompts, prefix_blocks: list[int]
     return list(traces.values()), wall, step_stats(NO_STEPS, steps, wall)
 
 
+def busy_procs(n: int) -> list[subprocess.Popen]:
+    """``n`` processes spinning in pure Python: the other CPU load a served run puts on the box
+    (router, clients, the worker's gRPC process, the kvstore)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def loaded_level(args, setup, level: Level, prompts: Prompts, prefix_blocks: list[int], reused: int, log) -> dict:
+    """``--alone-busy-procs N``: the engine alone's level again with N busy processes beside it,
+    to tell the served run's own costs from what its other processes cost the host's speed."""
+    procs = busy_procs(args.alone_busy_procs)
+    try:
+        time.sleep(0.5)
+        traces, wall, steps = engine_level(setup, level, prompts, prefix_blocks, reused, 1e9)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    stats = {**level_stats(traces, wall), **steps}
+    log(f"  alone  {level.name} beside {args.alone_busy_procs} busy processes: {stats['tokens_per_s']:.1f} tok/s"
+        + steps_line(stats))
+    return stats
+
+
 def run_engine_alone(args, model_dir: Path, prompts: Prompts, served: list[dict], log) -> list[dict]:
     """Per a: an engine built as the worker builds it, the shared prefix computed once and kept,
     then each level with the request count its served twin finished."""
@@ -799,6 +822,8 @@ def run_engine_alone(args, model_dir: Path, prompts: Prompts, served: list[dict]
             finally:
                 stop_profile(profiler)
             stats = {**asdict(level), **level_stats(traces, wall), **steps}
+            if args.alone_busy_procs:
+                stats["busy"] = loaded_level(args, setup, level, prompts, prefix_blocks, reused, log)
             out.append(stats)
             log(f"  alone  {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
                 f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms "
@@ -867,6 +892,12 @@ def table(res: dict) -> str:
     for key, v in h.items():
         if key.startswith("served_c1_k"):
             lines.append(f"{key}: {v:.2f}x")
+    for r in combine(res):
+        if "busy" in r["alone"]:
+            s, busy = r["served"], r["alone"]["busy"]
+            name = f"c {s['concurrency']} k {s['k']}" + ("" if s["a"] is None else f" a {s['a']}")
+            lines.append(f"{name}: alone beside busy processes "
+                         f"{busy['tokens_per_s']:.1f} tok/s, served ÷ that {s['tokens_per_s'] / busy['tokens_per_s']:.2f}")
     return "\n".join(lines)
 
 
@@ -985,6 +1016,8 @@ def parse_args(argv):
     p.add_argument("--model-dir", type=Path, help="where to save the model (default: a temporary folder)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: c 1,4; a 0,3; prompt 64; 16 new tokens")
+    p.add_argument("--alone-busy-procs", type=int, default=0,
+                   help="run each engine-alone level again beside this many busy processes (the host load of a served run)")
     p.add_argument("--profile", help="levels to profile with py-spy, served and alone, e.g. 'c64 k0,c64 k3 a3' (files beside --json)")
     p.add_argument("--json", type=Path, help="write every figure here")
     p.add_argument("--plot", type=Path, help="write the PNG here")

@@ -53,7 +53,7 @@ def test_step_stats_are_the_counters_moved_over_the_level():
 
 
 def test_engine_alone_forced_acceptance_on_a_transformers_model(tmp_path):
-    args = sb.parse_args([*QUICK, "--accept", "3"])
+    args = sb.parse_args([*QUICK, "--accept", "3", "--alone-busy-procs", "1"])
     facts = sb.build_model("tiny-cpu", tmp_path, "cpu", seed=0)
     assert (tmp_path / "config.json").is_file() and facts["params"] > 0
     prompts = sb.Prompts(0, args.prompt_len, sb.SHAPES["tiny-cpu"].vocab_size)
@@ -68,6 +68,8 @@ def test_engine_alone_forced_acceptance_on_a_transformers_model(tmp_path):
     assert 0 < row["in_step_share"] <= 1
     # three prompts were prefilled, by at least one step each unless two shared one; the rest decoded
     assert 1 <= row["prefill_steps"] < row["steps"]
+    # and again beside a busy process: the same requests and tokens, its own timings
+    assert row["busy"]["tokens"] == row["tokens"] and row["busy"]["steps"] > 0 and row["busy"]["failed"] == 0
     assert row["prefill_step_ms_mean"] > 0 and row["decode_step_ms_mean"] > 0
 
 
