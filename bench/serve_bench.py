@@ -47,6 +47,7 @@ request after ``--level-max-s``: at the goal speeds every level runs its full co
 8b ≈ 4 min including build, loads and one suite start per a); a slower served path runs fewer
 requests per level instead of running longer (≲ 6 and 8 min).
     python bench/serve_bench.py --from-json serve_1b.json --plot serve_1b.png          # anywhere
+    python bench/serve_bench.py --compare-steps run1.json run2.json --plot steps.png   # c 64: served vs alone wall
 """
 
 from __future__ import annotations
@@ -949,6 +950,58 @@ def plot(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def wall_split(stats: dict) -> dict[str, float]:
+    """A level's wall in seconds: in decode steps, in steps with prompts, working between steps,
+    waiting (the engine alone's loop counts its own work outside steps as "between")."""
+    wall = stats["tokens"] / stats["tokens_per_s"]
+    prefill = stats["prefill_steps"] * stats["prefill_step_ms_mean"] / 1e3
+    decode = (stats["steps"] - stats["prefill_steps"]) * stats["decode_step_ms_mean"] / 1e3
+    between = stats.get("between_share", 1.0 - stats["in_step_share"]) * wall
+    return {"decode steps": decode, "steps with prompts": prefill, "between steps": between,
+            "waiting": max(0.0, wall - decode - prefill - between)}
+
+
+def plot_steps(runs: list[tuple[str, dict]], path: Path, concurrency: int = 64) -> None:
+    """``--compare-steps``: where each run's level of ``concurrency`` spent its wall, served and
+    alone side by side (stacked seconds), and the decode step's mean time of each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = []  # (label, served split, alone split, served decode ms, alone decode ms)
+    for name, res in runs:
+        for r in combine(res):
+            s, e = r["served"], r["alone"]
+            if s["concurrency"] != concurrency or "prefill_steps" not in s or "prefill_steps" not in e:
+                continue
+            label = f"{name}\nk={s['k']}" + ("" if s["a"] is None else f" a={s['a']}")
+            bars.append((label, wall_split(s), wall_split(e), s["decode_step_ms_mean"], e["decode_step_ms_mean"]))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(bars) + 4), 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    colors = {"decode steps": "tab:blue", "steps with prompts": "tab:orange", "between steps": "tab:red", "waiting": "tab:gray"}
+    for i, (_, served, alone, _, _) in enumerate(bars):
+        for x, split, hatch in ((i - 0.2, served, ""), (i + 0.2, alone, "//")):
+            bottom = 0.0
+            for part, secs in split.items():
+                ax.bar(x, secs, 0.38, bottom=bottom, color=colors[part], hatch=hatch, edgecolor="white",
+                       label=part if i == 0 and not hatch else None)
+                bottom += secs
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=7)
+    ax.set_ylabel("seconds of the level's wall")
+    ax.set_title(f"c {concurrency}: served (left, plain) vs engine alone (right, hatched)")
+    ax.legend(fontsize=7)
+    xs = np.arange(len(bars))
+    ax2.bar(xs - 0.2, [b[3] for b in bars], 0.38, label="served")
+    ax2.bar(xs + 0.2, [b[4] for b in bars], 0.38, label="alone", hatch="//")
+    ax2.set_xticks(xs, [b[0] for b in bars], fontsize=7)
+    ax2.set_ylabel("ms")
+    ax2.set_title("mean decode step (host-bound)")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
 def meta(args) -> dict:
     def version(dist: str) -> str | None:
         try:
@@ -1021,6 +1074,8 @@ def parse_args(argv):
     p.add_argument("--profile", help="levels to profile with py-spy, served and alone, e.g. 'c64 k0,c64 k3 a3' (files beside --json)")
     p.add_argument("--json", type=Path, help="write every figure here")
     p.add_argument("--plot", type=Path, help="write the PNG here")
+    p.add_argument("--compare-steps", nargs="+", metavar="JSON",
+                   help="no run: where the c 64 levels of earlier --json files spent their wall, served vs alone (with --plot)")
     p.add_argument("--from-json", type=Path, help="no run: table and --plot from an earlier --json")
     args = p.parse_args(argv)
     if args.quick:
@@ -1039,6 +1094,20 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compare_steps:
+        stems = [Path(f).stem for f in args.compare_steps]
+        common = os.path.commonprefix(stems) if len(stems) > 1 else ""
+        runs = [(stem[len(common):] or stem, json.loads(Path(f).read_text())) for stem, f in zip(stems, args.compare_steps)]
+        for name, res in runs:
+            for r in combine(res):
+                if "prefill_steps" in r["served"] and "prefill_steps" in r["alone"]:
+                    sv, al = wall_split(r["served"]), wall_split(r["alone"])
+                    print(f"{name} c{r['served']['concurrency']} k{r['served']['k']}: served "
+                          + ", ".join(f"{k} {v:.2f}" for k, v in sv.items()) + " s; alone "
+                          + ", ".join(f"{k} {v:.2f}" for k, v in al.items()) + " s")
+        if args.plot:
+            plot_steps(runs, args.plot)
+        return 0
     if args.from_json:
         res = json.loads(args.from_json.read_text())
         print(table(res))

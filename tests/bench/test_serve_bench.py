@@ -6,6 +6,7 @@ acceptance, reusing the shared prefix as the kvstore would."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -111,6 +112,28 @@ def test_prefill_steps_are_split_from_the_decode_steps():
     assert "with prompts, 60.0 ms each; decode 10.00 ms" in sb.steps_line(s)
     older = {k: v for k, v in after.items() if not k.startswith("prefill")}  # a worker without the metric
     assert "prefill_steps" not in sb.step_stats(before, older, wall_s=0.5)
+
+
+def test_the_wall_split_adds_up_and_compare_steps_plots_it(tmp_path, capsys):
+    stats = {"tokens": 1000, "tokens_per_s": 500.0, "steps": 110, "prefill_steps": 10, "prefill_step_ms_mean": 20.0,
+             "decode_step_ms_mean": 12.0, "in_step_share": 0.7, "between_share": 0.2}
+    split = sb.wall_split(stats)  # 2 s: 1.2 decoding, 0.2 with prompts, 0.4 between, the rest waiting
+    assert split["decode steps"] == pytest.approx(1.2) and split["steps with prompts"] == pytest.approx(0.2)
+    assert split["between steps"] == pytest.approx(0.4) and split["waiting"] == pytest.approx(0.2)
+    alone = {**stats, "tokens_per_s": 1000.0, "decode_step_ms_mean": 6.0, "in_step_share": 0.96}
+    del alone["between_share"]  # the engine alone's loop: its time outside steps counts as between
+    assert sb.wall_split(alone)["between steps"] == pytest.approx(0.04) and sb.wall_split(alone)["waiting"] == pytest.approx(0.16)
+    level = {"concurrency": 64, "k": 0, "a": None, "requests": 8, "failed": 0}
+    res = {"served": [{"levels": [{**level, **stats}]}], "engine_alone": [{**level, **alone}]}
+    files = []
+    for name in ("first", "second"):
+        files.append(tmp_path / f"s36_{name}.json")
+        files[-1].write_text(json.dumps(res))
+    png = tmp_path / "steps.png"
+    assert sb.main(["--compare-steps", *map(str, files), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 0
+    out = capsys.readouterr().out
+    assert out.startswith("first c64 k0: served decode steps 1.20") and "\nsecond c64 k0" in out  # "s36_" dropped
 
 
 @pytest.mark.parametrize("concurrency,requests,n", [(64, 192, 4), (1, 4, 4), (6, 18, 4), (16, 16, 3)])
