@@ -100,7 +100,7 @@ def test_a_failure_after_tokens_moved_is_raised(monkeypatch):
     engine = setup.engine
     submit(setup, "a", prompt(5), max_new_tokens=12, k=2)
 
-    def broken_fill(jobs):
+    def broken_fill(jobs, flush=True):
         raise RuntimeError("draft fill failed")
 
     monkeypatch.setattr(engine.drafter, "fill", broken_fill)

@@ -133,3 +133,35 @@ def test_plain_decoding_fills_the_draft_once_per_block():
     # prefill once, then one fill per block crossed (plus the final one), not 20 per-token fills
     assert len(fills) <= 1 + -(-21 // BS) + 1, fills
     assert watch.check("plain", prompt + c.tokens, "eagle3") == c.publishable_positions // BS
+
+
+@pytest.mark.parametrize("mode", ["eagle3", "mtp2"])
+def test_staggered_plain_decoding_requests_fill_in_rounds(mode):
+    """Plain-decoding requests whose prompts end at different offsets in a block cross their
+    block boundaries in different steps. Their fills wait for the engine's fill round (every
+    block_size steps) and run together, instead of one eager draft forward nearly every step;
+    what they publish is still the reference KV, and their tokens are the ones they decode alone."""
+    lengths = (5, 6, 7, 8)  # offsets 1, 2, 3, 0 in a block of 4: a boundary crossed every step
+    new = 24
+    span = MODES[mode][1] if mode.startswith("mtp") else 1
+    setup = make_setup(mode, chunk_size=64, max_batch_tokens=64)
+    watch = PublishWatcher(setup, span)
+    fills, steps = [], []
+    drafter = setup.engine.drafter
+    name = "_fill_eagle" if mode == "eagle3" else "_fill_mtp"
+    real = getattr(drafter, name)
+    setattr(drafter, name, lambda run: (fills.append(len(steps)), real(run))[1])
+    ps = prompts(lengths, seed=11)
+    for i, p in enumerate(ps):
+        submit(setup, f"p{i}", p, max_new_tokens=new, k=0)
+    done = run_until_done(setup, keep=[f"p{i}" for i in range(len(ps))], on_step=lambda r: (steps.append(r), watch(r)))
+    # the prompts' fills (up to one each), one per round, the final one: not one per step (24
+    # with a fill at every boundary crossed)
+    assert len(fills) <= len(ps) + -(-len(steps) // BS) + 1, (fills, len(steps))
+    for i, p in enumerate(ps):
+        c = done[f"p{i}"]
+        assert len(c.tokens) == new and c.publishable_positions == len(p) + new - span
+        assert watch.check(f"p{i}", p + c.tokens, mode) == c.publishable_positions // BS
+        alone = make_setup(mode, chunk_size=64, max_batch_tokens=64)
+        submit(alone, "a", p, max_new_tokens=new, k=0)
+        assert run_until_done(alone)["a"].tokens == c.tokens
