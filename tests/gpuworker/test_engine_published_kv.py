@@ -135,16 +135,18 @@ def test_plain_decoding_fills_the_draft_once_per_block():
     assert watch.check("plain", prompt + c.tokens, "eagle3") == c.publishable_positions // BS
 
 
-@pytest.mark.parametrize("mode", ["eagle3", "mtp2"])
-def test_staggered_plain_decoding_requests_fill_in_rounds(mode):
+@pytest.mark.parametrize("mode, graphs", [("eagle3", "off"), ("mtp2", "off"), ("eagle3", "pad"), ("mtp2", "pad")])
+def test_staggered_plain_decoding_requests_fill_in_rounds(mode, graphs):
     """Plain-decoding requests whose prompts end at different offsets in a block cross their
     block boundaries in different steps. Their fills wait for the engine's fill round (every
     block_size steps) and run together, instead of one eager draft forward nearly every step;
-    what they publish is still the reference KV, and their tokens are the ones they decode alone."""
+    what they publish is still the reference KV, and their tokens are the ones they decode alone.
+    ``graphs="pad"``: the decode rows kept for a later fill come from a graph's outputs, which
+    the next step's replay rewrites (the padded CPU path rewrites them likewise)."""
     lengths = (5, 6, 7, 8)  # offsets 1, 2, 3, 0 in a block of 4: a boundary crossed every step
     new = 24
     span = MODES[mode][1] if mode.startswith("mtp") else 1
-    setup = make_setup(mode, chunk_size=64, max_batch_tokens=64)
+    setup = make_setup(mode, chunk_size=64, max_batch_tokens=64, graphs=graphs)
     watch = PublishWatcher(setup, span)
     fills, steps = [], []
     drafter = setup.engine.drafter

@@ -72,16 +72,6 @@ def choose_proposals(states: list[RequestState], logits: torch.Tensor) -> tuple[
     return tokens, probs
 
 
-# A deferred row block that is a view of a hidden tensor bigger than this is copied: a view
-# keeps its whole tensor alive (a prompt chunk's); a decode step's (rows x 3H) stays a view.
-_VIEW_LIMIT_BYTES = 16 << 20
-
-
-def _owned(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` to keep across steps: itself, or a copy when it is a view of a big tensor."""
-    return rows.clone() if rows.untyped_storage().nbytes() > _VIEW_LIMIT_BYTES else rows
-
-
 class DraftRunner:
     """Drives one draft model over the draft pool. Mutates the pool and the ``RequestState``s
     it is given (proposals, draft length, pending rows); returns the position ranges it wrote."""
@@ -162,6 +152,7 @@ class DraftRunner:
         ``[lo, hi)``."""
         run: list[tuple[FillJob, int, int, torch.Tensor]] = []
         written: dict[str, tuple[int, int]] = {}
+        deferred: list[tuple[RequestState, torch.Tensor]] = []
         for job in jobs:
             s = job.state
             known, T, F = s.known_len, s.target_len, s.draft_len  # a pending token is not known yet
@@ -170,9 +161,9 @@ class DraftRunner:
             hi = T if drafting else min(T, known - self.span)
             new_f = max(F, min(T, known - self.span))
             if self._deferred(job, F, new_f, flush):
-                # no concatenation per step: one more row block, read when the block fills up
+                # no concatenation per request and step: one more row block, read when it fills
                 if new_rows is not None:
-                    s.pending_hidden.append(_owned(new_rows))
+                    deferred.append((s, new_rows))
                 s.drafts, s.draft_probs, s.chain_hidden = None, None, None
                 continue
             parts = s.pending_hidden + [new_rows] if new_rows is not None else s.pending_hidden
@@ -185,12 +176,24 @@ class DraftRunner:
             s.pending_hidden = [rows[new_f - F :].clone()] if keep else []
             s.draft_len = new_f
             s.drafts, s.draft_probs, s.chain_hidden = None, None, None
+        if deferred:
+            self._keep(deferred)
         if run:
             if self.mode is SpecMode.EAGLE3:
                 self._fill_eagle(run)
             else:
                 self._fill_mtp(run)
         return written
+
+    @staticmethod
+    def _keep(deferred: list[tuple[RequestState, torch.Tensor]]) -> None:
+        """Append each deferred row block to its request's ``pending_hidden`` as a view of ONE
+        copy of them all: the rows are the step's target outputs, which a graph's next replay
+        rewrites (and a view of a prompt chunk's would keep that whole tensor alive), and one
+        copy costs one kernel where a copy per request cost a kernel each. Mutates the states."""
+        kept = torch.cat([rows for _, rows in deferred]) if len(deferred) > 1 else deferred[0][1].clone()
+        for (s, _), rows in zip(deferred, kept.split([r.shape[0] for _, r in deferred])):
+            s.pending_hidden.append(rows)
 
     @staticmethod
     def _deferred(job: FillJob, F: int, new_f: int, flush: bool = True) -> bool:

@@ -38,9 +38,11 @@ own instead (``register(lane=j)``): the split speculative step chains its positi
 forwards on lanes 1 .. k-1, each replayed right after its plan, while the previous one runs.
 
 Without CUDA (or with capture off) the same padding runs eagerly, through the same static input
-buffers, so the CPU tests exercise the exact layouts AND inputs a GPU replays; shapes without a
-captured graph (ragged, prefill, a batch above the largest bucket, a q never captured) run
-eagerly and unpadded.
+buffers, so the CPU tests exercise the exact layouts AND inputs a GPU replays; and its outputs
+are copied into buffers of the forward's own that its next run rewrites, as a replay rewrites a
+graph's, so that a caller keeping an output past its step reads rewritten rows on the CPU too
+(it must copy what it keeps). Shapes without a captured graph (ragged, prefill, a batch above
+the largest bucket, a q never captured) run eagerly and unpadded.
 
 Debugging: ``check_inputs`` (or ``TANDEM_CHECK_GRAPH_INPUTS=1`` in the environment) checks, before
 every padded run or replay, that each input declared with ``register(bounds=...)`` lies in its
@@ -137,6 +139,9 @@ class ForwardGraphs:
         # debugging (module docstring): range-check bounded inputs before every run
         self.check_inputs = os.environ.get(CHECK_INPUTS_ENV) == "1" if check_inputs is None else bool(check_inputs)
         self._graphs: dict[tuple, _Captured] = {}
+        # forward -> output name -> the buffer an eager padded run's output is copied into (the
+        # replay's memory reuse, see the module docstring)
+        self._eager_outputs: dict[str, dict[str, torch.Tensor]] = {}
         self._pool = None  # one memory pool shared by every graph (only one replays at a time)
         self.replays = 0
         self.eager_runs = 0
@@ -320,10 +325,21 @@ class ForwardGraphs:
         if captured is None:  # padding without a graph: the same layouts and inputs, run eagerly
             self.eager_runs += 1
             out = fn(plan, **staged)
-            return {k: v[: rows(k, batch)] for k, v in out.items()}
+            return {k: self._reused(name, k, v)[: rows(k, batch)] for k, v in out.items()}
         captured.graph.replay()
         self.replays += 1
         return {k: v[: rows(k, batch)] for k, v in captured.outputs.items()}
+
+    def _reused(self, name: str, key: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` copied into the forward's buffer for output ``key`` (grown to fit), which
+        the forward's next eager run rewrites. Mutates that buffer."""
+        buffers = self._eager_outputs.setdefault(name, {})
+        buf = buffers.get(key)
+        if buf is None or buf.shape[1:] != value.shape[1:] or buf.dtype != value.dtype or buf.shape[0] < value.shape[0]:
+            buf = buffers[key] = torch.empty_like(value)
+        view = buf[: value.shape[0]]
+        view.copy_(value)
+        return view
 
     def _stage(self, name: str, inputs: dict[str, torch.Tensor], batch: int, padded_batch: int, q: int) -> dict[str, torch.Tensor]:
         """Copy ``inputs`` into the forward's shared buffers (what a captured graph reads) and
