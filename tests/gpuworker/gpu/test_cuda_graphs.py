@@ -98,6 +98,38 @@ def test_graph_replay_with_penalties_and_logprobs(models):
         assert torch.allclose(torch.tensor(lps), torch.tensor(outputs["pad"][rid][1]), atol=1e-3), rid
 
 
+@torch.inference_mode()
+def test_plain_decoding_publishes_the_draft_kv_a_prefill_writes(models):
+    """k = 0 requests fill their generated positions' draft KV late (in fill rounds, from rows
+    kept across steps). Under captured graphs, the rows a replay returns are the graph's own
+    memory and the next replay rewrites them, so the kept rows must be copies. The draft KV of
+    each published block must equal, within bf16 noise, what a prefill of the same tokens writes
+    (a fresh forward, filled at once). A kept view instead of a copy fills from later steps' rows:
+    a relative error of order 1."""
+    setup = graph_setup(models, "capture", chunk_size=32, max_batch_tokens=128)
+    setup.engine.warmup()
+    g = torch.Generator().manual_seed(5)
+    # prompts ending at four offsets in a block: boundaries crossed in different steps
+    ps = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g).tolist() for n in (20, 24, 28, 31)]
+    for i, p in enumerate(ps):
+        submit(setup, f"r{i}", p, max_new_tokens=40, k=0)
+    done = run_until_done(setup, keep=[f"r{i}" for i in range(len(ps))])
+    assert setup.engine.graphs.replays > 0
+    pool = setup.engine.drafter.pool.data
+    for i, p in enumerate(ps):
+        c = done[f"r{i}"]
+        blocks = c.publishable_positions // BS
+        assert blocks * BS > len(p)  # generated positions were published
+        ref_id = f"ref{i}"
+        submit(setup, ref_id, (p + c.tokens)[: blocks * BS + 1], max_new_tokens=1, k=0)
+        ref = run_until_done(setup, keep=[ref_id])[ref_id]
+        assert ref.publishable_positions >= blocks * BS
+        for j in range(blocks):
+            got, want = pool[:, c.block_table[j]].float(), pool[:, ref.block_table[j]].float()
+            err = (got - want).abs().mean() / want.abs().mean()
+            assert err < 0.05, f"r{i} block {j}: draft KV off by {err:.3f} (relative mean)"
+
+
 def write_checkpoint(folder) -> str:
     """A random Llama with FlashInfer's head size (128), written by transformers; the loader
     gives it a seeded random EAGLE-3 draft (``draft_model="random"``). A byte-sized
