@@ -167,3 +167,30 @@ def test_staggered_plain_decoding_requests_fill_in_rounds(mode, graphs):
         alone = make_setup(mode, chunk_size=64, max_batch_tokens=64)
         submit(alone, "a", p, max_new_tokens=new, k=0)
         assert run_until_done(alone)["a"].tokens == c.tokens
+
+
+@pytest.mark.parametrize("mode, overlap", [("eagle3", False), ("eagle3", True)])
+def test_plain_decoding_rows_do_not_keep_a_mixed_batch_out_of_fused_steps(mode, overlap):
+    """A greedy batch of k = 0 and k > 0 requests runs as fused speculative steps (EAGLE-3) only while no
+    row has draft rows pending (``_fusable``): a k = 0 newcomer fills its prompt at once, and a
+    fill round fills every pending row, so the batch fuses from its first decodes on (a round
+    that waited for one crossed boundary per request kept it unfused for a third of its steps).
+    Published KV and tokens as elsewhere."""
+    span = MODES[mode][1] if mode.startswith("mtp") else 1
+    ks, new = (0, 0, 0, 0, 2, 3), 24
+    setup = make_setup(mode, chunk_size=64, max_batch_tokens=64, graphs="pad", overlap=overlap, max_draft_tokens=4)
+    watch = PublishWatcher(setup, span)
+    ps = prompts((5, 6, 7, 8, 9, 10), seed=5)
+    for i, (p, k) in enumerate(zip(ps, ks)):
+        submit(setup, f"p{i}", p, max_new_tokens=new, k=k)
+    steps = []
+    done = run_until_done(setup, keep=[f"p{i}" for i in range(len(ps))], on_step=lambda r: (steps.append(r), watch(r)))
+    # every step but the prefill and the last few (requests ending) is fused
+    assert setup.engine.fused_steps >= len(steps) - 4, (setup.engine.fused_steps, len(steps))
+    for i, p in enumerate(ps):
+        c = done[f"p{i}"]
+        assert len(c.tokens) == new and c.publishable_positions == len(p) + new - span
+        assert watch.check(f"p{i}", p + c.tokens, mode) == c.publishable_positions // BS
+        alone = make_setup(mode, chunk_size=64, max_batch_tokens=64)
+        submit(alone, "a", p, max_new_tokens=new, k=0)
+        assert run_until_done(alone)["a"].tokens == c.tokens

@@ -147,8 +147,8 @@ class DraftRunner:
 
     def fill(self, jobs: list[FillJob], flush: bool = True) -> dict[str, tuple[int, int]]:
         """Bring every job's draft KV up to date (see the module docstring); make proposals for
-        jobs with ``wanted > 0``. ``flush``: a fill round, where plain-decoding jobs that crossed
-        a block boundary fill too (``_deferred``). Returns request id → written position range
+        jobs with ``wanted > 0``. ``flush``: a fill round, where plain-decoding jobs fill what
+        they have pending too (``_deferred``). Returns request id → written position range
         ``[lo, hi)``."""
         run: list[tuple[FillJob, int, int, torch.Tensor]] = []
         written: dict[str, tuple[int, int]] = {}
@@ -195,30 +195,26 @@ class DraftRunner:
         for (s, _), rows in zip(deferred, kept.split([r.shape[0] for _, r in deferred])):
             s.pending_hidden.append(rows)
 
-    @staticmethod
-    def _deferred(job: FillJob, F: int, new_f: int, flush: bool = True) -> bool:
+    def _deferred(self, job: FillJob, F: int, new_f: int, flush: bool = True) -> bool:
         """Whether a fill may wait: a plain-decoding request (no proposals wanted) needs its draft
         KV only for publishing, and only whole blocks are published, so its rows are kept in
-        ``pending_hidden`` until a block boundary is crossed (or the request ends). This turns a
-        draft forward per token into one per block for k = 0 traffic.
+        ``pending_hidden`` and filled in the engine's fill rounds (``flush``, every
+        ``block_size`` steps), all pending requests at once: one draft forward per round instead
+        of one per token, or (requests that started at different times cross their block
+        boundaries in different steps) one nearly every step at c 64, ~0.85 ms of host time each
+        on the H200. A block is published at most ``block_size`` steps late::
 
-        A block boundary crossed waits further, for the engine's next fill round (``flush``,
-        every ``block_size`` steps), as long as it is the only one: requests that arrived at
-        different times cross their boundaries in different steps, and without rounds a batch
-        of 64 of them pays a fill (a plan and an eager draft forward, ~0.85 ms of host time on
-        the H200) nearly every step instead of every ``block_size`` steps. A block filled in a
-        round is published then, at most ``block_size`` steps late::
+            F ─ pending rows ─▶ new_f     within one boundary of F: wait for the round
+                                          two boundaries crossed: fill now (bounded memory)
 
-            F ─ pending rows ─▶ new_f     same block: wait
-                                          one boundary crossed: wait for the round, then fill [F, hi)
-                                          two crossed (rows of 2+ blocks pending): fill now
-        """
+        Never deferred: the rows of the step that completes a prompt (so that a newcomer joins
+        fused speculative steps at once: a pending row keeps a whole greedy batch out of them,
+        ``FusedSteps._fusable``), proposals wanted, a request's last step or end."""
         s = job.state
-        if job.wanted > 0 or s.finished or s.last_step or s.in_prefill or new_f <= F:
+        if (flush or job.wanted > 0 or s.finished or s.last_step or s.in_prefill or new_f <= F
+                or F <= s.num_prompt - self.span):
             return False
-        bs = s.block_size
-        crossed = new_f // bs - F // bs
-        return crossed == 0 or (crossed == 1 and not flush)
+        return new_f // s.block_size - F // s.block_size <= 1
 
     def _layout(self, run, q: int | None = None) -> BatchLayout:
         """The fill's layout over ``run``: each job's rows ``[lo, hi)``, or ``q`` rows each."""
