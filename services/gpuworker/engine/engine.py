@@ -517,7 +517,7 @@ class Engine(FusedSteps):
             fill_jobs += [FillJob(e.state, None, 0) for rid, e in ledger.items()
                           if e.emitted is not None and rid not in in_work and e.state.finished]
         if self.drafter is not None and fill_jobs:
-            # plain-decoding requests fill the blocks they completed in rounds (see _deferred)
+            # plain-decoding requests fill their pending draft rows in rounds (see _deferred)
             filled = self.drafter.fill(fill_jobs, flush=self._steps % self.block_size == 0)
             for rid, rng in filled.items():
                 ledger[rid].written.append(rng)

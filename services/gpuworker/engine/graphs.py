@@ -42,8 +42,9 @@ buffers, so the CPU tests exercise the exact layouts AND inputs a GPU replays; a
 are copied into buffers of the forward's own that its next run rewrites, as a replay rewrites a
 graph's, so that a caller keeping an output past its step reads rewritten rows on the CPU too
 (it must copy what it keeps). Only the same forward's next run rewrites them here; on the GPU,
-graphs share one memory pool, and a replay of one graph may also rewrite another's outputs. Shapes without a captured graph (ragged, prefill, a batch above
-the largest bucket, a q never captured) run eagerly and unpadded.
+graphs share one memory pool, and a replay of one graph may also rewrite another's outputs.
+Shapes without a captured graph (ragged, prefill, a batch above the largest bucket, a q never
+captured) run eagerly and unpadded.
 
 Debugging: ``check_inputs`` (or ``TANDEM_CHECK_GRAPH_INPUTS=1`` in the environment) checks, before
 every padded run or replay, that each input declared with ``register(bounds=...)`` lies in its
