@@ -11,6 +11,9 @@ eager "pad" mode reads the same buffers, so what these tests see is what a repla
   comes from a real draft, whose accepted count, hence the fill's q, changes every step while
   requests finish).
 * ``check_inputs`` turns an out-of-range index into an ``InvalidArgument`` naming the row.
+* a padded run's outputs are valid until the next padded run of any forward, as a replay's are
+  until the next replay of any graph (they are that graph's memory): kept past it, they read as
+  poison on the CPU too.
 * the engine, padded, with the GPU test's mix (6 sampled/penalized requests at k = 3, requests
   finishing at different steps), runs with every input range-checked.
 """
@@ -176,3 +179,18 @@ def test_padded_engine_with_an_eagle3_layer_wider_than_the_target():
         if graphs == "pad":
             assert setup.engine.graphs.eager_runs > 0
     assert runs["pad"] == runs["off"]
+
+
+def test_outputs_are_valid_until_the_next_run_of_any_forward():
+    graphs = tiny_graphs()
+    graphs.register("other", lambda plan, ids: {"out": ids.float() * 2}, {"ids": ((), torch.long)}, (1,))
+    out, _plan = graphs.run("fill", layout(2, 1), fill_inputs(2, 1))
+    assert out["hidden"].tolist() == [0.0, 10.0] and out["logits"].tolist() == [0.0, 10.0]
+    kept = out["hidden"].clone()  # what a caller that needs it later must do
+    other, _plan = graphs.run("other", layout(2, 1), {"ids": torch.tensor([3, 4])})
+    assert other["out"].tolist() == [6.0, 8.0]
+    # the fill's outputs were rewritten by the other forward's run; the copy was not
+    assert torch.isnan(out["hidden"]).all() and torch.isnan(out["logits"]).all()
+    assert kept.tolist() == [0.0, 10.0]
+    again, _plan = graphs.run("fill", layout(2, 1), fill_inputs(2, 1))
+    assert again["hidden"].tolist() == [0.0, 10.0] and torch.isnan(other["out"]).all()

@@ -38,13 +38,13 @@ own instead (``register(lane=j)``): the split speculative step chains its positi
 forwards on lanes 1 .. k-1, each replayed right after its plan, while the previous one runs.
 
 Without CUDA (or with capture off) the same padding runs eagerly, through the same static input
-buffers, so the CPU tests exercise the exact layouts AND inputs a GPU replays; and its outputs
-are copied into buffers of the forward's own that its next run rewrites, as a replay rewrites a
-graph's, so that a caller keeping an output past its step reads rewritten rows on the CPU too
-(it must copy what it keeps). Only the same forward's next run rewrites them here; on the GPU,
-graphs share one memory pool, and a replay of one graph may also rewrite another's outputs.
-Shapes without a captured graph (ragged, prefill, a batch above the largest bucket, a q never
-captured) run eagerly and unpadded.
+buffers, so the CPU tests exercise the exact layouts AND inputs a GPU replays. Its outputs keep
+the replay's contract too: they are copied into buffers of the forward's own, and every padded
+run first poisons every earlier output of every forward (NaN; a large negative number in integer
+outputs), so a caller that keeps an output past the next run of any graph (it must copy what it
+keeps) reads garbage on the CPU as well, instead of only on the GPU. Shapes without a captured
+graph (ragged, prefill, a batch above the largest bucket, a q never captured) run eagerly and
+unpadded.
 
 Debugging: ``check_inputs`` (or ``TANDEM_CHECK_GRAPH_INPUTS=1`` in the environment) checks, before
 every padded run or replay, that each input declared with ``register(bounds=...)`` lies in its
@@ -141,8 +141,8 @@ class ForwardGraphs:
         # debugging (module docstring): range-check bounded inputs before every run
         self.check_inputs = os.environ.get(CHECK_INPUTS_ENV) == "1" if check_inputs is None else bool(check_inputs)
         self._graphs: dict[tuple, _Captured] = {}
-        # forward -> output name -> the buffer an eager padded run's output is copied into (the
-        # replay's memory reuse, see the module docstring)
+        # forward -> output name -> the buffer an eager padded run's output is copied into,
+        # poisoned by the next padded run (the replay's contract, see the module docstring)
         self._eager_outputs: dict[str, dict[str, torch.Tensor]] = {}
         self._pool = None  # one memory pool shared by every graph (only one replays at a time)
         self.replays = 0
@@ -326,15 +326,23 @@ class ForwardGraphs:
         captured = self._graphs.get((name, padded_batch, q))
         if captured is None:  # padding without a graph: the same layouts and inputs, run eagerly
             self.eager_runs += 1
+            self._poison_outputs()
             out = fn(plan, **staged)
             return {k: self._reused(name, k, v)[: rows(k, batch)] for k, v in out.items()}
         captured.graph.replay()
         self.replays += 1
         return {k: v[: rows(k, batch)] for k, v in captured.outputs.items()}
 
+    def _poison_outputs(self) -> None:
+        """Overwrite every output an earlier padded run returned: from here on they are invalid,
+        as a replay's are after the next replay of any graph. Mutates the output buffers."""
+        for buffers in self._eager_outputs.values():
+            for buf in buffers.values():
+                buf.fill_(float("nan") if buf.is_floating_point() else -(1 << 30))
+
     def _reused(self, name: str, key: str, value: torch.Tensor) -> torch.Tensor:
         """``value`` copied into the forward's buffer for output ``key`` (grown to fit), which
-        the forward's next eager run rewrites. Mutates that buffer."""
+        the next padded run poisons. Mutates that buffer."""
         buffers = self._eager_outputs.setdefault(name, {})
         buf = buffers.get(key)
         if buf is None or buf.shape[1:] != value.shape[1:] or buf.dtype != value.dtype or buf.shape[0] < value.shape[0]:
