@@ -551,12 +551,17 @@ def cpu_now(suite, pool: ClientProcs | None = None) -> dict[str, float]:
     return {**suite.cpu_seconds(), "client": sum(os.times()[:2]) + (pool.cpu_s if pool else 0.0)}
 
 
+def profiled(args, level: Level) -> bool:
+    """Whether ``--profile`` names ``level`` (spaces ignored: "c64 k0" or "c64k0")."""
+    wanted = {name.replace(" ", "") for name in (args.profile or "").split(",")}
+    return level.name.replace(" ", "") in wanted
+
+
 def profile_level(args, suite, level: Level, out_dir: Path | None) -> list[subprocess.Popen]:
     """``--profile LEVEL``: py-spy records the worker and router while the named level runs, as
     collapsed stacks in ``out_dir``: every thread including where it waits (``--idle``: why the
     engine thread is not stepping), and the GIL holder only (``_gil``: where the host time goes)."""
-    wanted = {name.replace(" ", "") for name in (args.profile or "").split(",")}
-    if level.name.replace(" ", "") not in wanted or out_dir is None:
+    if not profiled(args, level) or out_dir is None:
         return []
     pyspy = pyspy_binary()
     procs = []
@@ -575,8 +580,7 @@ def profile_level(args, suite, level: Level, out_dir: Path | None) -> list[subpr
 def profile_alone(args, level: Level, out_dir: Path | None) -> subprocess.Popen | None:
     """``--profile LEVEL`` for the engine alone: py-spy records this process (GIL holders only)
     until ``stop_profile``; the engine alone's level is the served one's baseline."""
-    wanted = {name.replace(" ", "") for name in (args.profile or "").split(",")}
-    if level.name.replace(" ", "") not in wanted or out_dir is None:
+    if not profiled(args, level) or out_dir is None:
         return None
     dest = out_dir / f"pyspy_alone_{level.name.replace(' ', '')}_gil.txt"
     proc = subprocess.Popen([pyspy_binary(), "record", "--pid", str(os.getpid()), "--rate", "200", "--format", "raw",

@@ -135,6 +135,19 @@ def test_plain_decoding_fills_the_draft_once_per_block():
     assert watch.check("plain", prompt + c.tokens, "eagle3") == c.publishable_positions // BS
 
 
+def assert_published_and_decoded_as_alone(done, ps, watch: PublishWatcher, mode: str, new: int) -> None:
+    """Requests ``p0, p1, ...`` (prompts ``ps``) each generated ``new`` tokens, published every
+    position the draft span allows with the reference KV, and decoded the tokens they decode
+    alone (k = 0, a fresh engine)."""
+    for i, p in enumerate(ps):
+        c = done[f"p{i}"]
+        assert len(c.tokens) == new and c.publishable_positions == len(p) + new - watch.span
+        assert watch.check(f"p{i}", p + c.tokens, mode) == c.publishable_positions // BS
+        alone = make_setup(mode, chunk_size=64, max_batch_tokens=64)
+        submit(alone, "a", p, max_new_tokens=new, k=0)
+        assert run_until_done(alone)["a"].tokens == c.tokens
+
+
 @pytest.mark.parametrize("mode, graphs", [("eagle3", "off"), ("mtp2", "off"), ("eagle3", "pad"), ("mtp2", "pad")])
 def test_staggered_plain_decoding_requests_fill_in_rounds(mode, graphs):
     """Plain-decoding requests whose prompts end at different offsets in a block cross their
@@ -160,26 +173,19 @@ def test_staggered_plain_decoding_requests_fill_in_rounds(mode, graphs):
     # the prompts' fills (up to one each), one per round, the final one: not one per step (24
     # with a fill at every boundary crossed)
     assert len(fills) <= len(ps) + -(-len(steps) // BS) + 1, (fills, len(steps))
-    for i, p in enumerate(ps):
-        c = done[f"p{i}"]
-        assert len(c.tokens) == new and c.publishable_positions == len(p) + new - span
-        assert watch.check(f"p{i}", p + c.tokens, mode) == c.publishable_positions // BS
-        alone = make_setup(mode, chunk_size=64, max_batch_tokens=64)
-        submit(alone, "a", p, max_new_tokens=new, k=0)
-        assert run_until_done(alone)["a"].tokens == c.tokens
+    assert_published_and_decoded_as_alone(done, ps, watch, mode, new)
 
 
-@pytest.mark.parametrize("mode, overlap", [("eagle3", False), ("eagle3", True)])
-def test_plain_decoding_rows_do_not_keep_a_mixed_batch_out_of_fused_steps(mode, overlap):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_plain_decoding_rows_do_not_keep_a_mixed_batch_out_of_fused_steps(overlap):
     """A greedy batch of k = 0 and k > 0 requests runs as fused speculative steps (EAGLE-3) only while no
     row has draft rows pending (``_fusable``): a k = 0 newcomer fills its prompt at once, and a
     fill round fills every pending row, so the batch fuses from its first decodes on (a round
     that waited for one crossed boundary per request kept it unfused for a third of its steps).
     Published KV and tokens as elsewhere."""
-    span = MODES[mode][1] if mode.startswith("mtp") else 1
     ks, new = (0, 0, 0, 0, 2, 3), 24
-    setup = make_setup(mode, chunk_size=64, max_batch_tokens=64, graphs="pad", overlap=overlap, max_draft_tokens=4)
-    watch = PublishWatcher(setup, span)
+    setup = make_setup("eagle3", chunk_size=64, max_batch_tokens=64, graphs="pad", overlap=overlap, max_draft_tokens=4)
+    watch = PublishWatcher(setup, 1)
     ps = prompts((5, 6, 7, 8, 9, 10), seed=5)
     for i, (p, k) in enumerate(zip(ps, ks)):
         submit(setup, f"p{i}", p, max_new_tokens=new, k=k)
@@ -187,10 +193,4 @@ def test_plain_decoding_rows_do_not_keep_a_mixed_batch_out_of_fused_steps(mode, 
     done = run_until_done(setup, keep=[f"p{i}" for i in range(len(ps))], on_step=lambda r: (steps.append(r), watch(r)))
     # every step but the prefill and the last few (requests ending) is fused
     assert setup.engine.fused_steps >= len(steps) - 4, (setup.engine.fused_steps, len(steps))
-    for i, p in enumerate(ps):
-        c = done[f"p{i}"]
-        assert len(c.tokens) == new and c.publishable_positions == len(p) + new - span
-        assert watch.check(f"p{i}", p + c.tokens, mode) == c.publishable_positions // BS
-        alone = make_setup(mode, chunk_size=64, max_batch_tokens=64)
-        submit(alone, "a", p, max_new_tokens=new, k=0)
-        assert run_until_done(alone)["a"].tokens == c.tokens
+    assert_published_and_decoded_as_alone(done, ps, watch, "eagle3", new)

@@ -191,7 +191,7 @@ class DraftRunner:
         copy of them all: the rows are the step's target outputs, which a graph's next replay
         rewrites (and a view of a prompt chunk's would keep that whole tensor alive), and one
         copy costs one kernel where a copy per request cost a kernel each. Mutates the states."""
-        kept = torch.cat([rows for _, rows in deferred]) if len(deferred) > 1 else deferred[0][1].clone()
+        kept = torch.cat([rows for _, rows in deferred])  # a new tensor, even of one part
         for (s, _), rows in zip(deferred, kept.split([r.shape[0] for _, r in deferred])):
             s.pending_hidden.append(rows)
 
