@@ -425,6 +425,7 @@ NO_STEPS = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0, "prefill_steps": 0.0, "p
 
 WORKER_COUNTERS = {"tandem_worker_step_duration_seconds_count": "steps", "tandem_worker_step_duration_seconds_sum": "step_s",
                    "tandem_worker_generated_tokens_total": "tokens", "tandem_worker_between_steps_seconds_total": "between_s",
+                   "tandem_worker_idle_seconds_total": "idle_s",
                    "tandem_worker_prefill_step_duration_seconds_count": "prefill_steps",
                    "tandem_worker_prefill_step_duration_seconds_sum": "prefill_step_s",
                    "tandem_worker_time_to_first_token_seconds_sum": "worker_ttft_s",
@@ -513,11 +514,17 @@ def steps_line(stats: dict) -> str:
 
 
 def between_stats(before: dict, after: dict, busy_s: float, wall_s: float) -> dict:
-    """Shares of the wall between steps: the engine thread's own work, and its waits (pure)."""
+    """Shares of the wall between steps: the engine thread's own work, and its waits (pure); of
+    the waits, ``idle_share`` had no request to step (the served path not feeding the engine: a
+    level's edges and slots refilled late), the rest stalled on the kvstore or fell outside the
+    worker's turns."""
     if "between_s" not in after or wall_s <= 0:
         return {}
     between = after["between_s"] - before.get("between_s", 0.0)
-    return {"between_share": between / wall_s, "waiting_share": max(0.0, 1.0 - (busy_s + between) / wall_s)}
+    out = {"between_share": between / wall_s, "waiting_share": max(0.0, 1.0 - (busy_s + between) / wall_s)}
+    if "idle_s" in after:
+        out["idle_share"] = (after["idle_s"] - before.get("idle_s", 0.0)) / wall_s
+    return out
 
 
 def client_channels(args) -> int:
@@ -652,6 +659,7 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
                 + steps_line(stats)
                 + (f", {100 * stats['between_share']:.0f} % working between them, {100 * stats['waiting_share']:.0f} % "
                    "waiting" if "between_share" in stats else "")
+                + (f" ({100 * stats['idle_share']:.0f} % with no request)" if "idle_share" in stats else "")
                 + (f"; TTFT mean client {stats['ttft_mean_ms']:.0f} / router {stats['ttft_mean_router_ms']:.0f} / worker "
                    f"{stats['ttft_mean_worker_ms']:.0f} (queued {stats.get('ttft_mean_queue_ms', float('nan')):.0f}) ms"
                    if "ttft_mean_worker_ms" in stats and "ttft_mean_router_ms" in stats else ""))

@@ -363,8 +363,8 @@ class PipeOutbox(Outbox):
     def disown(self, request_id: str) -> None:
         self.disowned.append(request_id)
 
-    def tally(self, report, elapsed_s: float, between_s: float = 0.0) -> None:
-        self.tallies.append(StepTally.of(report, elapsed_s, between_s))
+    def tally(self, report, elapsed_s: float, between_s: float = 0.0, idle_s: float = 0.0) -> None:
+        self.tallies.append(StepTally.of(report, elapsed_s, between_s, idle_s))
 
     def post(self, job: Job, *event) -> None:
         if event[0] == "error" and not isinstance(event[1], TandemError):

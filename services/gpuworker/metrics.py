@@ -8,7 +8,9 @@ gauge is read from the runner when scraped. Derived figures:
 * mean acceptance length = ``tandem_worker_acceptance_length_sum / _count`` (tokens a request
   gained per verify step: 1 + accepted drafts), or from the proposed/accepted draft counters;
 * the engine thread's time: in steps (``tandem_worker_step_duration_seconds_sum``), working
-  between them (``tandem_worker_between_steps_seconds_total``), the rest of the wall waiting;
+  between them (``tandem_worker_between_steps_seconds_total``), the rest of the wall waiting, and
+  of that idle with no request to step (``tandem_worker_idle_seconds_total``: the served path not
+  feeding the engine) or stalled with requests held (on the kvstore's answers);
 * of the steps, those that computed prompt positions (``tandem_worker_prefill_step_duration_seconds``):
   prefill and mixed steps run eagerly, decode steps replay CUDA graphs, so the count of the former
   against the latter shows whether prompts arrive together (one prefill) or trickle (many);
@@ -55,9 +57,10 @@ class StepTally:
     accepted: int
     acceptance_lengths: tuple[int, ...]  # 1 + accepted drafts, per verify
     finish_reasons: tuple[str, ...]
+    idle_s: float = 0.0  # of the waits since the previous step, those with no request to step
 
     @classmethod
-    def of(cls, report: StepReport, elapsed_s: float, between_s: float = 0.0) -> "StepTally":
+    def of(cls, report: StepReport, elapsed_s: float, between_s: float = 0.0, idle_s: float = 0.0) -> "StepTally":
         generated = prefill = proposed = accepted = 0
         lengths, reasons = [], []
         for result in report.results.values():
@@ -69,7 +72,7 @@ class StepTally:
                 lengths.extend(result.acceptance_lengths)
             if result.finish_reason is not None:
                 reasons.append(result.finish_reason.value)
-        return cls(elapsed_s, between_s, generated, prefill, proposed, accepted, tuple(lengths), tuple(reasons))
+        return cls(elapsed_s, between_s, generated, prefill, proposed, accepted, tuple(lengths), tuple(reasons), idle_s)
 
 
 class WorkerMetrics:
@@ -96,6 +99,11 @@ class WorkerMetrics:
             "Engine-thread work between two steps, waits left out (admitting requests, applying results, "
             "kvstore verbs, shipping events): with the step durations, the share of the wall the engine is busy",
             registry=r)
+        self.idle = Counter(
+            "tandem_worker_idle_seconds",
+            "Engine-thread waits with no request to step (none admitted, none waiting for admission): the "
+            "served path not feeding the engine; the rest of its waits are stalls on kvstore answers",
+            registry=r)
         self.generated_tokens = Counter("tandem_worker_generated_tokens", "Tokens generated (streamed to clients)", registry=r)
         self.prefill_tokens = Counter("tandem_worker_prefill_tokens", "Prompt positions the target computed (cache misses)", registry=r)
         self.proposed_drafts = Counter("tandem_worker_proposed_draft_tokens", "Draft tokens verified by the target", registry=r)
@@ -117,9 +125,9 @@ class WorkerMetrics:
         self.running = Gauge("tandem_worker_running_requests", "Requests admitted to the engine", registry=r)
         self.running.set_function(running)
 
-    def on_step(self, report: StepReport, elapsed_s: float, between_s: float = 0.0) -> None:
+    def on_step(self, report: StepReport, elapsed_s: float, between_s: float = 0.0, idle_s: float = 0.0) -> None:
         """Record one completed step (engine thread; mutates the metrics only)."""
-        self.record(StepTally.of(report, elapsed_s, between_s))
+        self.record(StepTally.of(report, elapsed_s, between_s, idle_s))
 
     def record(self, tally: "StepTally") -> None:
         """Record one step's tally (any thread; an engine in another process ships tallies)."""
@@ -127,6 +135,7 @@ class WorkerMetrics:
         if tally.prefill:
             self.prefill_step_duration.observe(tally.elapsed_s)
         self.between_steps.inc(tally.between_s)
+        self.idle.inc(tally.idle_s)
         for length in tally.acceptance_lengths:
             self.acceptance_length.observe(length)
         for reason in tally.finish_reasons:

@@ -49,7 +49,7 @@ def build_runtime(
     settings: WorkerSettings,
     link: KVStoreLink,
     *,
-    on_step: Callable[[StepReport, float, float], None] | None = None,
+    on_step: Callable[[StepReport, float, float, float], None] | None = None,
     outbox: Outbox | None = None,
     on_disown: Callable[[str], None] | None = None,
     inbox: Connection | None = None,

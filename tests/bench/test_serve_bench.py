@@ -97,6 +97,9 @@ def test_between_step_shares_split_the_wall_outside_steps():
     assert s["waiting_share"] == pytest.approx(0.1)
     older = {k: v for k, v in after.items() if k != "between_s"}  # a worker without the counter
     assert "between_share" not in sb.step_stats(before, older, wall_s=0.5)
+    assert "idle_share" not in s  # a worker without the idle counter
+    s = sb.step_stats({**before, "idle_s": 2.0}, {**after, "idle_s": 2.03}, wall_s=0.5)
+    assert s["idle_share"] == pytest.approx(0.06) and s["waiting_share"] == pytest.approx(0.1)
 
 
 def test_prefill_steps_are_split_from_the_decode_steps():

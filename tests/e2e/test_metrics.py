@@ -252,14 +252,22 @@ def test_the_grafana_dashboard_queries_only_series_the_services_export(metered):
 def test_between_steps_counts_the_engine_threads_work_not_its_idling(metered):
     """``tandem_worker_between_steps_seconds``: the engine thread's work between two steps. The
     idle gap between two requests is waiting, and must not be counted (else the first step of
-    the second request would carry the whole gap)."""
+    the second request would carry the whole gap). ``tandem_worker_idle_seconds`` counts exactly
+    that gap: waits with no request to step."""
     suite, m = metered
+    idle0 = value(scrape(m["gpuworker"]), "tandem_worker_idle_seconds_total")
     suite.generate(LONG_PREFIX + "first", max_new_tokens=8, num_draft_tokens=3)
     idle_s = 1.5
+    started = time.monotonic()
     time.sleep(idle_s)
     suite.generate(LONG_PREFIX + "second", max_new_tokens=8, num_draft_tokens=3)
+    wall_s = time.monotonic() - started
     w = scrape(m["gpuworker"])
     between = value(w, "tandem_worker_between_steps_seconds_total")
     steps = value(w, "tandem_worker_step_duration_seconds_count")
     assert steps >= 2 and between > 0
     assert between < idle_s / 2, f"{between:.3f} s between {steps:.0f} steps: the idle gap was counted"
+    idle = value(w, "tandem_worker_idle_seconds_total") - idle0
+    # the gap is idle (the second request's first step reports it); the second request's own
+    # turns are not, so the idle time is the gap and not the whole wall
+    assert idle_s * 0.9 <= idle <= wall_s, f"{idle:.3f} s idle around a {idle_s} s gap in {wall_s:.3f} s"
