@@ -164,7 +164,19 @@ def level_stats(traces: list[Trace], wall_s: float) -> dict:
         if later_msgs else float("nan"),
         "hit_rate": sum(t.cached_tokens for t in ok) / max(1, sum(t.prompt_tokens for t in ok)),
         "errors": sorted({t.error for t in traces if t.error})[:3],
+        "timeline_ms": timeline(ok),
     }
+
+
+def timeline(traces: list[Trace]) -> list[list[float]]:
+    """Each request's (send, first token, end) in ms from the level's first send, in send order
+    (pure): shows whether the closed loop's requests move in waves and how long a slot stays
+    empty between one request's end and its client's next first token."""
+    if not traces:
+        return []
+    t0 = min(t.start for t in traces)
+    return sorted([round((t.start - t0) * 1e3, 2), round((t.events[0][0] - t0) * 1e3, 2), round((t.end - t0) * 1e3, 2)]
+                  for t in traces)
 
 
 # ---------------------------------------------------------------------------------------- model

@@ -44,6 +44,16 @@ def test_level_stats_counts_each_token_of_a_message_once():
     assert s["tokens_per_msg"] == pytest.approx(3.0) and s["hit_rate"] == pytest.approx(0.5)
 
 
+def test_the_timeline_is_each_requests_send_first_token_and_end_from_the_first_send():
+    later = sb.Trace(start=1.5, events=[(1.52, 1)], end=1.6)
+    first = sb.Trace(start=1.0, events=[(1.01, 1), (1.03, 2)], end=1.04)
+    assert sb.timeline([later, first]) == [[0.0, 10.0, 40.0], [500.0, 520.0, 600.0]]
+    assert sb.timeline([]) == []
+    # failed requests stay out of it (they have no first token)
+    s = sb.level_stats([first, sb.Trace(start=0.0, error="UNAVAILABLE: gone")], wall_s=0.05)
+    assert s["timeline_ms"] == [[0.0, 10.0, 40.0]]
+
+
 def test_step_stats_are_the_counters_moved_over_the_level():
     before = {"steps": 10.0, "step_s": 0.5, "tokens": 100.0}
     after = {"steps": 30.0, "step_s": 0.9, "tokens": 180.0}
