@@ -165,6 +165,7 @@ def level_stats(traces: list[Trace], wall_s: float) -> dict:
         "hit_rate": sum(t.cached_tokens for t in ok) / max(1, sum(t.prompt_tokens for t in ok)),
         "errors": sorted({t.error for t in traces if t.error})[:3],
         "timeline_ms": timeline(ok),
+        **decode_gaps(timeline(ok)),
     }
 
 
@@ -177,6 +178,27 @@ def timeline(traces: list[Trace]) -> list[list[float]]:
     t0 = min(t.start for t in traces)
     return sorted([round((t.start - t0) * 1e3, 2), round((t.events[0][0] - t0) * 1e3, 2), round((t.end - t0) * 1e3, 2)]
                   for t in traces)
+
+
+def decode_gaps(timeline_ms: list[list[float]]) -> dict:
+    """Stretches of a level, after its first token, with no request between its first token and
+    its end (pure): the closed loop's requests move in waves, and between one wave's last end and
+    the next wave's first token nothing decodes. The engine alone refills a slot at once; served,
+    a slot waits for the client, the router and the worker, so these stretches grow by the
+    served path's turnaround::
+
+        wave 1  ═══════════╗                       ═ decoding (first token .. end)
+                 ══════════╣   gap                 · sent, no token yet
+        wave 2             ╚··········═══════════
+    """
+    spans = sorted((first, end) for _, first, end in timeline_ms)
+    gaps, reach = [], None
+    for first, end in spans:
+        if reach is not None and first > reach:
+            gaps.append(first - reach)
+        reach = end if reach is None else max(reach, end)
+    return {"decode_gaps": len(gaps), "decode_gap_ms_total": round(sum(gaps), 2),
+            "decode_gap_ms_max": round(max(gaps), 2) if gaps else 0.0}
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -525,6 +547,14 @@ def steps_line(stats: dict) -> str:
     return line
 
 
+def gaps_line(stats: dict) -> str:
+    """A level's stretches with nothing decoding (``decode_gaps``), in words."""
+    if not stats.get("decode_gaps"):
+        return ""
+    return (f"; nothing decoding {stats['decode_gap_ms_total']:.0f} ms in {stats['decode_gaps']} gaps "
+            f"(longest {stats['decode_gap_ms_max']:.0f})")
+
+
 def between_stats(before: dict, after: dict, busy_s: float, wall_s: float) -> dict:
     """Shares of the wall between steps: the engine thread's own work, and its waits (pure); of
     the waits, ``idle_share`` had no request to step (the served path not feeding the engine: a
@@ -672,6 +702,7 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
                 + (f", {100 * stats['between_share']:.0f} % working between them, {100 * stats['waiting_share']:.0f} % "
                    "waiting" if "between_share" in stats else "")
                 + (f" ({100 * stats['idle_share']:.0f} % with no request)" if "idle_share" in stats else "")
+                + gaps_line(stats)
                 + (f"; TTFT mean client {stats['ttft_mean_ms']:.0f} / router {stats['ttft_mean_router_ms']:.0f} / worker "
                    f"{stats['ttft_mean_worker_ms']:.0f} (queued {stats.get('ttft_mean_queue_ms', float('nan')):.0f}) ms"
                    if "ttft_mean_worker_ms" in stats and "ttft_mean_router_ms" in stats else ""))
@@ -852,7 +883,7 @@ def run_engine_alone(args, model_dir: Path, prompts: Prompts, served: list[dict]
             out.append(stats)
             log(f"  alone  {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
                 f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms "
-                f"(served ÷ alone {row['tokens_per_s'] / stats['tokens_per_s']:.2f})" + steps_line(stats))
+                f"(served ÷ alone {row['tokens_per_s'] / stats['tokens_per_s']:.2f})" + steps_line(stats) + gaps_line(stats))
         del setup, built
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -1128,7 +1159,10 @@ def main(argv: list[str] | None = None) -> int:
                     sv, al = wall_split(r["served"]), wall_split(r["alone"])
                     print(f"{name} c{r['served']['concurrency']} k{r['served']['k']}: served "
                           + ", ".join(f"{k} {v:.2f}" for k, v in sv.items()) + " s; alone "
-                          + ", ".join(f"{k} {v:.2f}" for k, v in al.items()) + " s")
+                          + ", ".join(f"{k} {v:.2f}" for k, v in al.items()) + " s"
+                          + "".join(f"; {who} nothing decoding {r[who]['decode_gap_ms_total']:.0f} ms in "
+                                    f"{r[who]['decode_gaps']} gaps" for who in ("served", "alone")
+                                    if "decode_gaps" in r[who]))
         if args.plot:
             plot_steps(runs, args.plot)
         return 0

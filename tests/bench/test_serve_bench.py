@@ -54,6 +54,18 @@ def test_the_timeline_is_each_requests_send_first_token_and_end_from_the_first_s
     assert s["timeline_ms"] == [[0.0, 10.0, 40.0]]
 
 
+def test_decode_gaps_are_the_stretches_between_waves_with_nothing_decoding():
+    # two requests decode 10-40 and 20-60; the next wave's first tokens come at 75 and 70; a
+    # last one starts decoding at 90, inside the second wave (no gap)
+    timeline = [[0, 10, 40], [0, 20, 60], [41, 75, 120], [61, 70, 100], [101, 90, 130]]
+    assert sb.decode_gaps(timeline) == {"decode_gaps": 1, "decode_gap_ms_total": 10.0, "decode_gap_ms_max": 10.0}
+    # a third wave of two that do not overlap: 130 -> 140 and 145 -> 150
+    assert sb.decode_gaps(timeline + [[121, 150, 160], [131, 140, 145]]) == {
+        "decode_gaps": 3, "decode_gap_ms_total": 25.0, "decode_gap_ms_max": 10.0}
+    assert sb.decode_gaps([]) == {"decode_gaps": 0, "decode_gap_ms_total": 0.0, "decode_gap_ms_max": 0.0}
+    assert sb.gaps_line(sb.decode_gaps(timeline)) == "; nothing decoding 10 ms in 1 gaps (longest 10)"
+
+
 def test_step_stats_are_the_counters_moved_over_the_level():
     before = {"steps": 10.0, "step_s": 0.5, "tokens": 100.0}
     after = {"steps": 30.0, "step_s": 0.9, "tokens": 180.0}
