@@ -166,7 +166,7 @@ def run_served(models, kv_addr: str, batch: int, k: int, steps: int, worker: str
     swapped = threading.Event()
     prof = cProfile.Profile() if profile else None
 
-    def on_step(report, elapsed_s: float, _between_s: float = 0.0, _idle_s: float = 0.0) -> None:  # the engine thread, after every step
+    def on_step(report, elapsed_s: float, _between_s: float = 0.0) -> None:  # the engine thread, after every step
         if not swapped.is_set():
             if pin:
                 os.sched_setaffinity(0, {0})  # 0: the calling thread

@@ -5,7 +5,7 @@
     EngineProcess._call/stop ────("call"|"stop")──▶ command thread    read between two steps)
           ▲                                          (runs the runner method, answers)
           │                                                               │ steps, kvstore verbs
-          └── reader thread ◀── ("events", [(request id, event)], disowned, running, tallies)
+          └── reader thread ◀── ("events", [(request id, event)], disowned, running, tallies, idle s)
                             ◀── ("answer", call id, ok, value)
               one "events" message per engine-loop turn; delivered once per asyncio loop
 
@@ -162,7 +162,8 @@ class EngineProcess:
     ``running_ids``, ``stop``). ``submit``/``cancel`` may be called from any thread."""
 
     def __init__(self, settings: WorkerSettings, *, metrics: bool = False,
-                 on_tally: Callable[[StepTally], None] | None = None, on_exit: Callable[[], None] | None = None):
+                 on_tally: Callable[[StepTally], None] | None = None,
+                 on_idle: Callable[[float], None] | None = None, on_exit: Callable[[], None] | None = None):
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         cmd_recv, cmd_send = ctx.Pipe(duplex=False)
         self._cmd = _Sender(cmd_send)
@@ -175,6 +176,7 @@ class EngineProcess:
         )
         self._child_ends = (cmd_recv, jobs_recv, evt_send)
         self._on_tally = on_tally
+        self._on_idle = on_idle
         self._on_exit = on_exit
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}  # submitted, reservation not ended yet (the engine says when)
@@ -299,11 +301,13 @@ class EngineProcess:
                 if answer is not None:
                     answer.set_result(value) if ok else answer.set_exception(value)
                 continue
-            _, events, disowned, running, tallies = message
+            _, events, disowned, running, tallies, idle_s = message
             self._running = running
             if self._on_tally is not None:
                 for tally in tallies:
                     self._on_tally(tally)
+            if idle_s and self._on_idle is not None:
+                self._on_idle(idle_s)
             batches: dict[asyncio.AbstractEventLoop, list] = {}
             with self._lock:
                 for rid, event in events:
@@ -358,13 +362,17 @@ class PipeOutbox(Outbox):
         self._batch: list[tuple[str, tuple]] = []
         self.disowned: list[str] = []
         self.tallies: list[StepTally] = []
+        self.idle_s = 0.0  # engine-thread waits with no request to step, since the last flush
         self.running: Callable[[], int] = lambda: 0
 
     def disown(self, request_id: str) -> None:
         self.disowned.append(request_id)
 
-    def tally(self, report, elapsed_s: float, between_s: float = 0.0, idle_s: float = 0.0) -> None:
-        self.tallies.append(StepTally.of(report, elapsed_s, between_s, idle_s))
+    def tally(self, report, elapsed_s: float, between_s: float = 0.0) -> None:
+        self.tallies.append(StepTally.of(report, elapsed_s, between_s))
+
+    def idle(self, seconds: float) -> None:
+        self.idle_s += seconds  # shipped by the next flush: the idle loop flushes every turn
 
     def post(self, job: Job, *event) -> None:
         if event[0] == "error" and not isinstance(event[1], TandemError):
@@ -373,10 +381,10 @@ class PipeOutbox(Outbox):
         self._batch.append((job.spec.request_id, event))
 
     def flush(self) -> None:
-        if not (self._batch or self.disowned or self.tallies):
+        if not (self._batch or self.disowned or self.tallies or self.idle_s):
             return
-        message = ("events", self._batch, self.disowned, self.running(), self.tallies)
-        self._batch, self.disowned, self.tallies = [], [], []
+        message = ("events", self._batch, self.disowned, self.running(), self.tallies, self.idle_s)
+        self._batch, self.disowned, self.tallies, self.idle_s = [], [], [], 0.0
         self.send(message)
 
     def send(self, message: tuple) -> None:
@@ -399,7 +407,8 @@ def _engine_main(settings_data: dict, metrics: bool, commands: Connection, reque
         _server_credentials, channel_credentials = suite_credentials(settings)
         link = KVStoreLink(settings.kvstore, timeout_s=settings.rpc_timeout_s, credentials=channel_credentials)
         link.worker_id = settings.worker_id  # Abort names its owner (no registration here)
-        runner, facts = build_runtime(settings, link, on_step=outbox.tally if metrics else None, outbox=outbox,
+        runner, facts = build_runtime(settings, link, on_step=outbox.tally if metrics else None,
+                                      on_idle=outbox.idle if metrics else None, outbox=outbox,
                                       on_disown=outbox.disown, inbox=requests)
     except StartupError as exc:
         events.send(("failed", exc.message, exc.exit_code))

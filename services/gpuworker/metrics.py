@@ -57,10 +57,9 @@ class StepTally:
     accepted: int
     acceptance_lengths: tuple[int, ...]  # 1 + accepted drafts, per verify
     finish_reasons: tuple[str, ...]
-    idle_s: float = 0.0  # of the waits since the previous step, those with no request to step
 
     @classmethod
-    def of(cls, report: StepReport, elapsed_s: float, between_s: float = 0.0, idle_s: float = 0.0) -> "StepTally":
+    def of(cls, report: StepReport, elapsed_s: float, between_s: float = 0.0) -> "StepTally":
         generated = prefill = proposed = accepted = 0
         lengths, reasons = [], []
         for result in report.results.values():
@@ -72,7 +71,7 @@ class StepTally:
                 lengths.extend(result.acceptance_lengths)
             if result.finish_reason is not None:
                 reasons.append(result.finish_reason.value)
-        return cls(elapsed_s, between_s, generated, prefill, proposed, accepted, tuple(lengths), tuple(reasons), idle_s)
+        return cls(elapsed_s, between_s, generated, prefill, proposed, accepted, tuple(lengths), tuple(reasons))
 
 
 class WorkerMetrics:
@@ -125,9 +124,13 @@ class WorkerMetrics:
         self.running = Gauge("tandem_worker_running_requests", "Requests admitted to the engine", registry=r)
         self.running.set_function(running)
 
-    def on_step(self, report: StepReport, elapsed_s: float, between_s: float = 0.0, idle_s: float = 0.0) -> None:
+    def on_step(self, report: StepReport, elapsed_s: float, between_s: float = 0.0) -> None:
         """Record one completed step (engine thread; mutates the metrics only)."""
-        self.record(StepTally.of(report, elapsed_s, between_s, idle_s))
+        self.record(StepTally.of(report, elapsed_s, between_s))
+
+    def on_idle(self, seconds: float) -> None:
+        """Record a wait of the engine thread with no request to step (any thread)."""
+        self.idle.inc(seconds)
 
     def record(self, tally: "StepTally") -> None:
         """Record one step's tally (any thread; an engine in another process ships tallies)."""
@@ -135,7 +138,6 @@ class WorkerMetrics:
         if tally.prefill:
             self.prefill_step_duration.observe(tally.elapsed_s)
         self.between_steps.inc(tally.between_s)
-        self.idle.inc(tally.idle_s)
         for length in tally.acceptance_lengths:
             self.acceptance_length.observe(length)
         for reason in tally.finish_reasons:

@@ -164,12 +164,13 @@ class Usage:
 class EngineRunner:
     """Owns the engine on a dedicated thread; ``submit``/``cancel`` are safe from any thread.
 
-    ``on_step(report, elapsed_s, between_s, idle_s)``, if given, is called on the engine thread
-    after every step that completed (``elapsed_s`` includes the device sync; ``between_s`` is the
-    engine thread's own work since the previous step ended, its blocking waits left out: see
-    ``_blocked``; ``idle_s`` is the part of those waits with no request to step, admitted or
-    waiting for admission — the served path not feeding the engine, as opposed to a stall on the
-    kvstore); metrics use it. It must not block.
+    ``on_step(report, elapsed_s, between_s)``, if given, is called on the engine thread after every
+    step that completed (``elapsed_s`` includes the device sync; ``between_s`` is the engine
+    thread's own work since the previous step ended, its blocking waits left out: see ``_blocked``);
+    ``on_idle(seconds)`` after every blocking wait with no request to step, admitted or waiting
+    for admission (the served path not feeding the engine, as opposed to a stall on the
+    kvstore), as it happens: a worker with nothing to do shows it at once, not at its next step.
+    Metrics use both. Neither may block.
     """
 
     def __init__(
@@ -182,7 +183,8 @@ class EngineRunner:
         max_running: int = 256,
         extend_watermark_blocks: int = 2,
         extend_chunk_blocks: int = 4,
-        on_step: Callable[[StepReport, float, float, float], None] | None = None,
+        on_step: Callable[[StepReport, float, float], None] | None = None,
+        on_idle: Callable[[float], None] | None = None,
         outbox: Outbox | None = None,
         on_disown: Callable[[str], None] | None = None,
         inbox: Connection | None = None,
@@ -218,8 +220,8 @@ class EngineRunner:
         self._stop = threading.Event()
         self.steps = 0
         self._on_step = on_step
+        self._on_idle = on_idle
         self._waited_s = 0.0  # blocked since the last step ended (see _blocked)
-        self._idle_s = 0.0  # of that, blocked with no request to step
         self._last_step_end: float | None = None
         # Re-announced to a kvstore that forgot us (see reregister): what our pages hold, the
         # requests whose end the kvstore has not confirmed, and admissions waiting for Publishes.
@@ -341,7 +343,6 @@ class EngineRunner:
             try:
                 started = time.perf_counter()
                 between_s = self._between_steps(started)
-                idle_s, self._idle_s = self._idle_s, 0.0
                 report = self.engine.step()  # its device tail is fenced, not waited for (fence.py)
                 self._last_step_end = time.perf_counter()
                 elapsed_s = self._last_step_end - started
@@ -357,7 +358,7 @@ class EngineRunner:
                 # an answer instead of spinning
                 self._blocked(self.courier.wait_answer, 0.05)
             if self._on_step is not None:
-                self._on_step(report, elapsed_s, between_s, idle_s)
+                self._on_step(report, elapsed_s, between_s)
             for rid, result in report.results.items():
                 job = self._jobs.get(rid)
                 if job is not None:
@@ -372,8 +373,8 @@ class EngineRunner:
     def _blocked(self, wait: Callable, *args):
         """Run a blocking wait (for a command or a kvstore answer), counting its time as waited:
         ``between_s`` of the next step is the thread's own work between two steps, not its idling;
-        a wait with no request to step also counts as idle."""
-        idle = not self.engine.has_work() and not self._waiting
+        a wait with no request to step is also reported to ``on_idle``."""
+        idle = self._on_idle is not None and not self.engine.has_work() and not self._waiting
         started = time.perf_counter()
         try:
             return wait(*args)
@@ -381,7 +382,7 @@ class EngineRunner:
             waited = time.perf_counter() - started
             self._waited_s += waited
             if idle:
-                self._idle_s += waited
+                self._on_idle(waited)
 
     def _between_steps(self, now: float) -> float:
         """The engine thread's work since the last step ended, waits left out (mutates the waits)."""

@@ -49,7 +49,8 @@ def build_runtime(
     settings: WorkerSettings,
     link: KVStoreLink,
     *,
-    on_step: Callable[[StepReport, float, float, float], None] | None = None,
+    on_step: Callable[[StepReport, float, float], None] | None = None,
+    on_idle: Callable[[float], None] | None = None,
     outbox: Outbox | None = None,
     on_disown: Callable[[str], None] | None = None,
     inbox: Connection | None = None,
@@ -80,7 +81,7 @@ def build_runtime(
     runner = EngineRunner(
         engine, link, source, courier, max_running=settings.max_running,
         extend_watermark_blocks=settings.extend_watermark_blocks, extend_chunk_blocks=settings.extend_chunk_blocks,
-        on_step=on_step, outbox=outbox, on_disown=on_disown, inbox=inbox,
+        on_step=on_step, on_idle=on_idle, outbox=outbox, on_disown=on_disown, inbox=inbox,
     )
     facts = EngineFacts(
         # the draft's weights shape the draft KV, so they are part of the cache namespace too

@@ -119,12 +119,14 @@ async def start_worker(
         loop = asyncio.get_running_loop()
         runner = EngineProcess(settings, metrics=worker_metrics is not None,
                                on_tally=worker_metrics.record if worker_metrics is not None else None,
+                               on_idle=worker_metrics.on_idle if worker_metrics is not None else None,
                                # a worker without its engine stops; its supervisor starts a new incarnation
                                on_exit=lambda: loop.call_soon_threadsafe(lambda: loop.create_task(server.stop())))
         facts = await runner.start()
     else:
         runner, facts = await asyncio.to_thread(
-            build_runtime, settings, link, on_step=worker_metrics.on_step if worker_metrics is not None else None)
+            build_runtime, settings, link, on_step=worker_metrics.on_step if worker_metrics is not None else None,
+            on_idle=worker_metrics.on_idle if worker_metrics is not None else None)
     identity = WorkerIdentity(
         worker_id=settings.worker_id,
         address="",

@@ -45,14 +45,16 @@ def value(samples, name: str, **labels) -> float:
 
 
 @pytest.fixture
-def metered(start_service):
-    """kvstore + worker "w0" + router, each with its own metrics endpoint on a free port."""
+def metered(start_service, request):
+    """kvstore + worker "w0" + router, each with its own metrics endpoint on a free port (the
+    worker's engine in its own process when a test asks with ``indirect`` True)."""
     m = {name: ServiceMetrics(name) for name in ("kvstore", "gpuworker", "router")}
     kv_settings = KVStoreSettings(host="127.0.0.1", port=0, grace_s=0.0, lease_ttl_s=1.5, metrics_port=0)
     kv = start_service(lambda: start_kvstore(kv_settings, metrics=m["kvstore"]))
     suite = Suite(kv=kv, start_service=start_service)
     w_settings = WorkerSettings(host="127.0.0.1", port=0, kvstore=kv.address, worker_id="w0", model="tiny",
-                                spec_mode="eagle3", num_blocks=NUM_BLOCKS, heartbeat_s=0.2, grace_s=0.0, metrics_port=0)
+                                spec_mode="eagle3", num_blocks=NUM_BLOCKS, heartbeat_s=0.2, grace_s=0.0, metrics_port=0,
+                                engine_process=getattr(request, "param", False))
 
     async def worker():
         server, runner, identity = await start_worker(w_settings, metrics=m["gpuworker"])
@@ -249,17 +251,22 @@ def test_the_grafana_dashboard_queries_only_series_the_services_export(metered):
     assert queried <= exported, sorted(queried - exported)
 
 
+@pytest.mark.parametrize("metered", [False, True], ids=["engine-thread", "engine-process"], indirect=True)
 def test_between_steps_counts_the_engine_threads_work_not_its_idling(metered):
     """``tandem_worker_between_steps_seconds``: the engine thread's work between two steps. The
     idle gap between two requests is waiting, and must not be counted (else the first step of
     the second request would carry the whole gap). ``tandem_worker_idle_seconds`` counts exactly
-    that gap: waits with no request to step."""
+    that gap, waits with no request to step, and as it happens: a scrape in the middle of the
+    gap already shows it (an engine in its own process ships it with its idle turns)."""
     suite, m = metered
-    idle0 = value(scrape(m["gpuworker"]), "tandem_worker_idle_seconds_total")
     suite.generate(LONG_PREFIX + "first", max_new_tokens=8, num_draft_tokens=3)
+    idle0 = value(scrape(m["gpuworker"]), "tandem_worker_idle_seconds_total")
     idle_s = 1.5
     started = time.monotonic()
     time.sleep(idle_s)
+    mid = value(scrape(m["gpuworker"]), "tandem_worker_idle_seconds_total") - idle0
+    # waits of at most 0.5 s (IDLE_WAIT_S) are reported as each ends
+    assert mid >= idle_s - 0.5 - 0.3, f"{mid:.3f} s idle reported after {idle_s} s with no request"
     suite.generate(LONG_PREFIX + "second", max_new_tokens=8, num_draft_tokens=3)
     wall_s = time.monotonic() - started
     w = scrape(m["gpuworker"])
@@ -268,6 +275,5 @@ def test_between_steps_counts_the_engine_threads_work_not_its_idling(metered):
     assert steps >= 2 and between > 0
     assert between < idle_s / 2, f"{between:.3f} s between {steps:.0f} steps: the idle gap was counted"
     idle = value(w, "tandem_worker_idle_seconds_total") - idle0
-    # the gap is idle (the second request's first step reports it); the second request's own
-    # turns are not, so the idle time is the gap and not the whole wall
+    # the gap is idle; the second request's own turns are not, so it is the gap, not the wall
     assert idle_s * 0.9 <= idle <= wall_s, f"{idle:.3f} s idle around a {idle_s} s gap in {wall_s:.3f} s"
