@@ -352,6 +352,9 @@ def _post(batches: dict) -> None:
 # -- engine process -------------------------------------------------------------------------------
 
 
+IDLE_SHIP_S = 0.1  # idle time shipped on its own once this much has gathered (see PipeOutbox.flush)
+
+
 class PipeOutbox(Outbox):
     """The engine's outbox in an engine process: a turn's events, the requests whose reservation
     ended, the running count and step tallies go to the gRPC process as ONE message."""
@@ -381,7 +384,9 @@ class PipeOutbox(Outbox):
         self._batch.append((job.spec.request_id, event))
 
     def flush(self) -> None:
-        if not (self._batch or self.disowned or self.tallies or self.idle_s):
+        # idle time alone waits for 0.1 s of it: an idle loop waiting 2 ms at a time on kvstore
+        # answers (a Release resent through an outage) would otherwise send 500 messages a second
+        if not (self._batch or self.disowned or self.tallies or self.idle_s >= IDLE_SHIP_S):
             return
         message = ("events", self._batch, self.disowned, self.running(), self.tallies, self.idle_s)
         self._batch, self.disowned, self.tallies, self.idle_s = [], [], [], 0.0

@@ -128,3 +128,29 @@ def test_an_answer_without_a_table_that_contradicts_an_applied_remap_ends_the_re
     finally:
         runner.courier.close()
         link.close()
+
+
+def test_the_pipe_outbox_ships_idle_time_with_events_or_once_enough_has_gathered():
+    """An engine process reports its idle waits through the events pipe (``PipeOutbox``): with a
+    turn's events whatever has gathered, on its own only from ``IDLE_SHIP_S`` on (an idle loop
+    waits 2 ms at a time on kvstore answers and must not send a message each time)."""
+    from services.gpuworker.engine_process import IDLE_SHIP_S, PipeOutbox
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    outbox = PipeOutbox(writer)
+    outbox.idle(IDLE_SHIP_S / 4)
+    outbox.idle(IDLE_SHIP_S / 4)
+    outbox.flush()
+    assert not reader.poll(0.05)  # half of the threshold: nothing sent
+    outbox.disown("r1")
+    outbox.flush()  # a message goes anyway: the idle time so far rides along
+    kind, events, disowned, _running, tallies, idle_s = reader.recv()
+    assert (kind, events, disowned, tallies) == ("events", [], ["r1"], [])
+    assert idle_s == pytest.approx(IDLE_SHIP_S / 2)
+    outbox.idle(IDLE_SHIP_S)
+    outbox.flush()  # enough on its own
+    assert reader.recv()[-1] == pytest.approx(IDLE_SHIP_S)
+    outbox.flush()  # and counted once
+    assert not reader.poll(0.05)
+    reader.close()
+    writer.close()
