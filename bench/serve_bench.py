@@ -284,7 +284,7 @@ def worker_settings(args, model_dir: Path, a: int | None):
               backend="flashinfer" if gpu else "torch", dtype="bfloat16" if gpu else "float32",
               num_blocks=kv_blocks(args), forced_acceptance=a)
     for name in ("cuda_graphs", "overlap_steps", "fused_spec_steps", "fused_spec_graphs", "max_batch_tokens", "chunk_size", "gil_switch_interval_ms", "engine_process",
-                 "kvstore_carrier", "prefill_wait_steps", "prefill_batch"):
+                 "kvstore_carrier", "prefill_wait_steps", "prefill_batch", "stream_interval"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     return WorkerSettings(**kw)
@@ -1112,6 +1112,8 @@ def parse_args(argv):
                    help="worker setting: hold new prompts up to this many steps to prefill several at once (default: off)")
     p.add_argument("--prefill-batch", type=int, help="worker setting: release held prompts once this many wait")
     p.add_argument("--gil-switch-interval-ms", type=float, help="worker setting (default: Python's)")
+    p.add_argument("--stream-interval", type=int,
+                   help="worker setting: tokens a streamed message waits for after the first (served only; default 1)")
     p.add_argument("--router-procs", type=int, default=1,
                    help="router processes on the router's port (tandem router --procs; the engine alone is unaffected)")
     p.add_argument("--client-procs", type=int, default=1,

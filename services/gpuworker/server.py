@@ -145,7 +145,8 @@ async def start_worker(
         model_name=settings.model,
     )
     servicer = WorkerServicer(runner, identity, tracer_provider=tracer_provider,
-                              on_usage=worker_metrics.observe_usage if worker_metrics is not None else None)
+                              on_usage=worker_metrics.observe_usage if worker_metrics is not None else None,
+                              stream_interval=settings.stream_interval)
     server.add_binding(ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, SERVICE_NAME))
     if settings.metrics_port is not None:
         metrics.ready = lambda: server.serving  # /ready follows gRPC health

@@ -59,9 +59,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Thin adapter; ``identity`` carries what Info reports (see ``server.WorkerIdentity``)."""
 
     def __init__(self, runner: "EngineRunner | EngineProcess", identity, *, tracer_provider: trace.TracerProvider | None = None,
-                 on_usage: Callable[[Usage], None] | None = None):
+                 on_usage: Callable[[Usage], None] | None = None, stream_interval: int = 1):
         self.runner = runner
         self.identity = identity
+        self.stream_interval = stream_interval  # tokens a message waits for after the first (settings)
         self._on_usage = on_usage  # metrics: each completed request's usage
         self._tracer = get_tracer(__name__, tracer_provider)
         # reservation id -> request id, from Generate until the runner ended the reservation;
@@ -196,6 +197,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         decode_span = None
         finished = False
         pending = None  # an event taken while coalescing tokens, handled next
+        # tokens held for ``stream_interval`` (none before the first message): ids, logprobs, counts
+        ids, logprobs, counts, sent = [], [], (0, 0), False
+
+        def held() -> pb.GenerateResponse:
+            return pb.GenerateResponse(token_ids=ids, logprobs=logprobs_to_proto(logprobs) if logprobs else None,
+                                       decode_steps=counts[0], accepted_drafts=counts[1])
+
         try:
             while True:
                 event, pending = pending or await job.events.get(), None
@@ -207,7 +215,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         decode_span = self._tracer.start_span("decode", start_time=now, attributes={"tandem.request_id": spec.request_id})
                     # tokens of several steps waiting here (the client or the network is slower
                     # than the engine) go out as one message: fewer writes, no added latency
-                    ids, logprobs, (decode_steps, accepted) = list(event[1]), list(event[2] or ()), event[3]
+                    ids.extend(event[1])
+                    logprobs.extend(event[2] or ())
+                    counts = event[3]
                     while not job.events.empty():
                         nxt = job.events.get_nowait()
                         if nxt[0] != "tokens":
@@ -215,9 +225,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             break
                         ids.extend(nxt[1])
                         logprobs.extend(nxt[2] or ())
-                        decode_steps, accepted = nxt[3]
-                    yield pb.GenerateResponse(token_ids=ids, logprobs=logprobs_to_proto(logprobs) if logprobs else None,
-                                              decode_steps=decode_steps, accepted_drafts=accepted)
+                        counts = nxt[3]
+                    if sent and len(ids) < self.stream_interval:
+                        continue  # held for the interval (the end flushes what is held)
+                    message, sent = held(), True
+                    ids, logprobs = [], []
+                    yield message
+                elif ids:  # the end or an error: the tokens held go out first
+                    pending, message = event, held()
+                    ids, logprobs = [], []
+                    yield message
                 elif kind == "done":
                     _, reason, usage = event
                     finished = True

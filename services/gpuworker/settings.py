@@ -60,6 +60,9 @@ class WorkerSettings(TandemSettings):
         None, ge=0, le=32, description="draft tokens per step (k) a router asks for when neither the request nor the router's own --num-draft-tokens says; advertised in Info (unset: the draft's recommendation (its config's num_draft_tokens, docs/drafts.md) capped by max_draft_tokens, else 3; 0 without a draft)"
     )
     max_running: int = Field(256, ge=1, description="requests admitted at once; more get RESOURCE_EXHAUSTED")
+    stream_interval: int = Field(
+        1, ge=1, le=1024, description="after a request's first token (sent at once), a Generate message goes out once this many tokens have gathered, or at the end (SGLang's and vLLM's stream interval): fewer messages through the router and to the client, at c 64 plain decoding one per token per step, for coarser streaming; 1: every step's tokens as they come"
+    )
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between kvstore heartbeats")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of each kvstore call")
     seed: int = Field(0, description="seed of the built-in tiny model's weights")
