@@ -164,8 +164,8 @@ def level_stats(traces: list[Trace], wall_s: float) -> dict:
         if later_msgs else float("nan"),
         "hit_rate": sum(t.cached_tokens for t in ok) / max(1, sum(t.prompt_tokens for t in ok)),
         "errors": sorted({t.error for t in traces if t.error})[:3],
-        "timeline_ms": timeline(ok),
-        **decode_gaps(timeline(ok)),
+        "timeline_ms": (spans := timeline(ok)),
+        **decode_gaps(spans),
     }
 
 

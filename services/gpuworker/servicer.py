@@ -214,7 +214,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         prefill_span.end(end_time=now)
                         decode_span = self._tracer.start_span("decode", start_time=now, attributes={"tandem.request_id": spec.request_id})
                     # tokens of several steps waiting here (the client or the network is slower
-                    # than the engine) go out as one message: fewer writes, no added latency
+                    # than the engine) go out as one message: fewer writes, no added latency;
+                    # then, after the first message, ``stream_interval`` holds them back on purpose
                     ids.extend(event[1])
                     logprobs.extend(event[2] or ())
                     counts = event[3]

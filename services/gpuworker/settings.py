@@ -61,7 +61,7 @@ class WorkerSettings(TandemSettings):
     )
     max_running: int = Field(256, ge=1, description="requests admitted at once; more get RESOURCE_EXHAUSTED")
     stream_interval: int = Field(
-        1, ge=1, le=1024, description="after a request's first token (sent at once), a Generate message goes out once this many tokens have gathered, or at the end (SGLang's and vLLM's stream interval): fewer messages through the router and to the client, at c 64 plain decoding one per token per step, for coarser streaming; 1: every step's tokens as they come"
+        1, ge=1, le=64, description="after a request's first token (sent at once), a Generate message goes out once this many tokens have gathered, or at the end (SGLang's and vLLM's stream interval): fewer messages through the router and to the client (plain decoding sends one per request per step), for coarser streaming; 1: every step's tokens as they come. A stop string is seen by the router up to N - 1 steps late, which the worker computes and counts in decode_steps; the router's stream idle timeout must outlast N steps"
     )
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between kvstore heartbeats")
     rpc_timeout_s: float = Field(5.0, gt=0, description="deadline of each kvstore call")
