@@ -62,6 +62,7 @@ class UpSettings(BaseSettings):
     draft_model: str = Field("", description="draft of every worker: folder or hub id (public EAGLE-3 layout), 'random' (benchmarks), '' = the model's own")
     draft_revision: str = Field("", description="hub revision of --draft-model ('' = main)")
     num_draft_tokens: int | None = Field(None, ge=0, le=32, description="draft tokens per step (k) every worker advertises (tandem worker --num-draft-tokens; unset: the draft's recommendation, else 3)")
+    stream_interval: int | None = Field(None, ge=1, le=64, description="tokens each worker streams a request at a time after its first (tandem worker --stream-interval; unset: 1, every step's tokens as they come)")
     served_model_name: str = Field("", max_length=128, description="explicit model identity of every worker (mixed into the KV-cache namespace)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when a GPU is visible")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="unset: bfloat16 on CUDA, float32 on CPU")
@@ -285,6 +286,7 @@ def worker_argv(s: UpSettings, plan: WorkerPlan, port: int, kv_addr: str) -> lis
             *(["--revision", s.revision] if s.revision else []),
             *(["--draft-revision", s.draft_revision] if s.draft_revision else []),
             *(["--num-draft-tokens", str(s.num_draft_tokens)] if s.num_draft_tokens is not None else []),
+            *(["--stream-interval", str(s.stream_interval)] if s.stream_interval is not None else []),
             *(["--served-model-name", s.served_model_name] if s.served_model_name else []),
             *_metrics(s, worker_metrics_offset(s, plan.index))]
 

@@ -114,6 +114,8 @@ def test_worker_command_line_carries_the_plan_and_the_passthrough_flags():
     assert "--num-draft-tokens" not in joined  # unset: each worker's own default
     assert "--num-draft-tokens 0" in " ".join(worker_argv(UpSettings(num_draft_tokens=0), cpu_plan, 0, "x:1"))
     assert "--num-draft-tokens 2" in " ".join(worker_argv(UpSettings(num_draft_tokens=2), cpu_plan, 0, "x:1"))
+    assert "--stream-interval" not in joined  # unset: each worker's own default (1)
+    assert "--stream-interval 4" in " ".join(worker_argv(UpSettings(stream_interval=4), cpu_plan, 0, "x:1"))
 
 
 def test_router_processes_pass_through_and_shift_the_workers_metrics_ports():
