@@ -4,6 +4,7 @@
     machine()                                               CPU, cores, load, date (for the JSON)
     gc_pauses_in(log_dir)                                   the services' logged GC pauses, per process
     gpu_ms(fn)                                              median CUDA-event time of fn()
+    busy_processes([cpus, ...])                             spinning processes for a with block
     grouped_bars(ax, groups, series)                        one bar per series in each group
 
 Imported by the scripts next to it (``python bench/x.py`` puts this folder on ``sys.path``).
@@ -11,6 +12,7 @@ Imported by the scripts next to it (``python bench/x.py`` puts this folder on ``
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import platform
@@ -214,3 +216,24 @@ def grouped_bars(ax, groups: list[str], series: list[tuple[str, list[float]]], *
         centres.append(xs)
     ax.set_xticks(range(len(groups)), groups)
     return centres
+
+
+@contextlib.contextmanager
+def busy_processes(cpus: list[set[int] | None]):
+    """One process spinning in pure Python per entry of ``cpus``, pinned to that set of CPUs
+    (None: wherever the OS puts it), running for the ``with`` block: the other CPU load of a
+    served run (router, clients, the worker's gRPC process, the kvstore). Killed at its end."""
+    procs = []
+    try:
+        for allowed in cpus:
+            code = ("import os\n"
+                    f"cpus={sorted(allowed) if allowed else None!r}\n"
+                    "cpus and os.sched_setaffinity(0, set(cpus))\n"
+                    "while True: pass\n")
+            procs.append(subprocess.Popen([sys.executable, "-c", code]))
+        time.sleep(0.5)  # they are running before the measurement starts
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

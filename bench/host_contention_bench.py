@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine  # noqa: E402
+from _common import busy_processes, machine  # noqa: E402
 
 
 @dataclasses.dataclass(slots=True)
@@ -76,19 +76,6 @@ def siblings(cpu: int) -> set[int]:
         return {cpu}
 
 
-def spin(cpus: list[set[int] | None]) -> list[subprocess.Popen]:
-    """One spinning process per entry, pinned to that set of CPUs (None: wherever the OS puts it)."""
-    procs = []
-    for allowed in cpus:
-        code = ("import os,sys\n"
-                f"cpus={sorted(allowed) if allowed else None!r}\n"
-                "cpus and os.sched_setaffinity(0, set(cpus))\n"
-                "while True: pass\n")
-        procs.append(subprocess.Popen([sys.executable, "-c", code]))
-    time.sleep(0.5)  # they are running before the timing starts
-    return procs
-
-
 def timed(reps: int, torch) -> float:
     workload(torch)  # warm
     samples = []
@@ -120,13 +107,8 @@ def run(args) -> dict:
         cases.append(("sibling", [{min(sib - {cpu})}]))
     rows = []
     for name, placement in cases:
-        procs = spin(placement)
-        try:
+        with busy_processes(placement):
             ms = timed(args.reps, torch)
-        finally:
-            for p in procs:
-                p.kill()
-                p.wait()
         rows.append({"case": name, "ms": ms})
         print(f"{name:>22}: {ms:7.2f} ms  ({ms / rows[0]['ms']:.2f}x alone)", flush=True)
     return {"measured_cpu": cpu, "smt_siblings": sorted(sib), "cpus": len(allowed), "rows": rows}

@@ -72,7 +72,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _common import free_port, gc_pauses_in, gpu_ms, grouped_bars, machine, pyspy_binary, start_suite  # noqa: E402
+from _common import busy_processes, free_port, gc_pauses_in, gpu_ms, grouped_bars, machine, pyspy_binary, start_suite  # noqa: E402
 from services.common.gc_tuning import tune_gc  # noqa: E402
 from worker_bench import bench_config  # noqa: E402
 
@@ -547,12 +547,12 @@ def steps_line(stats: dict) -> str:
     return line
 
 
-def gaps_line(stats: dict) -> str:
-    """A level's stretches with nothing decoding (``decode_gaps``), in words."""
+def gaps_line(stats: dict, who: str = "") -> str:
+    """A level's stretches with nothing decoding (``decode_gaps``), in words (``who``: whose)."""
     if not stats.get("decode_gaps"):
         return ""
-    return (f"; nothing decoding {stats['decode_gap_ms_total']:.0f} ms in {stats['decode_gaps']} gaps "
-            f"(longest {stats['decode_gap_ms_max']:.0f})")
+    return (f"; {who + ' ' if who else ''}nothing decoding {stats['decode_gap_ms_total']:.0f} ms in "
+            f"{stats['decode_gaps']} gaps (longest {stats['decode_gap_ms_max']:.0f})")
 
 
 def between_stats(before: dict, after: dict, busy_s: float, wall_s: float) -> dict:
@@ -815,23 +815,11 @@ def engine_level(setup, level: Level, prompts: Prompts, prefix_blocks: list[int]
     return list(traces.values()), wall, step_stats(NO_STEPS, steps, wall)
 
 
-def busy_procs(n: int) -> list[subprocess.Popen]:
-    """``n`` processes spinning in pure Python: the other CPU load a served run puts on the box
-    (router, clients, the worker's gRPC process, the kvstore)."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-
-
 def loaded_level(args, setup, level: Level, prompts: Prompts, prefix_blocks: list[int], reused: int, log) -> dict:
     """``--alone-busy-procs N``: the engine alone's level again with N busy processes beside it,
     to tell the served run's own costs from what its other processes cost the host's speed."""
-    procs = busy_procs(args.alone_busy_procs)
-    try:
-        time.sleep(0.5)
+    with busy_processes([None] * args.alone_busy_procs):
         traces, wall, steps = engine_level(setup, level, prompts, prefix_blocks, reused, 1e9)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
     stats = {**level_stats(traces, wall), **steps}
     log(f"  alone  {level.name} beside {args.alone_busy_procs} busy processes: {stats['tokens_per_s']:.1f} tok/s"
         + steps_line(stats))
@@ -1162,9 +1150,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name} c{r['served']['concurrency']} k{r['served']['k']}: served "
                           + ", ".join(f"{k} {v:.2f}" for k, v in sv.items()) + " s; alone "
                           + ", ".join(f"{k} {v:.2f}" for k, v in al.items()) + " s"
-                          + "".join(f"; {who} nothing decoding {r[who]['decode_gap_ms_total']:.0f} ms in "
-                                    f"{r[who]['decode_gaps']} gaps" for who in ("served", "alone")
-                                    if "decode_gaps" in r[who]))
+                          + gaps_line(r["served"], "served") + gaps_line(r["alone"], "alone"))
         if args.plot:
             plot_steps(runs, args.plot)
         return 0

@@ -375,7 +375,7 @@ class PipeOutbox(Outbox):
         self.tallies.append(StepTally.of(report, elapsed_s, between_s))
 
     def idle(self, seconds: float) -> None:
-        self.idle_s += seconds  # shipped by the next flush: the idle loop flushes every turn
+        self.idle_s += seconds  # shipped with the next message, or alone from IDLE_SHIP_S on (flush)
 
     def post(self, job: Job, *event) -> None:
         if event[0] == "error" and not isinstance(event[1], TandemError):

@@ -200,9 +200,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # tokens held for ``stream_interval`` (none before the first message): ids, logprobs, counts
         ids, logprobs, counts, sent = [], [], (0, 0), False
 
-        def held() -> pb.GenerateResponse:
-            return pb.GenerateResponse(token_ids=ids, logprobs=logprobs_to_proto(logprobs) if logprobs else None,
-                                       decode_steps=counts[0], accepted_drafts=counts[1])
+        def take() -> pb.GenerateResponse:
+            """The held tokens as one message; holds none after it."""
+            nonlocal ids, logprobs
+            message = pb.GenerateResponse(token_ids=ids, logprobs=logprobs_to_proto(logprobs) if logprobs else None,
+                                          decode_steps=counts[0], accepted_drafts=counts[1])
+            ids, logprobs = [], []
+            return message
 
         try:
             while True:
@@ -229,13 +233,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         counts = nxt[3]
                     if sent and len(ids) < self.stream_interval:
                         continue  # held for the interval (the end flushes what is held)
-                    message, sent = held(), True
-                    ids, logprobs = [], []
-                    yield message
+                    sent = True
+                    yield take()
                 elif ids:  # the end or an error: the tokens held go out first
-                    pending, message = event, held()
-                    ids, logprobs = [], []
-                    yield message
+                    pending = event
+                    yield take()
                 elif kind == "done":
                     _, reason, usage = event
                     finished = True

@@ -64,6 +64,7 @@ def test_decode_gaps_are_the_stretches_between_waves_with_nothing_decoding():
         "decode_gaps": 3, "decode_gap_ms_total": 25.0, "decode_gap_ms_max": 10.0}
     assert sb.decode_gaps([]) == {"decode_gaps": 0, "decode_gap_ms_total": 0.0, "decode_gap_ms_max": 0.0}
     assert sb.gaps_line(sb.decode_gaps(timeline)) == "; nothing decoding 10 ms in 1 gaps (longest 10)"
+    assert sb.gaps_line(sb.decode_gaps(timeline), "served") == "; served nothing decoding 10 ms in 1 gaps (longest 10)"
 
 
 def test_step_stats_are_the_counters_moved_over_the_level():
