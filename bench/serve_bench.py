@@ -78,6 +78,7 @@ from worker_bench import bench_config  # noqa: E402
 
 from services.gpuworker.model.config import LlamaConfig  # noqa: E402
 from services.gpuworker.settings import WorkerSettings  # noqa: E402
+from services.client import DEFAULT_STREAM_WINDOW_BYTES  # noqa: E402
 
 SHAPES = {
     "tiny-cpu": LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
@@ -380,7 +381,7 @@ class ClientProcs:
     (H100, c 64) with 4 processes: client CPU 0.9 → 1.2 cores in all, TTFT and throughput level
     with one process, i.e. the client was not the limit there."""
 
-    def __init__(self, n: int, address: str, channels_each: int, prompts: Prompts):
+    def __init__(self, n: int, address: str, channels_each: int, prompts: Prompts, window_bytes: int):
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
@@ -389,8 +390,8 @@ class ClientProcs:
         for _ in range(n):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=client_proc_main, daemon=True,
-                               args=(child, address, channels_each, prompts.seed, len(prompts.shared) + prompts.private_len,
-                                     prompts.vocab))
+                               args=(child, address, channels_each, window_bytes, prompts.seed,
+                                     len(prompts.shared) + prompts.private_len, prompts.vocab))
             proc.start()
             child.close()
             self._conns.append(parent)
@@ -434,7 +435,8 @@ def client_shares(level: Level, n: int) -> list[tuple[int, list[int]]]:
              [i for i in range(level.requests) if (i % level.concurrency) % n == p]) for p in range(n)]
 
 
-def client_proc_main(conn, address: str, channels_each: int, seed: int, prompt_len: int, vocab: int) -> None:
+def client_proc_main(conn, address: str, channels_each: int, window_bytes: int, seed: int, prompt_len: int,
+                     vocab: int) -> None:
     """A client process of :class:`ClientProcs`: one event loop and its channels for all levels."""
     from tandem.router.v1 import router_pb2_grpc
 
@@ -442,7 +444,7 @@ def client_proc_main(conn, address: str, channels_each: int, seed: int, prompt_l
     asyncio.set_event_loop(loop)
 
     async def open_stubs():
-        return [router_pb2_grpc.RouterStub(c) for c in open_channels(address, channels_each)]
+        return [router_pb2_grpc.RouterStub(c) for c in open_channels(address, channels_each, window_bytes)]
 
     stubs = loop.run_until_complete(open_stubs())
     prompts = Prompts(seed, prompt_len, vocab)
@@ -578,13 +580,17 @@ def client_channels(args) -> int:
     return 1 if args.router_procs == 1 else max(args.concurrency)
 
 
-def open_channels(address: str, n: int) -> list:
+def open_channels(address: str, n: int, window_bytes: int) -> list:
     """``n`` grpc.aio channels to ``address`` on ``n`` connections: gRPC Python channels with the
     same target and options share one connection through the global subchannel pool unless each
-    has a local pool (one channel keeps the pool: the single-connection baseline as before)."""
+    has a local pool (one channel keeps the pool: the single-connection baseline as before).
+    ``window_bytes``: each stream's unread bytes gRPC buffers, as Tandem's client sets it
+    (``--client-window-bytes``; 0 = gRPC's auto-tuned window)."""
     import grpc
 
-    options = [("grpc.use_local_subchannel_pool", 1)] if n > 1 else []
+    from services.common.channels import stream_window_options
+
+    options = [*(("grpc.use_local_subchannel_pool", 1),) * (n > 1), *stream_window_options(window_bytes)]
     return [grpc.aio.insecure_channel(address, options=options) for _ in range(n)]
 
 
@@ -651,7 +657,7 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
     from tandem.router.v1 import router_pb2_grpc
 
     out = {"levels": []}
-    channels = open_channels(suite.router, client_channels(args))
+    channels = open_channels(suite.router, client_channels(args), args.client_window_bytes)
     pool: ClientProcs | None = None
     try:
         stubs = [router_pb2_grpc.RouterStub(channel) for channel in channels]
@@ -662,7 +668,8 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
         out["first_error"] = trace.error
         log(f"  first request after SERVING: TTFT {out['first_ttft_ms']:.0f} ms {trace.error}")
         if args.client_procs > 1:
-            pool = ClientProcs(args.client_procs, suite.router, -(-client_channels(args) // args.client_procs), prompts)
+            pool = ClientProcs(args.client_procs, suite.router, -(-client_channels(args) // args.client_procs), prompts,
+                               args.client_window_bytes)
 
             async def run_level(level: Level):
                 return await pool.level(level, args.level_max_s, f"a{a}")
@@ -715,7 +722,8 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
 
 def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log) -> list[dict]:
     router = ["--model", str(model_dir), "--num-draft-tokens", str(args.k),
-              *(["--procs", str(args.router_procs)] if args.router_procs > 1 else [])]
+              *(["--procs", str(args.router_procs)] if args.router_procs > 1 else []),
+              *(["--worker-stream-window-bytes", str(args.router_window_bytes)] if args.router_window_bytes is not None else [])]
     suites = []
     for a in args.accept:
         settings = worker_settings(args, model_dir, a)
@@ -1102,6 +1110,11 @@ def parse_args(argv):
     p.add_argument("--gil-switch-interval-ms", type=float, help="worker setting (default: Python's)")
     p.add_argument("--stream-interval", type=int,
                    help="worker setting: tokens a streamed message waits for after the first (served only; default 1)")
+    p.add_argument("--router-window-bytes", type=int,
+                   help="router setting worker_stream_window_bytes (default: the router's; 0 = gRPC's auto-tuned window)")
+    p.add_argument("--client-window-bytes", type=int, default=DEFAULT_STREAM_WINDOW_BYTES,
+                   help="each served client stream's unread bytes gRPC buffers (default: Tandem's client's, "
+                        f"{DEFAULT_STREAM_WINDOW_BYTES}; 0 = gRPC's auto-tuned window)")
     p.add_argument("--router-procs", type=int, default=1,
                    help="router processes on the router's port (tandem router --procs; the engine alone is unaffected)")
     p.add_argument("--client-procs", type=int, default=1,
@@ -1132,8 +1145,8 @@ def parse_args(argv):
         args.accept = [0]  # one suite: its k = 0 levels
     if args.k < 0 or any(not 0 <= a <= args.k for a in args.accept):
         p.error("--k must be >= 0 and forced acceptance values in [0, k]")
-    if args.router_procs < 1 or args.client_channels < 0 or args.client_procs < 1:
-        p.error("--router-procs and --client-procs must be >= 1 and --client-channels >= 0")
+    if args.router_procs < 1 or args.client_channels < 0 or args.client_procs < 1 or args.client_window_bytes < 0:
+        p.error("--router-procs and --client-procs must be >= 1, --client-channels and --client-window-bytes >= 0")
     return args
 
 

@@ -118,21 +118,31 @@ def _answers(deltas: list[Delta], n: int) -> list[Answer]:
     return [_answer([d for d in deltas if d.index == i]) for i in range(n)]
 
 
+# Each stream's unread bytes the client lets gRPC buffer (services.common.channels.stream_window_options):
+# a consumer slower than the engine gets fewer messages of more tokens each, and its lag stays
+# bounded, instead of gRPC queueing one message per token for it to work through.
+DEFAULT_STREAM_WINDOW_BYTES = 64
+
+
 class _Base:
     def __init__(self, address: str = "127.0.0.1:50050", *, token: str | None = None, timeout_s: float = 120.0,
-                 credentials=None):
+                 credentials=None, stream_window_bytes: int = DEFAULT_STREAM_WINDOW_BYTES):
+        from services.common.channels import stream_window_options
+
         self.address, self.timeout_s, self._credentials = address, timeout_s, credentials
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._options = stream_window_options(stream_window_bytes)  # 0: gRPC's own window
 
     def _channel(self, grpc_module):
         if self._credentials is not None:
-            return grpc_module.secure_channel(self.address, self._credentials)
-        return grpc_module.insecure_channel(self.address)
+            return grpc_module.secure_channel(self.address, self._credentials, options=self._options)
+        return grpc_module.insecure_channel(self.address, options=self._options)
 
 
 class Client(_Base):
     """Blocking client over one channel (``close()`` or use as a context manager).
-    ``credentials``: ``grpc.ssl_channel_credentials(...)`` for a TLS router."""
+    ``credentials``: ``grpc.ssl_channel_credentials(...)`` for a TLS router; ``stream_window_bytes``:
+    how much of a stream gRPC buffers unread (``DEFAULT_STREAM_WINDOW_BYTES``; 0 = gRPC's own)."""
 
     def __init__(self, address: str = "127.0.0.1:50050", **kwargs):
         import grpc

@@ -61,6 +61,33 @@ FAILOVER_OPTIONS = (
 )
 
 
+def stream_window_options(window_bytes: int) -> tuple[tuple[str, object], ...]:
+    """Channel options that let the receiver of a token stream buffer at most about
+    ``window_bytes`` of each stream unread (0: gRPC's own window, auto-tuned up to megabytes).
+
+    A reader that falls behind then stops the sender at once instead of queueing thousands of
+    one-token messages in gRPC, and the sender, whose tokens keep coming, merges the ones that
+    wait into its next message (the worker does; the router, reading a worker only as fast as
+    its client reads it, passes the stop on)::
+
+        engine ─▶ worker ──(window)──▶ router ──(window)──▶ client
+                  merges what waits     reads the worker    reads slowly: its window fills,
+                  while its sends are   only after each      the router's write waits, the
+                  held: fewer, larger   write to its client  worker's window fills, the worker
+                  messages              (no read-ahead)      merges
+
+    The lag a slow reader accumulates is then bounded by the window, not by the request's
+    length: at the end of a closed-loop wave the router drains a few messages per stream, not
+    every token it fell behind by. A message larger than the window still passes (gRPC grants
+    what a pending read needs), one window update per message; HTTP/2's BDP probe is off, as it
+    would grow the window back. Pure."""
+    if window_bytes < 0:
+        raise InvalidArgument(f"window_bytes must be >= 0, got {window_bytes}")
+    if window_bytes == 0:
+        return ()
+    return (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes))
+
+
 def grpc_target(addresses: str) -> str:
     """A gRPC target for one address or a comma-separated list of them (a kvstore leader and
     its standbys). A list becomes an ``ipv4:``/``ipv6:`` target of resolved addresses, which

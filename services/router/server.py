@@ -23,7 +23,7 @@ from services.common.auth import (
     suite_credentials,
     warn_if_insecure,
 )
-from services.common.channels import ChannelPool, open_channel
+from services.common.channels import ChannelPool, open_channel, stream_window_options
 from services.common.errors import TandemError, Unavailable
 from services.common.metrics import ServiceMetrics
 from services.common.server import GrpcServer, ServiceBinding
@@ -142,7 +142,7 @@ async def start_router(
     )
     channels = ChannelPool(  # Worker.Generate passes its deadline and trace context itself
         credentials=upstream, max_message_bytes=settings.max_receive_bytes, default_timeout_s=settings.max_request_s,
-        intercept_streams=False,
+        intercept_streams=False, options=stream_window_options(settings.worker_stream_window_bytes),
     )
     dispatcher = Dispatcher(
         kvstore=kv_channel,

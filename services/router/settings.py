@@ -26,6 +26,11 @@ class RouterSettings(TandemSettings):
     procs: int = Field(1, ge=1, le=256, description="router processes serving the same gRPC (and HTTP) port through SO_REUSEPORT, each with its own event loop, kvstore channel and worker directory; the kernel spreads client *connections* over them (see services/router/procs.py); metrics of process i on metrics_port + i")
     front_trace: str = Field("", description="debug: append each request's front timestamps (receive, dispatch, first token, first write; JSON lines, see services/router/front_trace.py) to this file ('' = off)")
 
+    worker_stream_window_bytes: int = Field(
+        64, ge=0, le=1 << 24,
+        description="how much of each worker stream the router buffers unread (HTTP/2 stream window; 0 = gRPC's auto-tuned window). When the router, or a client it streams to, reads slower than the engine decodes, the worker stops at this bound and merges the tokens that wait into its next message, instead of the router falling ever further behind (see services/common/channels.stream_window_options)",
+    )
+
     # --- request limits
     max_new_tokens: int = Field(4096, ge=1, description="largest max_new_tokens a request may ask for")
     max_prompt_tokens: int = Field(1 << 17, ge=1, description="longest prompt accepted, in tokens")
