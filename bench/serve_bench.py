@@ -590,7 +590,8 @@ def open_channels(address: str, n: int, window_bytes: int) -> list:
 
     from services.common.channels import stream_window_options
 
-    options = [*(("grpc.use_local_subchannel_pool", 1),) * (n > 1), *stream_window_options(window_bytes)]
+    options = [("grpc.use_local_subchannel_pool", 1)] if n > 1 else []
+    options += stream_window_options(window_bytes)
     return [grpc.aio.insecure_channel(address, options=options) for _ in range(n)]
 
 
