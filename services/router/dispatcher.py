@@ -148,6 +148,7 @@ class _Progress:
         self.acknowledged = False  # any message received: the worker owns the reservation
         self.left_registry = False  # its worker incarnation left the kvstore registry mid-stream
         self.idle_expired = False  # the worker sent nothing for idle_timeout_s (see Dispatcher._sweep_idle)
+        self.at_consumer = False  # a delta is with the consumer: the worker is not being read
         self.tokens: list[int] = []
         self.first_token_at: float | None = None
         # the worker's totals as of its last message (decode steps, accepted drafts)
@@ -360,13 +361,16 @@ class Dispatcher:
             self._idle_timer = asyncio.get_running_loop().call_later(period, self._sweep_idle)
 
     def _sweep_idle(self) -> None:
-        """Cancel the streams whose worker sent nothing for ``idle_timeout_s`` — a frozen worker
-        (SIGSTOP) keeps its connection open, keepalive may not notice, and the client's deadline
-        can be minutes away; its reader fails UNAVAILABLE (mutates the calls)."""
+        """Cancel the streams whose worker sent nothing for ``idle_timeout_s`` while the router
+        was reading it — a frozen worker (SIGSTOP) keeps its connection open, keepalive may not
+        notice, and the client's deadline can be minutes away; its reader fails UNAVAILABLE. A
+        stream whose client is slow to take the last delta is not timed (mutates the calls)."""
         self._idle_timer = None
         now, idle_s = self._clock(), self.config.idle_timeout_s
         for key, streams in list(self._streams.items()):
             for cid, (_call, progress) in list(streams.items()):
+                if progress.at_consumer:
+                    continue  # waiting on its client, not on the worker
                 if progress.last_heard_at is not None and now - progress.last_heard_at >= idle_s:
                     progress.idle_expired = True
                     self._end_stream(key, cid)
@@ -623,7 +627,13 @@ class Dispatcher:
                     yield self._completion(job, entry, reservation, msg, ids, text, arrival, progress, logprobs)
                     return
                 if ids:
+                    # While the consumer holds the delta (a client reading slowly), the router
+                    # does not read the worker, whose stream window then stops it: its silence
+                    # is ours, and the idle clock restarts once the consumer asks for more.
+                    progress.at_consumer = True
                     yield TextDelta(text, ids, logprobs)
+                    progress.at_consumer = False
+                    progress.last_heard_at = self._clock()
             raise _WorkerFailed("UNAVAILABLE", "the worker ended the stream without a final message")
         except grpc.aio.AioRpcError as err:
             span.set_attribute("rpc.grpc.status_code", err.code().value[0])

@@ -383,3 +383,24 @@ def test_a_new_request_waits_out_a_cooldown_it_did_not_cause(rig):
     _, err = collect(router, text="waits for the cooldown", max_new_tokens=2)
     assert err is None and len(worker.requests) == 2 and time.monotonic() - started >= 0.3
     rig.wait_no_live_reservations()
+
+
+def test_a_client_that_pauses_longer_than_the_idle_timeout_is_not_a_silent_worker(rig):
+    """A client that stops reading stops the worker (stream windows: services.common.channels),
+    so the router hears nothing from it while the client pauses; that is not the worker going
+    silent, and the stream finishes with every token once the client reads again."""
+    from services.common.channels import stream_window_options
+    from tandem.router.v1 import router_pb2_grpc
+
+    worker = rig.worker("a")
+    router = rig.router(idle_timeout_s=0.4, max_attempts=1)
+    with grpc.insecure_channel(router.address, options=stream_window_options(64)) as channel:
+        stream = router_pb2_grpc.RouterStub(channel).Generate(
+            router_pb2.GenerateRequest(text="pause me", max_new_tokens=200, temperature=0.0), timeout=20)
+        first = next(stream)
+        time.sleep(1.5)  # the windows fill within a few messages; the router waits on this client
+        rest = list(stream)
+    ids = [t for m in (first, *rest) for t in m.token_ids]
+    assert ids == [worker.script.token(i) for i in range(200)]
+    assert rest[-1].usage.completion_tokens == 200
+    rig.wait_no_live_reservations()
