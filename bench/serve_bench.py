@@ -1146,8 +1146,9 @@ def parse_args(argv):
         args.accept = [0]  # one suite: its k = 0 levels
     if args.k < 0 or any(not 0 <= a <= args.k for a in args.accept):
         p.error("--k must be >= 0 and forced acceptance values in [0, k]")
-    if args.router_procs < 1 or args.client_channels < 0 or args.client_procs < 1 or args.client_window_bytes < 0:
-        p.error("--router-procs and --client-procs must be >= 1, --client-channels and --client-window-bytes >= 0")
+    if (args.router_procs < 1 or args.client_channels < 0 or args.client_procs < 1 or args.client_window_bytes < 0
+            or (args.router_window_bytes or 0) < 0):
+        p.error("--router-procs and --client-procs must be >= 1; --client-channels and the window sizes >= 0")
     return args
 
 

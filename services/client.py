@@ -118,20 +118,24 @@ def _answers(deltas: list[Delta], n: int) -> list[Answer]:
     return [_answer([d for d in deltas if d.index == i]) for i in range(n)]
 
 
-# Each stream's unread bytes the client lets gRPC buffer (services.common.channels.stream_window_options):
-# a consumer slower than the engine gets fewer messages of more tokens each, and its lag stays
-# bounded, instead of gRPC queueing one message per token for it to work through.
-DEFAULT_STREAM_WINDOW_BYTES = 64
+# Each stream's unread bytes the client lets gRPC buffer (services.common.channels.stream_window_options).
+# 0 = gRPC's own, auto-tuned window. A small one (e.g. 64) makes a consumer slower than the engine
+# get fewer messages of more tokens each, its lag bounded; but a window must cover the link's
+# bandwidth × round trip, or it adds latency on a distant router (a 64-byte window on a 50 ms link
+# doubled the token latency at 200 tokens/s). The router bounds what it buffers itself.
+DEFAULT_STREAM_WINDOW_BYTES = 0
 
 
 class _Base:
     def __init__(self, address: str = "127.0.0.1:50050", *, token: str | None = None, timeout_s: float = 120.0,
                  credentials=None, stream_window_bytes: int = DEFAULT_STREAM_WINDOW_BYTES):
-        from services.common.channels import stream_window_options
-
         self.address, self.timeout_s, self._credentials = address, timeout_s, credentials
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._options = stream_window_options(stream_window_bytes)  # 0: gRPC's own window
+        self._options: tuple = ()
+        if stream_window_bytes:  # imported only then: channels pulls in the telemetry SDK
+            from services.common.channels import stream_window_options
+
+            self._options = stream_window_options(stream_window_bytes)
 
     def _channel(self, grpc_module):
         if self._credentials is not None:

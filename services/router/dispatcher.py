@@ -344,6 +344,8 @@ class Dispatcher:
             streams = self._streams[key]
             for cid, (_call, progress) in list(streams.items()):
                 heard = progress.last_heard_at
+                if progress.at_consumer:
+                    continue  # waiting on its client: the worker's silence says nothing
                 if now - absent_since < _DEPARTED_QUIET_S or (heard is not None and now - heard < _DEPARTED_QUIET_S):
                     continue
                 progress.left_registry = True

@@ -48,7 +48,9 @@ async def merged(firsts: list, streams: list[AsyncIterator]) -> AsyncIterator[tu
         finally:
             await streams[0].aclose()
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: a client that reads slowly stops the samples' readers, and with them their workers
+    # (stream windows: services.common.channels.stream_window_options), as it does one sample.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int) -> None:
         try:

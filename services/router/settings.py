@@ -28,7 +28,7 @@ class RouterSettings(TandemSettings):
 
     worker_stream_window_bytes: int = Field(
         64, ge=0, le=1 << 24,
-        description="how much of each worker stream the router buffers unread (HTTP/2 stream window; 0 = gRPC's auto-tuned window). When the router, or a client it streams to, reads slower than the engine decodes, the worker stops at this bound and merges the tokens that wait into its next message, instead of the router falling ever further behind (see services/common/channels.stream_window_options)",
+        description="how much of each worker stream the router buffers unread (HTTP/2 stream window; 0 = gRPC's auto-tuned window). When the router, or a client it streams to, reads slower than the engine decodes, the worker stops at this bound and merges the tokens that wait into its next message, instead of the router falling ever further behind (see services/common/channels.stream_window_options). The window must cover the router-worker link's bandwidth × round trip: raise it for a worker on a distant host",
     )
 
     # --- request limits
@@ -75,7 +75,7 @@ class RouterSettings(TandemSettings):
     upstream_cert_file: str = Field("", description="client certificate presented to the kvstore and workers (mTLS)")
     upstream_key_file: str = Field("", description="private key of upstream_cert_file")
     # --- failure detection
-    idle_timeout_s: float = Field(60.0, gt=0, description="a worker stream that sends nothing for this long (prefill included) fails with UNAVAILABLE (checked every quarter of it)")
+    idle_timeout_s: float = Field(60.0, gt=0, description="a worker stream that sends nothing for this long while the router reads it (prefill included) fails with UNAVAILABLE (checked every quarter of it; a stream whose client has not taken its last delta is not timed)")
 
     @model_validator(mode="after")
     def _consistent(self) -> RouterSettings:
