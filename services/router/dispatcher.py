@@ -154,9 +154,19 @@ class _Progress:
         # the worker's totals as of its last message (decode steps, accepted drafts)
         self.decode_steps = 0
         self.accepted_drafts = 0
-        self.last_heard_at: float | None = None  # the last message from the worker
+        # the last message from the worker, or the consumer's return from the last delta: when
+        # the router's current wait on the worker began
+        self.last_heard_at: float | None = None
         self.decoder = StreamDecoder(tokenizer)
         self.stops = StopScanner(stop_strings, tokenizer) if stop_strings else None
+
+    def silent_s(self, now: float) -> float:
+        """How long the worker has sent nothing while the router waited on it: 0 while a delta is
+        with the consumer (the router is not reading the worker, whose stream window then stops
+        it) or before the stream began."""
+        if self.at_consumer or self.last_heard_at is None:
+            return 0.0
+        return now - self.last_heard_at
 
     def text(self, ids: tuple[int, ...]) -> tuple[str, int | None]:
         """Text of new ids, and how many of them count if a stop string completed (see ``stops``)."""
@@ -343,10 +353,7 @@ class Dispatcher:
             absent_since = self._absent_since.setdefault(key[0], now)
             streams = self._streams[key]
             for cid, (_call, progress) in list(streams.items()):
-                heard = progress.last_heard_at
-                if progress.at_consumer:
-                    continue  # waiting on its client: the worker's silence says nothing
-                if now - absent_since < _DEPARTED_QUIET_S or (heard is not None and now - heard < _DEPARTED_QUIET_S):
+                if now - absent_since < _DEPARTED_QUIET_S or progress.silent_s(now) < _DEPARTED_QUIET_S:
                     continue
                 progress.left_registry = True
                 self._end_stream(key, cid)
@@ -371,9 +378,7 @@ class Dispatcher:
         now, idle_s = self._clock(), self.config.idle_timeout_s
         for key, streams in list(self._streams.items()):
             for cid, (_call, progress) in list(streams.items()):
-                if progress.at_consumer:
-                    continue  # waiting on its client, not on the worker
-                if progress.last_heard_at is not None and now - progress.last_heard_at >= idle_s:
+                if progress.silent_s(now) >= idle_s:
                     progress.idle_expired = True
                     self._end_stream(key, cid)
         if self._streams:
