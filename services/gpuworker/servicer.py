@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_ID_BYTES = 128
+# tokens merged into one Generate message, about at most: with top-20 logprobs a token is ~230
+# bytes on the wire, so a client far behind would otherwise get one message past gRPC's 4 MiB limit
+MAX_TOKENS_PER_MESSAGE = 1024
 ROUTER = frozenset({"router"})
 # With mTLS only routers call a worker (services.common.peers.PeerRoleInterceptor).
 ROLE_RULES = {"Generate": ROUTER, "Abort": ROUTER, "Info": ROUTER}
@@ -223,7 +226,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     ids.extend(event[1])
                     logprobs.extend(event[2] or ())
                     counts = event[3]
-                    while not job.events.empty():
+                    while len(ids) < MAX_TOKENS_PER_MESSAGE and not job.events.empty():
                         nxt = job.events.get_nowait()
                         if nxt[0] != "tokens":
                             pending = nxt

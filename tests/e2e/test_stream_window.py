@@ -46,3 +46,20 @@ def test_a_paused_client_gets_the_missed_tokens_merged_and_the_same_tokens(suite
         assert [t for d in sample for t in d.token_ids] == expected
         assert len(sample) > NEW_TOKENS / 2, [len(d.token_ids) for d in sample]  # one message a step, queued
     assert suite.wait_no_live_reservations().live_reservations == 0
+
+
+def test_a_merged_message_carries_at_most_the_cap_of_tokens(suite, monkeypatch):
+    """A client far behind gets its missed tokens in messages of at most MAX_TOKENS_PER_MESSAGE
+    (without the cap one message could pass gRPC's 4 MiB receive limit), all of them, in order."""
+    from services.gpuworker import servicer
+
+    cap = 8
+    monkeypatch.setattr(servicer, "MAX_TOKENS_PER_MESSAGE", cap)
+    suite.add_worker("w0")
+    router = suite.add_router()
+    expected, _, _ = suite.generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True, num_draft_tokens=0)
+    (sample,) = read_with_a_pause(suite, router.address, 64, 1)
+    sizes = [len(d.token_ids) for d in sample if d.token_ids]
+    assert [t for d in sample for t in d.token_ids] == expected
+    assert max(sizes) == cap and sizes.count(cap) > NEW_TOKENS / cap / 2, sizes  # merged, up to the cap
+    assert suite.wait_no_live_reservations().live_reservations == 0
