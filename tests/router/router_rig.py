@@ -45,6 +45,7 @@ class Script:
     fail_before_first: bool = False
     fail_after: int | None = None  # UNAVAILABLE after this many tokens
     delay_s: float = 0.0  # before each token
+    delay_before: dict[int, float] = field(default_factory=dict)  # token index -> seconds before it (besides delay_s)
     stall_after: int | None = None  # after this many tokens, send nothing more (a frozen worker)
     max_draft_tokens: int = 8  # what Info says the worker accepts
     num_draft_tokens: int | None = None  # the default k Info advertises (None: unset, as from an older worker)
@@ -95,9 +96,10 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted failure before the first token")
             n = request.sampling.max_new_tokens
             for i in range(n):
-                if self.script.delay_s:
+                delay_s = self.script.delay_s + self.script.delay_before.get(i, 0.0)
+                if delay_s:
                     try:
-                        await asyncio.wait_for(stop.wait(), self.script.delay_s)
+                        await asyncio.wait_for(stop.wait(), delay_s)
                     except asyncio.TimeoutError:
                         pass
                 if stop.is_set():

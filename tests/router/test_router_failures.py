@@ -404,3 +404,32 @@ def test_a_client_that_pauses_longer_than_the_idle_timeout_is_not_a_silent_worke
     assert ids == [worker.script.token(i) for i in range(200)]
     assert rest[-1].usage.completion_tokens == 200
     rig.wait_no_live_reservations()
+
+
+def test_the_idle_clock_starts_again_when_a_slow_consumer_asks_for_more(rig, monkeypatch):
+    """While the router's consumer holds a delta the worker's silence is not timed, and the idle
+    clock starts again when the consumer asks for more: a worker that answers within the idle
+    timeout of that moment keeps its stream, though it was silent longer than the timeout in all."""
+    import asyncio
+
+    worker = rig.worker("a")
+    worker.script.delay_before = {1: 0.8}  # the second token 0.8 s after the first
+    router = rig.router(idle_timeout_s=0.4, max_attempts=1)
+    dispatcher = router.payload.dispatcher
+    generate = dispatcher.generate
+
+    async def held_first_delta(*args, **kwargs):
+        """The dispatcher's stream, its first delta held 0.6 s (a consumer slow to ask for more)."""
+        held = False
+        async for event in generate(*args, **kwargs):
+            yield event
+            if not held:
+                held = True
+                await asyncio.sleep(0.6)  # then 0.2 s more until the worker answers: under 0.4
+
+    monkeypatch.setattr(dispatcher, "generate", held_first_delta)
+    msgs = list(router.stub.Generate(router_pb2.GenerateRequest(text="hold me", max_new_tokens=3, temperature=0.0),
+                                     timeout=20))
+    assert [t for m in msgs for t in m.token_ids] == [worker.script.token(i) for i in range(3)]
+    assert msgs[-1].usage.completion_tokens == 3
+    rig.wait_no_live_reservations()
