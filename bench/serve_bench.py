@@ -17,7 +17,11 @@ Levels: concurrency N in ``--concurrency`` (N clients, each sending its next req
 last one finished; max(rounds·N, min-requests) requests, no new ones after ``--level-max-s``),
 for k = 0 and for k = ``--k`` with forced acceptance a in ``--accept`` (the benchmark-only worker
 setting: exactly a drafts accepted per verify, so a + 1 tokens per step). One suite (kvstore +
-worker + router) per a; the first one also runs k = 0 (``--k 0``: only that). Per level::
+worker + router) per a; the first one also runs k = 0 (``--k 0``: only that). Each level's
+engine-alone twin runs right after it, in this process beside the idle suite, so the two sides of
+a ratio are seconds apart: on the GPU box a host that slowed over minutes moved one run's ratios
+by up to 0.12 when every alone level ran after every served one (``--no-interleave``, the order
+before session 39). Per level::
 
     tokens/s   generated tokens ÷ wall time of the level (first send to last answer)
     TTFT       send → first streamed message with tokens (client clock)
@@ -63,6 +67,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -653,8 +658,10 @@ def stop_profile(proc: subprocess.Popen | None) -> None:
         proc.wait(timeout=30)
 
 
-async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: str, router_urls: list[str] = ()) -> dict:
-    """First request right after SERVING, a warm-up per k, then every measured level."""
+async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: str, router_urls: list[str] = (),
+                       twin: Callable[[dict], None] | None = None) -> dict:
+    """First request right after SERVING, a warm-up per k, then every measured level, each
+    followed by ``twin(its stats)`` if given (the engine alone's run of the same level)."""
     from tandem.router.v1 import router_pb2_grpc
 
     out = {"levels": []}
@@ -699,6 +706,7 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
                                                 if stats["tokens"] else float("nan"))
             stats["client_cpu_us_per_token"] = (1e6 * (cpu1["client"] - cpu0["client"]) / stats["tokens"]
                                                 if stats["tokens"] else float("nan"))
+            stats["ended_at"] = time.time()  # when the level ended (epoch s): shows the order served/alone ran in
             out["levels"].append(stats)
             log(f"  served {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
                 f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms, "
@@ -714,6 +722,8 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
                 + (f"; TTFT mean client {stats['ttft_mean_ms']:.0f} / router {stats['ttft_mean_router_ms']:.0f} / worker "
                    f"{stats['ttft_mean_worker_ms']:.0f} (queued {stats.get('ttft_mean_queue_ms', float('nan')):.0f}) ms"
                    if "ttft_mean_worker_ms" in stats and "ttft_mean_router_ms" in stats else ""))
+            if twin is not None:
+                twin(stats)
     finally:
         if pool is not None:
             pool.close()
@@ -721,12 +731,21 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
     return out
 
 
-def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log) -> list[dict]:
+def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log, alone_out: list | None = None) -> list[dict]:
+    """One suite per forced acceptance a. With ``alone_out`` (``--interleave``), the engine alone
+    is built in this process before each suite starts and runs each level right after its served
+    twin, its rows appended there: both sides of a ratio then run within seconds of each other,
+    where a host that speeds up or slows down over minutes would otherwise tilt it."""
     router = ["--model", str(model_dir), "--num-draft-tokens", str(args.k),
               *(["--procs", str(args.router_procs)] if args.router_procs > 1 else []),
               *(["--worker-stream-window-bytes", str(args.router_window_bytes)] if args.router_window_bytes is not None else [])]
     suites = []
+    models = None
     for a in args.accept:
+        alone = None
+        if alone_out is not None:
+            alone = AloneEngine(args, model_dir, prompts, a, log, models)
+            models = alone.models
         settings = worker_settings(args, model_dir, a)
         log_dir = log_root / f"a{a}"
         log_dir.mkdir()
@@ -742,11 +761,14 @@ def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log) -> 
             print_logs(log_dir)
             raise
         log(f"[served a={a}] all SERVING after {time.monotonic() - t0:.1f} s")
+        twin = None if alone is None else (lambda row: alone_out.append(alone.run(row)))
         try:
             result = asyncio.run(served_suite(args, suite, a, prompts, log, f"http://127.0.0.1:{metrics_port}/metrics",
-                                              router_urls))
+                                              router_urls, twin))
         finally:
             suite.stop()
+            if alone is not None:
+                alone.close()
         if result["first_error"] or any(r["failed"] for r in result["levels"]):
             print_logs(log_dir)  # the folder is temporary: show why while it exists
         # every collection of GC_WARN_MS or more each process logged (see main): they stall its streams
@@ -835,55 +857,74 @@ def loaded_level(args, setup, level: Level, prompts: Prompts, prefix_blocks: lis
     return stats
 
 
-def run_engine_alone(args, model_dir: Path, prompts: Prompts, served: list[dict], log) -> list[dict]:
-    """Per a: an engine built as the worker builds it, the shared prefix computed once and kept,
-    then each level with the request count its served twin finished."""
-    import torch
+class AloneEngine:
+    """The engine alone for one forced acceptance ``a``: built as the worker builds it and warmed
+    up, the shared prefix computed once and kept; ``run(row)`` runs the level of a served row
+    (its concurrency, k and finished request count) in this process, without gRPC."""
 
-    from services.gpuworker.build import build_engine
-    from services.gpuworker.engine.capacity import LocalBlockSource
-    from services.gpuworker.engine.local import LocalSetup, run_until_done, submit
+    def __init__(self, args, model_dir: Path, prompts: Prompts, a: int, log, models=None):
+        from services.gpuworker.build import build_engine
+        from services.gpuworker.engine.capacity import LocalBlockSource
+        from services.gpuworker.engine.local import LocalSetup, run_until_done, submit
 
-    models = None
-    out = []
-    for suite in served:
-        a = suite["a"]
+        self.args, self.prompts, self.log = args, prompts, log
         settings = worker_settings(args, model_dir, a)
         t0 = time.monotonic()
         built = build_engine(settings, lambda n: LocalBlockSource(n, settings.block_size), models=models)
-        models = (built.target, built.draft)
+        self.models = (built.target, built.draft)
         graphs = built.engine.warmup()  # what the worker does before it says SERVING
         tune_gc()  # and then (gc_freeze, the services' default): the start-up heap out of the collector's reach
-        setup = LocalSetup(built.engine, built.source, built.target, built.draft)
+        self.setup = LocalSetup(built.engine, built.source, built.target, built.draft)
         log(f"[engine alone a={a}] built and warmed up in {time.monotonic() - t0:.1f} s "
             f"({built.num_blocks} blocks, {graphs} CUDA graphs)")
         span = built.draft.span if built.draft is not None else 0
         # what the kvstore can reuse of the shared prefix: whole blocks whose keys it knows
         bs = settings.block_size
-        reused = (len(prompts.shared) - span) // bs * bs
-        submit(setup, "prefix", prompts.shared, max_new_tokens=1)
-        prefix_blocks = run_until_done(setup, keep=("prefix",))["prefix"].block_table[: reused // bs]
-        warmed = set()
-        for row in suite["levels"]:
-            level = Level(row["concurrency"], row["k"], row["a"], row["requests"], row["max_new_tokens"])
-            if level.k not in warmed:
-                engine_level(setup, warmup_of(args, level.k, level.a), prompts, prefix_blocks, reused, args.level_max_s)
-                warmed.add(level.k)
-            profiler = profile_alone(args, level, args.json.parent if args.json else None)
-            try:
-                traces, wall, steps = engine_level(setup, level, prompts, prefix_blocks, reused, 1e9)
-            finally:
-                stop_profile(profiler)
-            stats = {**asdict(level), **level_stats(traces, wall), **steps}
-            if args.alone_busy_procs:
-                stats["busy"] = loaded_level(args, setup, level, prompts, prefix_blocks, reused, log)
-            out.append(stats)
-            log(f"  alone  {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
-                f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms "
-                f"(served ÷ alone {row['tokens_per_s'] / stats['tokens_per_s']:.2f})" + steps_line(stats) + gaps_line(stats))
-        del setup, built
-        if args.device.startswith("cuda"):
+        self.reused = (len(prompts.shared) - span) // bs * bs
+        submit(self.setup, "prefix", prompts.shared, max_new_tokens=1)
+        self.prefix_blocks = run_until_done(self.setup, keep=("prefix",))["prefix"].block_table[: self.reused // bs]
+        self.warmed: set[int] = set()
+
+    def run(self, row: dict) -> dict:
+        """The engine alone's twin of served level ``row`` (a warm-up first, once per k)."""
+        args, setup = self.args, self.setup
+        level = Level(row["concurrency"], row["k"], row["a"], row["requests"], row["max_new_tokens"])
+        if level.k not in self.warmed:
+            engine_level(setup, warmup_of(args, level.k, level.a), self.prompts, self.prefix_blocks, self.reused,
+                         args.level_max_s)
+            self.warmed.add(level.k)
+        profiler = profile_alone(args, level, args.json.parent if args.json else None)
+        try:
+            traces, wall, steps = engine_level(setup, level, self.prompts, self.prefix_blocks, self.reused, 1e9)
+        finally:
+            stop_profile(profiler)
+        stats = {**asdict(level), **level_stats(traces, wall), **steps, "ended_at": time.time()}
+        if args.alone_busy_procs:
+            stats["busy"] = loaded_level(args, setup, level, self.prompts, self.prefix_blocks, self.reused, self.log)
+        self.log(f"  alone  {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
+                 f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms "
+                 f"(served ÷ alone {row['tokens_per_s'] / stats['tokens_per_s']:.2f})" + steps_line(stats) + gaps_line(stats))
+        return stats
+
+    def close(self) -> None:
+        """Free the engine's device memory (its models stay in ``models`` for the next a)."""
+        import torch
+
+        del self.setup
+        if self.args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+
+
+def run_engine_alone(args, model_dir: Path, prompts: Prompts, served: list[dict], log) -> list[dict]:
+    """Per a: the engine alone (``AloneEngine``), then each level with the request count its
+    served twin finished."""
+    models = None
+    out = []
+    for suite in served:
+        alone = AloneEngine(args, model_dir, prompts, suite["a"], log, models)
+        models = alone.models
+        out += [alone.run(row) for row in suite["levels"]]
+        alone.close()
     return out
 
 
@@ -1128,6 +1169,9 @@ def parse_args(argv):
     p.add_argument("--model-dir", type=Path, help="where to save the model (default: a temporary folder)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: c 1,4; a 0,3; prompt 64; 16 new tokens")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                   help="run each level's engine-alone twin right after it, in this process beside the idle suite "
+                        "(default); --no-interleave: every served level first, then every alone level (before session 39)")
     p.add_argument("--alone-busy-procs", type=int, default=0,
                    help="run each engine-alone level again beside this many busy processes (the host load of a served run)")
     p.add_argument("--profile", help="levels to profile with py-spy, served and alone, e.g. 'c64 k0,c64 k3 a3' (files beside --json)")
@@ -1205,8 +1249,12 @@ def main(argv: list[str] | None = None) -> int:
         prompts = Prompts(args.seed, args.prompt_len, SHAPES[args.shape].vocab_size)
         log_root = Path(tmp) / "logs"
         log_root.mkdir()
-        res["served"] = run_served(args, model_dir, prompts, log_root, log)
-        res["engine_alone"] = run_engine_alone(args, model_dir, prompts, res["served"], log)
+        if args.interleave:
+            res["engine_alone"] = []
+            res["served"] = run_served(args, model_dir, prompts, log_root, log, res["engine_alone"])
+        else:
+            res["served"] = run_served(args, model_dir, prompts, log_root, log)
+            res["engine_alone"] = run_engine_alone(args, model_dir, prompts, res["served"], log)
     res["headline"] = headline(res)
     res["total_s"] = time.monotonic() - t_start
     if args.json:

@@ -184,3 +184,26 @@ def test_ttft_split_is_the_mean_of_the_level_as_router_and_worker_timed_it():
     assert s["ttft_mean_router_ms"] == pytest.approx(100.0) and s["ttft_mean_worker_ms"] == pytest.approx(20.0)
     assert s["ttft_mean_queue_ms"] == pytest.approx(5.0)
     assert sb.ttft_split(before, before) == {}  # no request completed: no mean claimed
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_each_alone_level_runs_right_after_its_served_twin_unless_told_otherwise(tmp_path, interleave):
+    """The whole CPU smoke run (kvstore, worker and router processes): with ``--interleave``
+    (the default) each level's engine-alone twin runs between it and the next served level, so
+    the two sides of a ratio run seconds apart; without it, after every served level. Either way
+    every served level has its twin, with the request count the served level finished."""
+    out = tmp_path / "run.json"
+    flags = [*QUICK, "--json", str(out)] + ([] if interleave else ["--no-interleave"])
+    assert sb.main(flags) == 0
+    res = json.loads(out.read_text())
+    served = [row for suite in res["served"] for row in suite["levels"]]
+    alone = res["engine_alone"]
+    key = ("concurrency", "k", "a", "requests")
+    assert [tuple(r[k] for k in key) for r in alone] == [tuple(r[k] for k in key) for r in served]
+    assert len(served) == 6 and all(r["failed"] == 0 and r["tokens"] > 0 for r in served + alone)
+    ends = [r["ended_at"] for r in served], [r["ended_at"] for r in alone]
+    if interleave:
+        assert all(s < a for s, a in zip(*ends)) and all(a < s for a, s in zip(ends[1], ends[0][1:]))
+    else:
+        assert max(ends[0]) < min(ends[1])
+    assert all(row["served_over_alone"] > 0 for row in sb.combine(res))
