@@ -461,7 +461,8 @@ def client_proc_main(conn, address: str, channels_each: int, window_bytes: int, 
         conn.send(([dataclasses.astuple(t) for t in traces], sum(os.times()[:2]) - cpu0))
 
 
-NO_STEPS = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0, "prefill_steps": 0.0, "prefill_step_s": 0.0}  # before the first step
+NO_STEPS = {"steps": 0.0, "step_s": 0.0, "tokens": 0.0, "prefill_steps": 0.0, "prefill_step_s": 0.0,  # before the first step
+            "decode_wait_s": 0.0, "prefill_wait_s": 0.0}
 
 
 WORKER_COUNTERS = {"tandem_worker_step_duration_seconds_count": "steps", "tandem_worker_step_duration_seconds_sum": "step_s",
@@ -469,6 +470,8 @@ WORKER_COUNTERS = {"tandem_worker_step_duration_seconds_count": "steps", "tandem
                    "tandem_worker_idle_seconds_total": "idle_s",
                    "tandem_worker_prefill_step_duration_seconds_count": "prefill_steps",
                    "tandem_worker_prefill_step_duration_seconds_sum": "prefill_step_s",
+                   'tandem_worker_device_wait_seconds_total{step="decode"}': "decode_wait_s",
+                   'tandem_worker_device_wait_seconds_total{step="prefill"}': "prefill_wait_s",
                    "tandem_worker_time_to_first_token_seconds_sum": "worker_ttft_s",
                    "tandem_worker_time_to_first_token_seconds_count": "worker_ttft_n",
                    "tandem_worker_request_queue_time_seconds_sum": "queue_ttft_s",
@@ -538,8 +541,12 @@ def prefill_stats(before: dict, after: dict, steps: float, busy_s: float) -> dic
     n = after["prefill_steps"] - before.get("prefill_steps", 0.0)
     prefill_s = after["prefill_step_s"] - before.get("prefill_step_s", 0.0)
     nan = float("nan")
-    return {"prefill_steps": int(n), "prefill_step_ms_mean": 1e3 * prefill_s / n if n else nan,
-            "decode_step_ms_mean": 1e3 * (busy_s - prefill_s) / (steps - n) if steps > n else nan}
+    out = {"prefill_steps": int(n), "prefill_step_ms_mean": 1e3 * prefill_s / n if n else nan,
+           "decode_step_ms_mean": 1e3 * (busy_s - prefill_s) / (steps - n) if steps > n else nan}
+    if "decode_wait_s" in after:  # of each decode step, the wait for the device (~0: host-bound)
+        wait_s = after["decode_wait_s"] - before.get("decode_wait_s", 0.0)
+        out["decode_wait_ms_mean"] = 1e3 * wait_s / (steps - n) if steps > n else nan
+    return out
 
 
 def steps_line(stats: dict) -> str:
@@ -549,8 +556,9 @@ def steps_line(stats: dict) -> str:
     line = (f"; {stats['steps']} steps of {stats['step_ms_mean']:.1f} ms, {stats['tokens_per_step']:.1f} tok/step, "
             f"{100 * stats['in_step_share']:.0f} % of the wall in steps")
     if "prefill_steps" in stats:
+        wait = f", {stats['decode_wait_ms_mean']:.2f} of it waiting for the device" if "decode_wait_ms_mean" in stats else ""
         line += (f" ({stats['prefill_steps']} with prompts, {stats['prefill_step_ms_mean']:.1f} ms each; "
-                 f"decode {stats['decode_step_ms_mean']:.2f} ms)")
+                 f"decode {stats['decode_step_ms_mean']:.2f} ms{wait})")
     return line
 
 
@@ -828,6 +836,9 @@ def engine_level(setup, level: Level, prompts: Prompts, prefix_blocks: list[int]
         if any(r.prefill_tokens for r in report.results.values()):
             steps["prefill_steps"] += 1
             steps["prefill_step_s"] += elapsed
+            steps["prefill_wait_s"] += report.device_wait_s
+        else:
+            steps["decode_wait_s"] += report.device_wait_s
         now = time.monotonic()
         for rid, r in report.results.items():
             if r.new_token_ids:

@@ -14,6 +14,9 @@ gauge is read from the runner when scraped. Derived figures:
 * of the steps, those that computed prompt positions (``tandem_worker_prefill_step_duration_seconds``):
   prefill and mixed steps run eagerly, decode steps replay CUDA graphs, so the count of the former
   against the latter shows whether prompts arrive together (one prefill) or trickle (many);
+* of the step time, the engine thread's waits for the device (``tandem_worker_device_wait_seconds_total``,
+  by ``step`` = decode / prefill): a decode step that waits ~0 is host-bound (the device finished
+  before the host asked), one that waits most of its time is device-bound;
 * the worker's part of TTFT (``tandem_worker_time_to_first_token_seconds``: Generate's arrival
   here to the engine's first token) against the router's (``tandem_router_ttft_seconds``), and
   of that the wait for admission into the engine (``tandem_worker_request_queue_time_seconds``).
@@ -57,6 +60,7 @@ class StepTally:
     accepted: int
     acceptance_lengths: tuple[int, ...]  # 1 + accepted drafts, per verify
     finish_reasons: tuple[str, ...]
+    device_wait_s: float = 0.0  # of elapsed_s, waiting for the device (StepReport.device_wait_s)
 
     @classmethod
     def of(cls, report: StepReport, elapsed_s: float, between_s: float = 0.0) -> "StepTally":
@@ -71,7 +75,8 @@ class StepTally:
                 lengths.extend(result.acceptance_lengths)
             if result.finish_reason is not None:
                 reasons.append(result.finish_reason.value)
-        return cls(elapsed_s, between_s, generated, prefill, proposed, accepted, tuple(lengths), tuple(reasons))
+        return cls(elapsed_s, between_s, generated, prefill, proposed, accepted, tuple(lengths), tuple(reasons),
+                   report.device_wait_s)
 
 
 class WorkerMetrics:
@@ -98,6 +103,12 @@ class WorkerMetrics:
             "Engine-thread work between two steps, waits left out (admitting requests, applying results, "
             "kvstore verbs, shipping events): with the step durations, the share of the wall the engine is busy",
             registry=r)
+        self.device_wait = Counter(
+            "tandem_worker_device_wait_seconds",
+            "Of the engine steps' time, the engine thread's waits for the device (reading back a step's tokens or "
+            "verdict), by kind of step: near the steps' time the device bounds them, near 0 the host does",
+            ["step"], registry=r)
+        self._device_wait = {kind: self.device_wait.labels(kind) for kind in ("decode", "prefill")}
         self.idle = Counter(
             "tandem_worker_idle_seconds",
             "Engine-thread waits with no request to step (none admitted, none waiting for admission): the "
@@ -138,6 +149,7 @@ class WorkerMetrics:
         if tally.prefill:
             self.prefill_step_duration.observe(tally.elapsed_s)
         self.between_steps.inc(tally.between_s)
+        self._device_wait["prefill" if tally.prefill else "decode"].inc(tally.device_wait_s)
         for length in tally.acceptance_lengths:
             self.acceptance_length.observe(length)
         for reason in tally.finish_reasons:

@@ -140,6 +140,19 @@ def test_prefill_steps_are_split_from_the_decode_steps():
     assert "prefill_steps" not in sb.step_stats(before, older, wall_s=0.5)
 
 
+def test_each_decode_steps_wait_for_the_device_is_the_counter_moved_over_its_decode_steps():
+    before = {"steps": 10.0, "step_s": 0.5, "tokens": 100.0, "prefill_steps": 2.0, "prefill_step_s": 0.2,
+              "decode_wait_s": 0.1, "prefill_wait_s": 0.05}
+    after = {"steps": 30.0, "step_s": 0.9, "tokens": 180.0, "prefill_steps": 6.0, "prefill_step_s": 0.28,
+             "decode_wait_s": 0.18, "prefill_wait_s": 0.5}
+    s = sb.step_stats(before, after, wall_s=0.5)
+    # 16 decode steps waited 80 ms together: 5 ms each of their 20 (the prompts' waits apart)
+    assert s["decode_wait_ms_mean"] == pytest.approx(5.0)
+    assert "decode 20.00 ms, 5.00 of it waiting for the device" in sb.steps_line(s)
+    older = {k: v for k, v in after.items() if not k.endswith("wait_s")}  # a worker without the metric
+    assert "decode_wait_ms_mean" not in sb.step_stats(before, older, wall_s=0.5)
+
+
 def test_the_wall_split_adds_up_and_compare_steps_plots_it(tmp_path, capsys):
     stats = {"tokens": 1000, "tokens_per_s": 500.0, "steps": 110, "prefill_steps": 10, "prefill_step_ms_mean": 20.0,
              "decode_step_ms_mean": 12.0, "in_step_share": 0.7, "between_share": 0.2}

@@ -274,6 +274,9 @@ def test_between_steps_counts_the_engine_threads_work_not_its_idling(metered):
     w = scrape(m["gpuworker"])
     between = value(w, "tandem_worker_between_steps_seconds_total")
     steps = value(w, "tandem_worker_step_duration_seconds_count")
+    # the steps' waits for the device, by kind of step (on the CPU the device is the host: ~0)
+    waits = [("tandem_worker_device_wait_seconds_total", (("step", kind),)) for kind in ("decode", "prefill")]
+    assert all(key in w for key in waits) and 0 <= sum(w[key] for key in waits) < value(w, "tandem_worker_step_duration_seconds_sum")
     assert steps >= 2 and between > 0
     assert between < idle_s / 2, f"{between:.3f} s between {steps:.0f} steps: the idle gap was counted"
     idle = value(w, "tandem_worker_idle_seconds_total") - idle0

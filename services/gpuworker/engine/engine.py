@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable
 
 import torch
@@ -205,6 +206,7 @@ class Engine(FusedSteps):
         # completion of the last step's device work: a block it wrote is freed only after it
         self.last_fence: StepFence = COMPLETE
         self._lagging: LaggingTokens | None = None  # overlap: the last step's tokens, on their way
+        self._device_wait_s = 0.0  # the running step's waits for the device (StepReport.device_wait_s)
         self._committed = False  # this step moved request state (tokens, lengths): see step()
         self._in_step: list[RequestState] = []  # the states the running step scheduled
         self._ledger: dict[str, _Ledger] = {}  # the running step's record of each live request
@@ -469,6 +471,7 @@ class Engine(FusedSteps):
         self._committed = False
         self._in_step: list[RequestState] = []
         self._ledger = {}
+        self._device_wait_s = 0.0
         try:
             report = self._step()
         except TandemError:
@@ -504,7 +507,7 @@ class Engine(FusedSteps):
             if s.finished:
                 del self._states[rid]
         return StepReport(results=results, extend_wants={}, trim_keeps={}, target_tokens=0, draft_tokens=0,
-                          fence=fence)
+                          fence=fence, device_wait_s=self._device_wait_s)
 
     def _step(self) -> StepReport:
         states = sorted(self._states.values(), key=lambda s: s.arrival)
@@ -537,7 +540,8 @@ class Engine(FusedSteps):
             if s.finished:
                 del self._states[rid]
         return StepReport(results=results, extend_wants=extend_wants, trim_keeps=trim_keeps,
-                          target_tokens=target_tokens, draft_tokens=draft_tokens, fence=fence)
+                          target_tokens=target_tokens, draft_tokens=draft_tokens, fence=fence,
+                          device_wait_s=self._device_wait_s)
 
     def _scheduled_step(self, states: list[RequestState]) -> tuple[set[str], int, int, dict[str, int], list[FillJob]]:
         """A-D of a step as the scheduler picks it (see the module docstring), after applying
@@ -770,9 +774,11 @@ class Engine(FusedSteps):
             # no row needs a token value now: leave them on the device (see EngineConfig.overlap)
             lagging = LaggingTokens(argmax)
         sampled_tokens = self._sample_or_verify(sampled, logits, picks)
+        started = time.perf_counter()  # these reads wait for this step's forward: the device's time
         greedy_host = argmax.tolist() if argmax is not None and lagging is None else []
         draft_host = self._drafts_to_host([w for w in work if not w.is_prefill and w.num_drafts
                                            and w.state.spec.sampling.greedy])
+        self._device_wait_s += time.perf_counter() - started
 
         jobs: list[FillJob] = []
         # per-request views made in one call each (a slice per request cost ~1 us a view)
@@ -890,6 +896,7 @@ class Engine(FusedSteps):
         if lag is None:
             return
         values = lag.values()  # tokens land in the ledger: reported even if the step then fails
+        self._device_wait_s += lag.take_wait()
         for s, row in lag.entries:
             if self._states.get(s.request_id) is not s or s.pending_token is None:
                 continue  # aborted meanwhile
@@ -941,7 +948,9 @@ class Engine(FusedSteps):
             f = self._forced(k)
             forced[i] = -1 if f is None else f
         accepted, token = accept_sampled_batch(drafts, q, p_all, num, u_acc, u_tok, forced)
+        started = time.perf_counter()
         acc_host, tok_host, drafts_host = accepted.tolist(), token.tolist(), drafts.tolist()
+        self._device_wait_s += time.perf_counter() - started
         for i, (w, _) in enumerate(verify):
             n = acc_host[i]
             out[w.state.request_id] = (n, tuple(drafts_host[i][:n]) + (tok_host[i],))

@@ -82,6 +82,7 @@ class FusedSteps:
             return None
         cfg, k_last, max_seq_len = self.config, last.k, self.max_seq_len
         rows = last.rows()  # the step's one wait for the device
+        self._device_wait_s += last.take_wait()
         row_of = {id(s): i for i, s in enumerate(last.states)}  # (an aborted one is no longer in states)
         batch: list[RequestState] = []
         sources: list[int | None] = []  # each row's row of verdict N, None for a newcomer (its state)
@@ -322,6 +323,7 @@ class FusedSteps:
         Returns the draft rows made final. Mutates the states, the ledger and the carry."""
         k = verdict.k
         rows = verdict.rows()  # the step's one read-back
+        self._device_wait_s += verdict.take_wait()
         kept: list[torch.Tensor | None] = []
         draft_rows = 0
         # per-request views made in two calls (indexing row by row cost ~1 us a view)

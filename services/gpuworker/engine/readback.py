@@ -5,6 +5,8 @@ speculative step's verdict (``fused.PendingVerdict``)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from services.gpuworker.engine.fence import StepFence
@@ -13,7 +15,10 @@ from services.gpuworker.engine.request import RequestState
 
 class Readback:
     """A device tensor on its way to the host: an asynchronous copy into pinned memory and the
-    fence after it; ``values()`` waits for the fence only."""
+    fence after it; ``values()`` waits for the fence only, and keeps how long it waited for
+    ``take_wait`` (the engine's device-wait count: a step that waits ~0 is host-bound)."""
+
+    _waited_s = 0.0
 
     def __init__(self, values: torch.Tensor):
         if values.device.type == "cuda":
@@ -24,8 +29,16 @@ class Readback:
         self._fence = StepFence.record(values.device)
 
     def values(self) -> list:
+        started = time.perf_counter()
         self._fence.wait()
+        self._waited_s += time.perf_counter() - started
         return self._host.tolist()
+
+    def take_wait(self) -> float:
+        """Seconds ``values`` waited for the device since the last call (mutates: each wait is
+        taken once, however often the values are read)."""
+        waited, self._waited_s = self._waited_s, 0.0
+        return waited
 
 
 class LaggingTokens(Readback):

@@ -73,6 +73,10 @@ class StepReport:
     draft_tokens: int  # tokens fed to draft layers (catch-up + chain)
     # completes when the step's device work has: free nothing it wrote before (fence.py)
     fence: StepFence = COMPLETE
+    # Of the step's wall time, how long the engine thread waited for the device (reading back a
+    # step's tokens or verdict). Near the step's time: the device bounds it; near 0: the host
+    # does (every forward was done before the host asked), and host time is what to cut.
+    device_wait_s: float = 0.0
 
     @property
     def finished(self) -> list[str]:

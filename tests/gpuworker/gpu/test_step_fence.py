@@ -51,3 +51,20 @@ def test_a_blocking_fence_sleeps_through_the_wait_and_a_spinning_one_does_not(bl
         assert polled.done()
     else:
         assert share > 0.5, f"a spinning fence's waiter used only {share:.0%} of a core"
+
+
+def test_a_readback_behind_a_busy_device_counts_its_wait():
+    """``Readback.take_wait``: the engine's device-wait metric is the time its reads spent
+    behind the device (services/gpuworker/engine/readback.py)."""
+    from services.gpuworker.engine.readback import Readback
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES // 5)
+    r = Readback(torch.arange(8, device=DEV))
+    assert r.values() == list(range(8))
+    assert r.take_wait() > 0.02 and r.take_wait() == 0.0
+    ready = Readback(torch.arange(8, device=DEV))
+    torch.cuda.synchronize()
+    ready.values()
+    assert ready.take_wait() < 0.01  # the device was done before the host asked
+
