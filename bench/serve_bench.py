@@ -767,6 +767,8 @@ def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log, alo
                                 router + ["--metrics-port", str(router_metrics)], env=GC_ENV, timeout_s=args.startup_timeout_s)
         except Exception:
             print_logs(log_dir)
+            if alone is not None:
+                alone.close()  # its device memory, before the error ends the run
             raise
         log(f"[served a={a}] all SERVING after {time.monotonic() - t0:.1f} s")
         twin = None if alone is None else (lambda row: alone_out.append(alone.run(row)))
