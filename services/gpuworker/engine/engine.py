@@ -1024,8 +1024,12 @@ class Engine(FusedSteps):
         return keeps
 
     def _blocks_of(self, s: RequestState, ranges: list[tuple[int, int]]) -> list[int]:
-        ids: set[int] = set()
         bs = self.block_size
+        if len(ranges) == 1:  # the usual decode: one range, often inside one block
+            lo, hi = ranges[0]
+            if hi > lo and lo // bs == (hi - 1) // bs:
+                return [s.block_table[lo // bs]]
+        ids: set[int] = set()
         for lo, hi in ranges:
             if hi > lo:
                 for i in range(lo // bs, (hi - 1) // bs + 1):
@@ -1062,7 +1066,13 @@ class _Ledger:
     def result(self, block_size: int, blocks_written: list[int]) -> RequestStepResult:
         """The step's result for this request, as its state stands now. Pure."""
         s = self.state
-        proposed, accepted = sum(p for p, _ in self.verifies), sum(a for _, a in self.verifies)
+        verifies = self.verifies
+        if not verifies:
+            proposed = accepted = 0
+        elif len(verifies) == 1:  # the usual step: one verify (no generator sums)
+            proposed, accepted = verifies[0]
+        else:
+            proposed, accepted = sum(p for p, _ in verifies), sum(a for _, a in verifies)
         return RequestStepResult(
             request_id=s.request_id,
             new_token_ids=self.emitted or [],
@@ -1078,7 +1088,7 @@ class _Ledger:
             capacity_after=s.capacity,
             prefill_tokens=self.prefill_tokens,
             verified=bool(self.verifies),
-            acceptance_lengths=tuple(1 + a for _, a in self.verifies),
+            acceptance_lengths=tuple([1 + a for _, a in verifies]),
             finish_reason=s.finish_reason,
             error=self.error,
             counts=s.counts,

@@ -137,6 +137,13 @@ class RequestState:
     accepted_drafts_total: int = 0
     proposed_drafts_total: int = 0
     _table_cache: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+    # copies of the spec's, read per request many times a step: attributes, not properties
+    request_id: str = dataclasses.field(init=False, repr=False, compare=False)
+    num_prompt: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.request_id = self.spec.request_id
+        self.num_prompt = len(self.spec.prompt_ids)
 
     def table_array(self) -> np.ndarray:
         """``block_table`` as an int64 array, converted once per table instead of once per
@@ -150,16 +157,8 @@ class RequestState:
         return cached[1]
 
     @property
-    def request_id(self) -> str:
-        return self.spec.request_id
-
-    @property
     def counts(self) -> DecodeCounts:
         return DecodeCounts(self.decode_steps, self.proposed_drafts_total, self.accepted_drafts_total)
-
-    @property
-    def num_prompt(self) -> int:
-        return len(self.spec.prompt_ids)
 
     @property
     def logical_len(self) -> int:

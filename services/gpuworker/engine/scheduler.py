@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from services.gpuworker.engine.request import RequestState
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledWork:
     """One request's share of a step: a prefill chunk ``[target_len, prefill_end)`` or a decode
     step verifying ``num_drafts`` drafts. Mutable: capacity shortfalls shrink it."""
@@ -105,7 +105,7 @@ def schedule(
     for s in decoding:
         if len(work) >= max_batch_size or budget < 1:
             break
-        k = min(draft_budget(s, max_seq_len), budget - 1)
+        k = min(draft_budget(s, max_seq_len), budget - 1) if s.spec.k else 0  # (k 0: no budget to work out)
         work.append(ScheduledWork(s, num_drafts=k))
         budget -= 1 + k
     for s in prefilling:
