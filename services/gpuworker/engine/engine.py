@@ -373,8 +373,12 @@ class Engine(FusedSteps):
         return True
 
     def _check_only_final_blocks_moved(self, s: RequestState, new: list[int]) -> None:
+        old = s.block_table
+        m = min(len(old), len(new))
+        if old[:m] == new[:m]:
+            return  # the usual answer: the same blocks, more (or fewer) of them
         final_blocks = s.draft_len // self.block_size
-        changed = [i for i, (a, b) in enumerate(zip(s.block_table, new)) if a != b]
+        changed = [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
         if changed and changed[-1] >= final_blocks:
             raise FailedPrecondition(
                 f"{s.request_id}: the kvstore moved block {changed[-1]}, past its {final_blocks} final blocks"
@@ -977,9 +981,11 @@ class Engine(FusedSteps):
     def _no_stop_rule_fires(self, s: RequestState, tokens: list[int]) -> bool:
         """Whether ``s`` may take all of ``tokens`` without ending (``_check_finished`` after
         each would not fire). Pure."""
+        n = len(s.tokens) + len(tokens)  # the logical length after them
+        if n - s.num_prompt >= s.spec.max_new_tokens or n >= self.max_seq_len:
+            return False
         stop = s.spec.stop_ids
-        return (s.num_generated + len(tokens) < s.spec.max_new_tokens and s.logical_len + len(tokens) < self.max_seq_len
-                and not (len(stop) and any(t in stop for t in tokens)))
+        return not (len(stop) and any(t in stop for t in tokens))
 
     def _check_finished(self, s: RequestState, token: int) -> None:
         """Stop rules after ``token`` became the request's newest token. Mutates ``s``."""

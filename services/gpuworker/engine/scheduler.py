@@ -70,9 +70,10 @@ def draft_budget(state: RequestState, max_seq_len: int, ahead: int = 0) -> int:
     """Drafts worth proposing for ``state``'s next verify: its ``k``, capped so the verify's
     ``k + 1`` output tokens can neither pass ``max_new_tokens`` nor ``max_seq_len``; as if
     ``ahead`` more tokens were accepted first (a verdict not applied yet). Pure."""
-    left_new = state.spec.max_new_tokens - state.num_generated - ahead - 1
-    left_seq = max_seq_len - state.logical_len - ahead - 1
-    return max(0, min(state.spec.k, left_new, left_seq))
+    spec, n = state.spec, len(state.tokens)  # (the logical length; called per request and step)
+    left_new = spec.max_new_tokens - (n - state.num_prompt) - ahead - 1
+    left_seq = max_seq_len - n - ahead - 1
+    return max(0, min(spec.k, left_new, left_seq))
 
 
 def schedule(
