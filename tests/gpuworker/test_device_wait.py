@@ -67,10 +67,13 @@ def test_fused_speculative_steps_count_the_wait_for_the_verdict_once(slow_fences
 
 
 def test_the_metric_splits_the_waits_by_kind_of_step():
-    m = WorkerMetrics(ServiceMetrics("gpuworker"), running=lambda: 0)
+    metrics = ServiceMetrics("gpuworker")
+    m = WorkerMetrics(metrics, running=lambda: 0)
     decode = StepTally(0.003, 0.0, 64, 0, 0, 0, (), (), device_wait_s=0.002)
     prefill = StepTally(0.02, 0.0, 4, 512, 0, 0, (), (), device_wait_s=0.015)
     for tally in (decode, decode, prefill):
         m.record(tally)
-    assert m.device_wait.labels("decode")._value.get() == pytest.approx(0.004)
-    assert m.device_wait.labels("prefill")._value.get() == pytest.approx(0.015)
+    registry = metrics.registry
+    name = "tandem_worker_device_wait_seconds_total"
+    assert registry.get_sample_value(name, {"step": "decode"}) == pytest.approx(0.004)
+    assert registry.get_sample_value(name, {"step": "prefill"}) == pytest.approx(0.015)

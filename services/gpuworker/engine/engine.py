@@ -1053,14 +1053,19 @@ class _Ledger:
     written: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # position ranges, either pool
     emitted: list[int] | None = None  # tokens streamed this step (None: nothing to stream)
     logprobs: list[TokenLogprob] | None = None  # one per emitted token, when the request asked
-    # (drafts verified, accepted) of each decode step whose tokens this step reports: its own,
-    # and (overlapped fused steps) the previous step's verdict read back at this step's start
-    verifies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # the decode steps whose tokens this step reports: its own, and (overlapped fused steps) the
+    # previous step's verdict read back at this step's start; drafts verified and accepted over
+    # them, and 1 + accepted of each
+    proposed: int = 0
+    accepted: int = 0
+    acceptance_lengths: list[int] = dataclasses.field(default_factory=list)
     prefill_tokens: int = 0
     error: Exception | None = None
 
     def verify(self, proposed: int, accepted: int) -> None:
-        self.verifies.append((proposed, accepted))
+        self.proposed += proposed
+        self.accepted += accepted
+        self.acceptance_lengths.append(1 + accepted)
 
     def emit(self, tokens, logprobs: list[TokenLogprob] | None = None) -> None:
         if self.emitted is None:
@@ -1072,18 +1077,11 @@ class _Ledger:
     def result(self, block_size: int, blocks_written: list[int]) -> RequestStepResult:
         """The step's result for this request, as its state stands now. Pure."""
         s = self.state
-        verifies = self.verifies
-        if not verifies:
-            proposed = accepted = 0
-        elif len(verifies) == 1:  # the usual step: one verify (no generator sums)
-            proposed, accepted = verifies[0]
-        else:
-            proposed, accepted = sum(p for p, _ in verifies), sum(a for _, a in verifies)
         return RequestStepResult(
             request_id=s.request_id,
             new_token_ids=self.emitted or [],
-            proposed_drafts=proposed,
-            accepted_drafts=accepted,
+            proposed_drafts=self.proposed,
+            accepted_drafts=self.accepted,
             logical_len=s.logical_len,
             target_len=s.target_len,
             publishable_positions=s.draft_len,
@@ -1093,8 +1091,8 @@ class _Ledger:
             capacity_before=self.capacity_before,
             capacity_after=s.capacity,
             prefill_tokens=self.prefill_tokens,
-            verified=bool(self.verifies),
-            acceptance_lengths=tuple([1 + a for _, a in verifies]),
+            verified=bool(self.acceptance_lengths),
+            acceptance_lengths=tuple(self.acceptance_lengths),
             finish_reason=s.finish_reason,
             error=self.error,
             counts=s.counts,

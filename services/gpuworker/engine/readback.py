@@ -18,9 +18,8 @@ class Readback:
     fence after it; ``values()`` waits for the fence only, and keeps how long it waited for
     ``take_wait`` (the engine's device-wait count: a step that waits ~0 is host-bound)."""
 
-    _waited_s = 0.0
-
     def __init__(self, values: torch.Tensor):
+        self._waited_s = 0.0
         if values.device.type == "cuda":
             self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self._host.copy_(values, non_blocking=True)

@@ -71,6 +71,8 @@ def draft_budget(state: RequestState, max_seq_len: int, ahead: int = 0) -> int:
     ``k + 1`` output tokens can neither pass ``max_new_tokens`` nor ``max_seq_len``; as if
     ``ahead`` more tokens were accepted first (a verdict not applied yet). Pure."""
     spec, n = state.spec, len(state.tokens)  # (the logical length; called per request and step)
+    if not spec.k:
+        return 0
     left_new = spec.max_new_tokens - (n - state.num_prompt) - ahead - 1
     left_seq = max_seq_len - n - ahead - 1
     return max(0, min(spec.k, left_new, left_seq))
@@ -106,7 +108,7 @@ def schedule(
     for s in decoding:
         if len(work) >= max_batch_size or budget < 1:
             break
-        k = min(draft_budget(s, max_seq_len), budget - 1) if s.spec.k else 0  # (k 0: no budget to work out)
+        k = min(draft_budget(s, max_seq_len), budget - 1)
         work.append(ScheduledWork(s, num_drafts=k))
         budget -= 1 + k
     for s in prefilling:
