@@ -218,17 +218,96 @@ def grouped_bars(ax, groups: list[str], series: list[tuple[str, list[float]]], *
     return centres
 
 
+def cpu_jiffies() -> tuple[int, int]:
+    """(steal, total) clock ticks of the whole machine so far (/proc/stat; (0, 0) elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the machine's CPU time the hypervisor gave to others between two
+    ``cpu_jiffies`` readings (0 where unknown): a virtual machine's host busy elsewhere."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else 0.0
+
+
+def cpu_list(text: str) -> set[int]:
+    """A kernel CPU list ("0-3,8,10-11") as a set (pure)."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def siblings(cpu: int) -> set[int]:
+    """A CPU's SMT siblings (itself included), from sysfs; {cpu} where unknown."""
+    try:
+        return cpu_list(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()) or {cpu}
+    except OSError:
+        return {cpu}
+
+
+def tasks_of(pid: int, descendants: bool = True) -> list[int]:
+    """Every thread id of process ``pid`` and, with ``descendants``, of its descendants' (Linux
+    /proc; [] if gone)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                out.append(int(task))
+                if descendants:
+                    todo += [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def pin_tasks(pid: int, cpus: set[int], descendants: bool = True) -> int:
+    """Pin every thread of ``pid`` (and of its descendants) to ``cpus``; threads and processes
+    started later inherit their creator's set. The number of threads pinned."""
+    n = 0
+    for tid in tasks_of(pid, descendants):
+        try:
+            os.sched_setaffinity(tid, cpus)
+            n += 1
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return n
+
+
+def split_cpus(n: int) -> tuple[set[int], set[int]]:
+    """(``n`` CPUs of this process's set, the rest less those CPUs' SMT siblings): a core of its
+    own for a host-bound process, nothing else on its core. Raises if too few CPUs are left."""
+    allowed = sorted(os.sched_getaffinity(0))
+    own = set(allowed[-n:])
+    taken = set().union(*(siblings(c) for c in own))
+    rest = set(allowed) - taken
+    if n < 1 or not rest:
+        raise ValueError(f"cannot give {n} CPUs of {len(allowed)} a core of their own")
+    return own, rest
+
+
 @contextlib.contextmanager
 def busy_processes(cpus: list[set[int] | None]):
     """One process spinning in pure Python per entry of ``cpus``, pinned to that set of CPUs
-    (None: wherever the OS puts it), running for the ``with`` block: the other CPU load of a
-    served run (router, clients, the worker's gRPC process, the kvstore). Killed at its end."""
+    (None: wherever the OS puts it, on any CPU of the machine — not only the caller's, which a
+    child would inherit: a caller pinned to the CPU it measures got its busy processes on that
+    very CPU), running for the ``with`` block: the other CPU load of a served run (router,
+    clients, the worker's gRPC process, the kvstore). Killed at its end."""
+    everywhere = set(range(os.cpu_count() or 1))
     procs = []
     try:
         for allowed in cpus:
             code = ("import os\n"
-                    f"cpus={sorted(allowed) if allowed else None!r}\n"
-                    "cpus and os.sched_setaffinity(0, set(cpus))\n"
+                    f"cpus={sorted(allowed or everywhere)!r}\n"
+                    "os.sched_setaffinity(0, set(cpus))\n"
                     "while True: pass\n")
             procs.append(subprocess.Popen([sys.executable, "-c", code]))
         time.sleep(0.5)  # they are running before the measurement starts

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import busy_processes, machine  # noqa: E402
+from _common import busy_processes, machine, siblings  # noqa: E402
 
 
 @dataclasses.dataclass(slots=True)
@@ -56,24 +56,6 @@ def workload(torch) -> None:
         for _ in range(50):
             t = (t + 1).clamp_(max=1 << 20)
             t.cumsum(0)
-
-
-def cpu_list(text: str) -> set[int]:
-    """A kernel CPU list ("0-3,8,10-11") as a set (pure)."""
-    out: set[int] = set()
-    for part in text.strip().split(","):
-        if part:
-            lo, _, hi = part.partition("-")
-            out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def siblings(cpu: int) -> set[int]:
-    """The measured CPU's SMT siblings (itself included), from sysfs; {cpu} where unknown."""
-    try:
-        return cpu_list(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text()) or {cpu}
-    except OSError:
-        return {cpu}
 
 
 def timed(reps: int, torch) -> float:

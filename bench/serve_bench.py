@@ -21,7 +21,13 @@ worker + router) per a; the first one also runs k = 0 (``--k 0``: only that). Ea
 engine-alone twin runs right after it, in this process beside the idle suite, so the two sides of
 a ratio are seconds apart: on the GPU box a host that slowed over minutes moved one run's ratios
 by up to 0.12 when every alone level ran after every served one (``--no-interleave``, the order
-before session 39). Per level::
+before session 39). The host's speed still drifts within minutes on a virtual machine (session
+41: the same box's c 64 k 3 alone ran 23.3k and 16.8k tok/s five minutes apart), so
+``--repeats N`` runs every level (served, then alone) N times over and reports the median pair's
+ratio beside every pair's; each level also records the share of the machine's CPU time the
+hypervisor gave to others meanwhile (``steal_share``, /proc/stat). ``--pin-engine N`` pins the
+worker's engine process to N CPUs of its own and everything else off them (a test of whether
+the served suite's other processes slow the host-bound engine thread). Per level::
 
     tokens/s   generated tokens ÷ wall time of the level (first send to last answer)
     TTFT       send → first streamed message with tokens (client clock)
@@ -77,7 +83,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from _common import busy_processes, free_port, gc_pauses_in, gpu_ms, grouped_bars, machine, pyspy_binary, start_suite  # noqa: E402
+from _common import (  # noqa: E402
+    busy_processes, cpu_jiffies, free_port, gc_pauses_in, gpu_ms, grouped_bars, machine, pin_tasks, pyspy_binary, split_cpus, start_suite, steal_share,
+)
 from services.common.gc_tuning import tune_gc  # noqa: E402
 from worker_bench import bench_config  # noqa: E402
 
@@ -315,13 +323,14 @@ def settings_flags(settings) -> list[str]:
 
 
 def levels_of(args, a: int) -> list[Level]:
-    """The measured levels a suite with forced acceptance ``a`` runs (the first also k = 0)."""
+    """The measured levels a suite with forced acceptance ``a`` runs (the first also k = 0), all
+    of them ``--repeats`` times over (each time in the same order)."""
     out = []
     combos = ([(0, None)] if a == args.accept[0] else []) + ([(args.k, a)] if args.k else [])
     for k, acc in combos:
         for c in args.concurrency:
             out.append(Level(c, k, acc, max(args.rounds * c, args.min_requests), args.max_new_tokens))
-    return out
+    return out * args.repeats
 
 
 def warmup_of(args, k: int, a: int | None) -> Level:
@@ -701,7 +710,9 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
                 warmed.add(level.k)
             cpu0, steps0 = cpu_now(suite, pool), worker_steps(metrics_url, router_urls)
             profilers = profile_level(args, suite, level, args.json.parent if args.json else None)
+            jiffies0 = cpu_jiffies()
             traces, wall = await run_level(level)
+            jiffies1 = cpu_jiffies()
             cpu1, steps1 = cpu_now(suite, pool), worker_steps(metrics_url, router_urls)
             for p in profilers:
                 p.wait(timeout=30)
@@ -715,12 +726,14 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
             stats["client_cpu_us_per_token"] = (1e6 * (cpu1["client"] - cpu0["client"]) / stats["tokens"]
                                                 if stats["tokens"] else float("nan"))
             stats["ended_at"] = time.time()  # when the level ended (epoch s): shows the order served/alone ran in
+            stats["steal_share"] = steal_share(jiffies0, jiffies1)
             out["levels"].append(stats)
             log(f"  served {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
                 f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms, "
                 f"{stats['tokens_per_msg']:.2f} tok/msg, hit {100 * stats['hit_rate']:.0f} %, cores "
                 + " ".join(f"{k} {v:.2f}" for k, v in stats["cpu_cores"].items())
                 + f", router {stats['router_cpu_us_per_token']:.0f} µs CPU/token, client {stats['client_cpu_us_per_token']:.0f}"
+                + f", CPU stolen by the hypervisor {100 * stats['steal_share']:.1f} %"
                 + (f", {stats['failed']} failed: {stats['errors']}" if stats["failed"] else "")
                 + steps_line(stats)
                 + (f", {100 * stats['between_share']:.0f} % working between them, {100 * stats['waiting_share']:.0f} % "
@@ -771,6 +784,8 @@ def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log, alo
                 alone.close()  # its device memory, before the error ends the run
             raise
         log(f"[served a={a}] all SERVING after {time.monotonic() - t0:.1f} s")
+        if args.pin_engine:
+            pin_engine(suite, args.pin_engine, log)
         twin = None if alone is None else (lambda row: alone_out.append(alone.run(row)))
         try:
             result = asyncio.run(served_suite(args, suite, a, prompts, log, f"http://127.0.0.1:{metrics_port}/metrics",
@@ -787,6 +802,22 @@ def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log, alo
             f"{who} {sum(p['by_generation'])} (longest {p['longest_ms']} ms)" for who, p in sorted(result["gc_pauses"].items())) or "none"))
         suites.append({"a": a, "startup_s": time.monotonic() - t0, **result})
     return suites
+
+
+def pin_engine(suite, n: int, log) -> None:
+    """``--pin-engine N``: the worker's engine process (the child of a worker that has used the
+    most CPU: it built and warmed up the engine) on the last ``N`` CPUs, and everything else —
+    this process (clients, the engine alone), the suite, the engine process's own children —
+    on the others, off those CPUs' SMT siblings: the host-bound engine thread then never shares
+    a core or waits for a CPU."""
+    own, rest = split_cpus(n)
+    cpu = suite.cpu_seconds()
+    engine = max((name for name in cpu if name.startswith("worker") and "." in name), key=cpu.get)
+    pid = dict(suite.pids())[engine]
+    others = pin_tasks(os.getpid(), rest)
+    mine = pin_tasks(pid, own, descendants=False)
+    log(f"  pinned {engine} (pid {pid}, {mine} threads) to CPUs {sorted(own)}, {others - mine} other threads to "
+        f"{len(rest)} CPUs off them and their SMT siblings")
 
 
 def print_logs(log_dir: Path) -> None:
@@ -907,16 +938,19 @@ class AloneEngine:
                          args.level_max_s)
             self.warmed.add(level.k)
         profiler = profile_alone(args, level, args.json.parent if args.json else None)
+        jiffies0 = cpu_jiffies()
         try:
             traces, wall, steps = engine_level(setup, level, self.prompts, self.prefix_blocks, self.reused, 1e9)
         finally:
             stop_profile(profiler)
-        stats = {**asdict(level), **level_stats(traces, wall), **steps, "ended_at": time.time()}
+        stats = {**asdict(level), **level_stats(traces, wall), **steps, "ended_at": time.time(),
+                 "steal_share": steal_share(jiffies0, cpu_jiffies())}
         if args.alone_busy_procs:
             stats["busy"] = loaded_level(args, setup, level, self.prompts, self.prefix_blocks, self.reused, self.log)
         self.log(f"  alone  {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
                  f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms "
-                 f"(served ÷ alone {row['tokens_per_s'] / stats['tokens_per_s']:.2f})" + steps_line(stats) + gaps_line(stats))
+                 f"(served ÷ alone {row['tokens_per_s'] / stats['tokens_per_s']:.2f}), CPU stolen "
+                 f"{100 * stats['steal_share']:.1f} %" + steps_line(stats) + gaps_line(stats))
         return stats
 
     def close(self) -> None:
@@ -943,14 +977,28 @@ def run_engine_alone(args, model_dir: Path, prompts: Prompts, served: list[dict]
 
 # --------------------------------------------------------------------------------------- report
 def combine(res: dict) -> list[dict]:
-    """One row per (concurrency, k, a): served and engine-alone figures side by side."""
-    alone = {(r["concurrency"], r["k"], r["a"]): r for r in res["engine_alone"]}
-    rows = []
+    """One row per (concurrency, k, a): served and engine-alone figures side by side. A level run
+    several times (``--repeats``) pairs its i-th served run with its i-th alone run; the row is
+    the pair whose ratio is the median (the lower one of an even count), and ``ratios`` holds
+    every pair's."""
+    def key(r: dict) -> tuple:
+        return r["concurrency"], r["k"], r["a"]
+
+    alone: dict[tuple, list[dict]] = {}
+    for r in res["engine_alone"]:
+        alone.setdefault(key(r), []).append(r)
+    pairs: dict[tuple, list[dict]] = {}
     for suite in res["served"]:
         for s in suite["levels"]:
-            e = alone.get((s["concurrency"], s["k"], s["a"]), {})
+            runs = alone.get(key(s), [])
+            i = len(pairs.get(key(s), []))
+            e = runs[i] if i < len(runs) else (runs[-1] if runs else {})
             ratio = s["tokens_per_s"] / e["tokens_per_s"] if e.get("tokens_per_s") else float("nan")
-            rows.append({"served": s, "alone": e, "served_over_alone": ratio})
+            pairs.setdefault(key(s), []).append({"served": s, "alone": e, "served_over_alone": ratio})
+    rows = []
+    for runs in pairs.values():
+        ranked = sorted(runs, key=lambda r: r["served_over_alone"])
+        rows.append({**ranked[(len(ranked) - 1) // 2], "ratios": [r["served_over_alone"] for r in runs]})
     rows.sort(key=lambda r: (r["served"]["k"], -1 if r["served"]["a"] is None else r["served"]["a"],
                              r["served"]["concurrency"]))
     return rows
@@ -976,6 +1024,12 @@ def headline(res: dict) -> dict:
     return out
 
 
+def ratio_cell(row: dict) -> str:
+    """served/alone; over several pairs the median and (every pair's ratio)."""
+    ratios = row.get("ratios", [])
+    return f"{row['served_over_alone']:.2f}" + (f" ({', '.join(f'{v:.2f}' for v in ratios)})" if len(ratios) > 1 else "")
+
+
 def table(res: dict) -> str:
     cols = ["conc", "k", "a", "served tok/s", "alone tok/s", "served/alone", "TTFT p50/p99 ms", "ITL p50/p99 ms",
             "tok/msg", "hit", "router CPU µs/tok", "reqs"]
@@ -984,7 +1038,7 @@ def table(res: dict) -> str:
         s, e = r["served"], r["alone"]
         lines.append("| " + " | ".join([
             str(s["concurrency"]), str(s["k"]), "-" if s["a"] is None else str(s["a"]),
-            f"{s['tokens_per_s']:.1f}", f"{e.get('tokens_per_s', float('nan')):.1f}", f"{r['served_over_alone']:.2f}",
+            f"{s['tokens_per_s']:.1f}", f"{e.get('tokens_per_s', float('nan')):.1f}", ratio_cell(r),
             f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f}", f"{s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f}",
             f"{s['tokens_per_msg']:.2f}", f"{100 * s['hit_rate']:.0f} %", f"{s.get('router_cpu_us_per_token', float('nan')):.0f}",
             str(s["requests"]) + (f" ({s['failed']} failed)" if s["failed"] else ""),
@@ -1187,6 +1241,12 @@ def parse_args(argv):
                         "(default); --no-interleave: every served level first, then every alone level (before session 39)")
     p.add_argument("--alone-busy-procs", type=int, default=0,
                    help="run each engine-alone level again beside this many busy processes (the host load of a served run)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every level (served, then alone with --interleave) this many times over; the ratio "
+                        "reported is the median pair's")
+    p.add_argument("--pin-engine", type=int, default=0, metavar="N",
+                   help="pin the worker's engine process to N CPUs of its own and every other process off them "
+                        "and their SMT siblings (0 = off)")
     p.add_argument("--profile", help="levels to profile with py-spy, served and alone, e.g. 'c64 k0,c64 k3 a3' (files beside --json)")
     p.add_argument("--json", type=Path, help="write every figure here")
     p.add_argument("--plot", type=Path, help="write the PNG here")

@@ -220,3 +220,21 @@ def test_each_alone_level_runs_right_after_its_served_twin_unless_told_otherwise
     else:
         assert max(ends[0]) < min(ends[1])
     assert all(row["served_over_alone"] > 0 for row in sb.combine(res))
+
+
+def test_a_level_run_several_times_reports_its_median_pair():
+    """``--repeats``: the i-th served run of a level pairs with its i-th alone run; the row shown
+    is the median pair's (the lower of an even count), every pair's ratio kept beside it."""
+    def row(c, tps):
+        return {"concurrency": c, "k": 0, "a": None, "tokens_per_s": tps}
+
+    res = {"served": [{"levels": [row(1, 90), row(64, 800), row(1, 80), row(64, 900), row(1, 99), row(64, 700)]}],
+           "engine_alone": [row(1, 100), row(64, 1000), row(1, 100), row(64, 1000), row(1, 100), row(64, 1000)]}
+    by_c = {r["served"]["concurrency"]: r for r in sb.combine(res)}
+    assert by_c[1]["ratios"] == pytest.approx([0.9, 0.8, 0.99]) and by_c[1]["served_over_alone"] == pytest.approx(0.9)
+    assert by_c[64]["served"]["tokens_per_s"] == 800 and sb.ratio_cell(by_c[64]) == "0.80 (0.80, 0.90, 0.70)"
+    res = {"served": [{"levels": [row(1, 90), row(1, 80)]}], "engine_alone": [row(1, 100), row(1, 100)]}
+    assert sb.combine(res)[0]["served_over_alone"] == pytest.approx(0.8)
+    args = sb.parse_args([*QUICK, "--repeats", "2"])
+    levels = sb.levels_of(args, args.accept[0])
+    assert len(levels) % 2 == 0 and levels[: len(levels) // 2] == levels[len(levels) // 2:]
