@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import grpc
@@ -173,21 +172,6 @@ class KVStoreLink:
     def heartbeat(self, worker_id: str) -> kv.HeartbeatResponse:
         """Extend the lease; the answer lists reservations the router ended (to stop and confirm)."""
         return self._call(self._stub.Heartbeat, kv.HeartbeatRequest(worker_id=worker_id, incarnation=self.incarnation))
-
-    def get_reservation(self, reservation_id: str, incarnation: int, *, retry_s: float = 10.0) -> kv.GetReservationResponse:
-        """The block table, reused prefix and prompt of a reservation this worker owns. A read:
-        resent through a kvstore outage (failover to a standby) for up to ``retry_s``."""
-        request = kv.GetReservationRequest(reservation_id=reservation_id, incarnation=incarnation)
-        deadline = time.monotonic() + retry_s
-        delay = 0.02
-        while True:
-            try:
-                return self._call(self._stub.GetReservation, request)
-            except Unavailable:
-                if time.monotonic() + delay > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 0.1)
 
     # -- reservation verbs ------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from opentelemetry import trace
 
 from services.common.errors import FailedPrecondition, NotFound, TandemError
 from services.common.auth import suite_credentials, warn_if_insecure
+from services.common.channels import open_channel
 from services.common.metrics import ServiceMetrics
 from services.common.peers import PeerRoleInterceptor
 from services.common.server import GrpcServer, ServiceBinding
@@ -22,6 +23,7 @@ from services.common.telemetry import ServerTracingInterceptor
 from services.gpuworker.engine_process import EngineProcess
 from services.gpuworker.kvstore_link import KVStoreLink
 from services.gpuworker.metrics import WorkerMetrics
+from services.gpuworker.reservation_reader import ReservationReader
 from services.gpuworker.runner import EngineRunner
 from services.gpuworker.runtime import build_runtime
 from services.gpuworker.servicer import ROLE_RULES, WorkerServicer
@@ -144,7 +146,11 @@ async def start_worker(
         link=link,
         model_name=settings.model,
     )
-    servicer = WorkerServicer(runner, identity, tracer_provider=tracer_provider,
+    # on this loop: a thread's blocking read would wait for the GIL behind the event loop
+    reservations = ReservationReader(open_channel(settings.kvstore, credentials=channel_credentials, trace=False,
+                                                  default_timeout_s=settings.rpc_timeout_s),
+                                     timeout_s=settings.rpc_timeout_s)
+    servicer = WorkerServicer(runner, identity, reservations, tracer_provider=tracer_provider,
                               on_usage=worker_metrics.observe_usage if worker_metrics is not None else None,
                               stream_interval=settings.stream_interval)
     server.add_binding(ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, SERVICE_NAME))
@@ -155,8 +161,10 @@ async def start_worker(
     try:
         port = await server.start()
     except BaseException:
+        await reservations.close()
         await asyncio.to_thread(runner.stop)
         raise
+    server.run_in_background(_close_when_cancelled(reservations))
     identity.address = settings.advertise or f"{settings.host}:{port}"
     if isinstance(runner, EngineRunner):
         runner.start()
@@ -174,6 +182,14 @@ async def start_worker(
              identity.address, link.incarnation, facts.num_blocks, facts.num_draft_tokens,
              "in its own process" if settings.separate_engine_process else "on a thread")
     return server, runner, identity
+
+
+async def _close_when_cancelled(reservations: ReservationReader) -> None:
+    """Hold the reader's channel open for the server's lifetime; close it when the server stops."""
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await reservations.close()
 
 
 def _kv_usage_probe(settings: WorkerSettings, credentials=None) -> Callable[[], float]:

@@ -33,6 +33,7 @@ from services.common.wire import logprobs_to_proto, pack_tokens, spec_mode_to_pr
 from services.gpuworker.engine.engine import MAX_LOGPROBS
 from services.gpuworker.engine.request import FinishReason, RequestSpec
 from services.gpuworker.engine.sampling import SamplingParams
+from services.gpuworker.reservation_reader import ReservationReader
 from services.gpuworker.runner import AbortRequested, EngineRunner, Job, Usage
 from tandem.common.v1 import common_pb2 as common_pb
 from tandem.worker.v1 import worker_pb2 as pb
@@ -61,10 +62,12 @@ _FINISH = {  # OpenAI's reasons: the worker's max_seq_len is a length limit too
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Thin adapter; ``identity`` carries what Info reports (see ``server.WorkerIdentity``)."""
 
-    def __init__(self, runner: "EngineRunner | EngineProcess", identity, *, tracer_provider: trace.TracerProvider | None = None,
+    def __init__(self, runner: "EngineRunner | EngineProcess", identity, reservations: ReservationReader, *,
+                 tracer_provider: trace.TracerProvider | None = None,
                  on_usage: Callable[[Usage], None] | None = None, stream_interval: int = 1):
         self.runner = runner
         self.identity = identity
+        self.reservations = reservations  # GetReservation on this event loop
         self.stream_interval = stream_interval  # tokens a message waits for after the first (settings)
         self._on_usage = on_usage  # metrics: each completed request's usage
         self._tracer = get_tracer(__name__, tracer_provider)
@@ -102,8 +105,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         remaining = context.time_remaining()
         retry_s = 10.0 if remaining is None else max(0.0, min(10.0, remaining - 0.5))
         try:
-            got = await asyncio.to_thread(self.identity.link.get_reservation, ref.reservation_id, ref.incarnation,
-                                          retry_s=retry_s)
+            got = await self.reservations.get(ref.reservation_id, ref.incarnation, retry_s=retry_s)
         except NotFound as exc:
             link = self.identity.link
             if ref.incarnation != link.incarnation or link.forgot_us(link.generation):

@@ -27,7 +27,14 @@ def _refusing_kvstore(start_kvstore, refuse: int):
 
 @pytest.mark.parametrize("retry_s", [5.0, 0.0])
 def test_get_reservation_is_resent_through_an_outage(start_kvstore, retry_s):
+    """The reader on the gRPC process's loop resends while the kvstore answers UNAVAILABLE (up to
+    ``retry_s``), then raises it typed; a read naming another incarnation fails at once (FAILED_PRECONDITION)."""
+    import asyncio
+
+    from services.common.channels import open_channel
+    from services.common.errors import FailedPrecondition
     from services.gpuworker.kvstore_link import KVStoreLink
+    from services.gpuworker.reservation_reader import ReservationReader
 
     svc, failover = _refusing_kvstore(start_kvstore, refuse=3)
     link = KVStoreLink(svc.address, timeout_s=2.0)
@@ -36,13 +43,23 @@ def test_get_reservation_is_resent_through_an_outage(start_kvstore, retry_s):
                              block_size=4, num_blocks=16, vocab_size=100, max_seq_len=64)
         r = svc.in_loop(lambda: svc.payload.reserve(worker_id="w", incarnation=info.incarnation, request_id="q",
                                                     tokens=list(range(10))))
-        if retry_s:
-            got = link.get_reservation(r.reservation_id, info.incarnation, retry_s=retry_s)
-            assert list(got.reservation.block_table) == list(r.block_table) and failover.down == 0
-        else:
-            with pytest.raises(Unavailable):
-                link.get_reservation(r.reservation_id, info.incarnation, retry_s=retry_s)
-            assert failover.down == 2
+
+        async def read():
+            reader = ReservationReader(open_channel(svc.address, trace=False), timeout_s=2.0)
+            try:
+                if retry_s:
+                    got = await reader.get(r.reservation_id, info.incarnation, retry_s=retry_s)
+                    assert list(got.reservation.block_table) == list(r.block_table) and failover.down == 0
+                    with pytest.raises(FailedPrecondition):  # not a transient error: no resend
+                        await reader.get(r.reservation_id, info.incarnation + 1, retry_s=retry_s)
+                else:
+                    with pytest.raises(Unavailable):
+                        await reader.get(r.reservation_id, info.incarnation, retry_s=retry_s)
+                    assert failover.down == 2
+            finally:
+                await reader.close()
+
+        asyncio.run(read())
     finally:
         link.close()
 
