@@ -27,7 +27,10 @@ before session 39). The host's speed still drifts within minutes on a virtual ma
 ratio beside every pair's; each level also records the share of the machine's CPU time the
 hypervisor gave to others meanwhile (``steal_share``, /proc/stat). ``--pin-engine N`` pins the
 worker's engine process to N CPUs of its own and everything else off them (a test of whether
-the served suite's other processes slow the host-bound engine thread). Per level::
+the served suite's other processes slow the host-bound engine thread). ``--path-trace`` has the
+suite stamp each request's way to its first token (``services/common/path_trace.py``) and
+reports, per level, the median of every hop (router Match, Reserve, the call, the worker's
+GetReservation, the pipe into the engine, prefill, the way back). Per level::
 
     tokens/s   generated tokens ÷ wall time of the level (first send to last answer)
     TTFT       send → first streamed message with tokens (client clock)
@@ -86,6 +89,7 @@ sys.path.insert(0, str(ROOT))
 from _common import (  # noqa: E402
     busy_processes, cpu_jiffies, free_port, gc_pauses_in, gpu_ms, grouped_bars, machine, pin_tasks, pyspy_binary, split_cpus, start_suite, steal_share,
 )
+from services.common import path_trace  # noqa: E402
 from services.common.gc_tuning import tune_gc  # noqa: E402
 from worker_bench import bench_config  # noqa: E402
 
@@ -119,10 +123,15 @@ class Level:
     requests: int
     max_new_tokens: int
     tag: int = 0  # 0 measured, 1 warm-up, 2 first request: keeps every prompt distinct
+    repeat: int = 0  # which run of the level (--repeats): new private halves, new request ids
 
     @property
     def name(self) -> str:
         return f"c{self.concurrency} k{self.k}" + (f" a{self.a}" if self.a is not None else "")
+
+    def request_id(self, prefix: str, i: int) -> str:
+        """Request ``i``'s id, one per level and run (``--path-trace`` tells levels apart by it)."""
+        return f"{prefix}-{self.tag}-{self.name.replace(' ', '')}-{self.repeat}-{i}"
 
 
 class Prompts:
@@ -135,6 +144,7 @@ class Prompts:
 
     def get(self, level: Level, i: int) -> list[int]:
         key = [self.seed, level.tag, level.concurrency, level.k, 0 if level.a is None else level.a + 1, i]
+        key += [level.repeat] if level.repeat else []  # a level run again must not find its prompts cached
         return self.shared + np.random.default_rng(key).integers(0, self.vocab, self.private_len).tolist()
 
 
@@ -330,7 +340,7 @@ def levels_of(args, a: int) -> list[Level]:
     for k, acc in combos:
         for c in args.concurrency:
             out.append(Level(c, k, acc, max(args.rounds * c, args.min_requests), args.max_new_tokens))
-    return out * args.repeats
+    return [dataclasses.replace(level, repeat=r) for r in range(args.repeats) for level in out]
 
 
 def warmup_of(args, k: int, a: int | None) -> Level:
@@ -371,7 +381,7 @@ async def closed_loop(stubs: list, level: Level, indices, clients: int, prompts:
         for i in todo:
             if time.monotonic() - t0 >= max_s:
                 return
-            traces.append(await served_request(stub, prompts.get(level, i), level, f"{prefix}-{level.tag}-{i}"))
+            traces.append(await served_request(stub, prompts.get(level, i), level, level.request_id(prefix, i)))
 
     await asyncio.gather(*(client(stubs[j % len(stubs)]) for j in range(clients)))
     return traces
@@ -676,9 +686,10 @@ def stop_profile(proc: subprocess.Popen | None) -> None:
 
 
 async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: str, router_urls: list[str] = (),
-                       twin: Callable[[dict], None] | None = None) -> dict:
+                       twin: Callable[[dict], None] | None = None, path_prefix: Path | None = None) -> dict:
     """First request right after SERVING, a warm-up per k, then every measured level, each
-    followed by ``twin(its stats)`` if given (the engine alone's run of the same level)."""
+    followed by ``twin(its stats)`` if given (the engine alone's run of the same level).
+    ``path_prefix``: the suite's path trace (``--path-trace``), read after each level."""
     from tandem.router.v1 import router_pb2_grpc
 
     out = {"levels": []}
@@ -727,6 +738,8 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
                                                 if stats["tokens"] else float("nan"))
             stats["ended_at"] = time.time()  # when the level ended (epoch s): shows the order served/alone ran in
             stats["steal_share"] = steal_share(jiffies0, jiffies1)
+            if path_prefix is not None:
+                stats["path_ms"] = path_split(path_prefix, {level.request_id(f"a{a}", i) for i in range(level.requests)})
             out["levels"].append(stats)
             log(f"  served {level.name}: {stats['requests']} requests, {stats['tokens_per_s']:.1f} tok/s, "
                 f"TTFT p50 {stats['ttft_p50_ms']:.0f} ms, ITL p50 {stats['itl_p50_ms']:.1f} ms, "
@@ -743,6 +756,9 @@ async def served_suite(args, suite, a: int, prompts: Prompts, log, metrics_url: 
                 + (f"; TTFT mean client {stats['ttft_mean_ms']:.0f} / router {stats['ttft_mean_router_ms']:.0f} / worker "
                    f"{stats['ttft_mean_worker_ms']:.0f} (queued {stats.get('ttft_mean_queue_ms', float('nan')):.0f}) ms"
                    if "ttft_mean_worker_ms" in stats and "ttft_mean_router_ms" in stats else ""))
+            if stats.get("path_ms"):
+                log("    way to the first token, ms (p50 over its requests): "
+                    + ", ".join(f"{hop} {ms:.2f}" for hop, ms in stats["path_ms"].items()))
             if twin is not None:
                 twin(stats)
     finally:
@@ -777,7 +793,8 @@ def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log, alo
         router_urls = [f"http://127.0.0.1:{router_metrics + i}/metrics" for i in range(args.router_procs)]
         try:
             suite = start_suite(log_dir, [settings_flags(settings) + ["--metrics-port", str(metrics_port)]],
-                                router + ["--metrics-port", str(router_metrics)], env=GC_ENV, timeout_s=args.startup_timeout_s)
+                                router + ["--metrics-port", str(router_metrics)], timeout_s=args.startup_timeout_s,
+                                env={**GC_ENV, **({path_trace.ENV: str(log_dir / "path")} if args.path_trace else {})})
         except Exception:
             print_logs(log_dir)
             if alone is not None:
@@ -789,7 +806,7 @@ def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log, alo
         twin = None if alone is None else (lambda row: alone_out.append(alone.run(row)))
         try:
             result = asyncio.run(served_suite(args, suite, a, prompts, log, f"http://127.0.0.1:{metrics_port}/metrics",
-                                              router_urls, twin))
+                                              router_urls, twin, log_dir / "path" if args.path_trace else None))
         finally:
             suite.stop()
             if alone is not None:
@@ -818,6 +835,17 @@ def pin_engine(suite, n: int, log) -> None:
     mine = pin_tasks(pid, own, descendants=False)
     log(f"  pinned {engine} (pid {pid}, {mine} threads) to CPUs {sorted(own)}, {others - mine} other threads to "
         f"{len(rest)} CPUs off them and their SMT siblings")
+
+
+def path_split(prefix: Path, request_ids: set[str]) -> dict[str, float]:
+    """p50 of each hop of the way to the first token (``services/common/path_trace.py``) over the
+    requests of ``request_ids`` the trace saw, in ms, in the order of the way."""
+    per_hop: dict[str, list[float]] = {}
+    for rid, path in path_trace.read_paths(prefix).items():
+        if rid in request_ids:
+            for hop, s in path_trace.hops(path).items():
+                per_hop.setdefault(hop, []).append(s * 1e3)
+    return {hop: float(np.median(v)) for hop, v in per_hop.items()}
 
 
 def print_logs(log_dir: Path) -> None:
@@ -932,7 +960,8 @@ class AloneEngine:
     def run(self, row: dict) -> dict:
         """The engine alone's twin of served level ``row`` (a warm-up first, once per k)."""
         args, setup = self.args, self.setup
-        level = Level(row["concurrency"], row["k"], row["a"], row["requests"], row["max_new_tokens"])
+        level = Level(row["concurrency"], row["k"], row["a"], row["requests"], row["max_new_tokens"],
+                      repeat=row.get("repeat", 0))
         if level.k not in self.warmed:
             engine_level(setup, warmup_of(args, level.k, level.a), self.prompts, self.prefix_blocks, self.reused,
                          args.level_max_s)
@@ -1244,6 +1273,9 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=1,
                    help="run every level (served, then alone with --interleave) this many times over; the ratio "
                         "reported is the median pair's")
+    p.add_argument("--path-trace", action="store_true",
+                   help="the suite stamps each request's way to its first token (TANDEM_PATH_TRACE); each level "
+                        "reports the median of every hop")
     p.add_argument("--pin-engine", type=int, default=0, metavar="N",
                    help="pin the worker's engine process to N CPUs of its own and every other process off them "
                         "and their SMT siblings (0 = off)")

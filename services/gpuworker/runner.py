@@ -34,6 +34,7 @@ from multiprocessing.connection import Connection, wait as wait_for_any
 
 import torch
 
+from services.common import path_trace
 from services.common.wire import pack_tokens
 from services.common.errors import AlreadyExists, Cancelled, FailedPrecondition, ResourceExhausted, TandemError, Unavailable
 from services.gpuworker.engine.engine import Engine
@@ -487,6 +488,7 @@ class EngineRunner:
         job.published_blocks = max(job.published_blocks, job.publish_sent_blocks)
         self.ledger.overwritten(job.spec.block_table[job.publish_sent_blocks:])  # a step writes these
         job.admitted_at = time.monotonic()
+        path_trace.stamp("engine.admitted", rid)
         self._jobs[rid] = job
 
     def _on_result(self, job: Job, result) -> None:
@@ -494,6 +496,7 @@ class EngineRunner:
         if result.new_token_ids:
             if job.first_token_at is None:
                 job.first_token_at = time.monotonic()
+                path_trace.stamp("engine.first", rid)
             job.tokens.extend(result.new_token_ids)
             counts = result.counts  # two plain ints: an engine process pickles one per request and step
             self._outbox.post(job, "tokens", list(result.new_token_ids), result.new_logprobs,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
+from services.common import path_trace
 from services.common.telemetry import get_tracer
 from services.common.errors import (
     AlreadyExists,
@@ -170,6 +171,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
 
     async def Generate(self, request, context):
+        path_trace.stamp("worker.entry", request.request_id)
         spec = self._spec_from(request)
         rid = request.reservation.reservation_id
         if rid in self._claims:
@@ -178,6 +180,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._pending.add(rid)
         try:
             table, reused, got = await self._reserved(request, context)
+            path_trace.stamp("worker.reserved", request.request_id)
             spec = dataclasses.replace(spec, block_table=table, reused_positions=reused)
             loop = asyncio.get_running_loop()
             job = Job(spec, rid, request.reservation.incarnation, loop, asyncio.Queue(),
@@ -238,6 +241,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         counts = nxt[3]
                     if sent and len(ids) < self.stream_interval:
                         continue  # held for the interval (the end flushes what is held)
+                    if not sent:
+                        path_trace.stamp("worker.first", spec.request_id)
                     sent = True
                     yield take()
                 elif ids:  # the end or an error: the tokens held go out first

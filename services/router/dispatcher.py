@@ -39,6 +39,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
+from services.common import path_trace
 from services.common.channels import ChannelPool, call_timeout
 from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.telemetry import get_tracer, trace_metadata
@@ -418,6 +419,7 @@ class Dispatcher:
         """Match + rank: the workers in preference order (read-only for the kvstore). Raises
         when no worker could ever take the request."""
         matches = await self._match(tenant, prompt_pb, deadline)
+        path_trace.stamp("router.matched", job.request_id)
         if not matches:
             # none at all: the registry may have been empty for a moment (a kvstore restarted,
             # its workers re-registering). Read it again, then ask again: only a Match after the
@@ -523,6 +525,7 @@ class Dispatcher:
                 )
                 try:
                     resp = await self._kv.Reserve(request, timeout=self._timeout(deadline, self.config.kvstore_timeout_s))
+                    path_trace.stamp("router.reserved", job.request_id)
                     entry = next(e for e in ranked if e.worker_id == resp.reservation.worker_id)
                     return entry, resp.reservation, ks[entry.worker_id]
                 except asyncio.CancelledError:
@@ -603,6 +606,7 @@ class Dispatcher:
             call = self._worker_stub(entry.address).Generate(  # on a channel without stream interceptors
                 request, timeout=self._timeout(deadline, self.config.max_request_s), metadata=trace_metadata()
             )
+        path_trace.stamp("router.called", job.request_id)
         key = (entry.worker_id, entry.incarnation)
         self._streams.setdefault(key, {})[id(call)] = (call, progress)
         self._arm_idle_sweep()
@@ -626,6 +630,7 @@ class Dispatcher:
                 if ids:
                     if progress.first_token_at is None:
                         progress.first_token_at = now
+                        path_trace.stamp("router.first", job.request_id)
                     progress.tokens.extend(ids if cut is None else ids[:cut])
                 if cut is not None:  # a stop string: the tokens after it are never sent; closing the call aborts the rest
                     yield self._stopped(job, entry, reservation, ids[:cut], text, arrival, progress, logprobs[:cut])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from services.common import path_trace
 from services.common.auth import current_principal
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.tokenizer import Tokenizer
@@ -54,6 +55,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def Generate(self, request, context):
         arrival = time.monotonic()
+        path_trace.stamp("router.entry", request.request_id)
         stamps = self.trace.start("grpc") if self.trace is not None else None
         tenant = self._tenant()
         which = request.WhichOneof("prompt")

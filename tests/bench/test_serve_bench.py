@@ -17,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import serve_bench as sb  # noqa: E402
 
+from services.common import path_trace  # noqa: E402
+
 QUICK = ["--device", "cpu", "--shape", "tiny-cpu", "--quick"]
 
 
@@ -206,7 +208,7 @@ def test_each_alone_level_runs_right_after_its_served_twin_unless_told_otherwise
     the two sides of a ratio run seconds apart; without it, after every served level. Either way
     every served level has its twin, with the request count the served level finished."""
     out = tmp_path / "run.json"
-    flags = [*QUICK, "--json", str(out)] + ([] if interleave else ["--no-interleave"])
+    flags = [*QUICK, "--json", str(out)] + ([] if interleave else ["--no-interleave"]) + ["--path-trace"]
     assert sb.main(flags) == 0
     res = json.loads(out.read_text())
     served = [row for suite in res["served"] for row in suite["levels"]]
@@ -220,6 +222,10 @@ def test_each_alone_level_runs_right_after_its_served_twin_unless_told_otherwise
     else:
         assert max(ends[0]) < min(ends[1])
     assert all(row["served_over_alone"] > 0 for row in sb.combine(res))
+    # --path-trace: every served level saw each hop of the way to the first token, router to engine and back
+    for row in served:
+        assert list(row["path_ms"]) == [f"{a} → {b}" for a, b in zip(path_trace.POINTS, path_trace.POINTS[1:])]
+        assert all(ms >= 0 for ms in row["path_ms"].values())
 
 
 def test_a_level_run_several_times_reports_its_median_pair():
@@ -237,4 +243,12 @@ def test_a_level_run_several_times_reports_its_median_pair():
     assert sb.combine(res)[0]["served_over_alone"] == pytest.approx(0.8)
     args = sb.parse_args([*QUICK, "--repeats", "2"])
     levels = sb.levels_of(args, args.accept[0])
-    assert len(levels) % 2 == 0 and levels[: len(levels) // 2] == levels[len(levels) // 2:]
+    first, second = levels[: len(levels) // 2], levels[len(levels) // 2:]
+    assert [sb.dataclasses.replace(lv, repeat=1) for lv in first] == second and {lv.repeat for lv in first} == {0}
+    # a level run again sends other prompts under other request ids: none of them is cached from its first run
+    assert prompts_differ(first[0], second[0]) and first[0].request_id("a0", 0) != second[0].request_id("a0", 0)
+
+
+def prompts_differ(a, b) -> bool:
+    prompts = sb.Prompts(0, 64, 1000)
+    return prompts.get(a, 0)[32:] != prompts.get(b, 0)[32:] and prompts.get(a, 0)[:32] == prompts.get(b, 0)[:32]
