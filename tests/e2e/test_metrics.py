@@ -130,8 +130,11 @@ def test_counters_move_by_what_the_requests_did(metered):
     many = value(k, "tandem_rpc_duration_seconds_count", method="/tandem.kvstore.v1.KVStore/PublishMany", code="OK")
     assert many >= 1 and not value(k, "tandem_rpc_duration_seconds_count", method="/tandem.kvstore.v1.KVStore/Publish", code="OK")
 
-    # --- worker: tokens, prefill, drafts, steps
-    w = scrape(m["gpuworker"])
+    # --- worker: tokens, prefill, drafts, steps. Its server, too, records a Generate's end just
+    # after the router has the last message (and the kvstore may have drained before): wait for it.
+    w = wait_for(lambda: (lambda s: s if value(s, "tandem_rpc_duration_seconds_count", method="/tandem.worker.v1.Worker/Generate",
+                                              code="OK") == 2 else None)(scrape(m["gpuworker"])))
+    assert w, "the worker never recorded both Generate calls"
     assert value(w, "tandem_worker_generated_tokens_total") == completion
     assert value(w, "tandem_worker_prefill_tokens_total") == prompt_tokens - cached
     assert value(w, "tandem_worker_requests_finished_total", reason="length") == 2
