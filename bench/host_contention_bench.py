@@ -9,7 +9,7 @@ One workload stands for the engine's host work: plain Python on small objects (a
 dataclasses, dicts and lists) and small CPU tensor ops (the shapes a step stages). It runs pinned
 to one CPU, timed as the median of ``--reps`` repetitions, in these cases:
 
-    alone               nothing else busy
+    alone               nothing else busy (first, and again last: "alone again")
     busy N              N spinning processes, placed by the OS
     busy N off-sibling  N spinning processes pinned away from the measured CPU and its SMT sibling
     sibling             one spinning process on the measured CPU's SMT sibling (if it has one)
@@ -87,6 +87,9 @@ def run(args) -> dict:
             cases.append((f"busy {n} off-sibling", [{c} for c in others[:n]]))
     if len(sib) > 1:
         cases.append(("sibling", [{min(sib - {cpu})}]))
+    # again at the end: a host whose clock or neighbours drift over the run shows it here (session
+    # 41's box ran "alone" first at 4.82 ms and every case beside busy processes faster)
+    cases.append(("alone again", []))
     rows = []
     for name, placement in cases:
         with busy_processes(placement):

@@ -27,7 +27,7 @@ def test_each_case_is_timed_and_the_spinners_are_gone(tmp_path):
     finally:
         os.sched_setaffinity(0, before)  # run() pins this process to one CPU
     names = [r["case"] for r in res["rows"]]
-    assert names[:2] == ["alone", "busy 1"] and all(r["ms"] > 0 for r in res["rows"])
+    assert names[:2] == ["alone", "busy 1"] and names[-1] == "alone again" and all(r["ms"] > 0 for r in res["rows"])
     if len(before) > len(hc.siblings(res["measured_cpu"]) & before):
         assert "busy 1 off-sibling" in names  # a CPU outside the measured one's core exists
     # the spinning processes were killed: no child of this process is left
