@@ -791,10 +791,11 @@ def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log, alo
         metrics_port, router_metrics = free_port(), free_port()
         # process i of a router group (0..N-1) serves its metrics on router_metrics + i
         router_urls = [f"http://127.0.0.1:{router_metrics + i}/metrics" for i in range(args.router_procs)]
+        path_prefix = log_dir / "path" if args.path_trace else None  # --path-trace: the suite's stamps
         try:
             suite = start_suite(log_dir, [settings_flags(settings) + ["--metrics-port", str(metrics_port)]],
                                 router + ["--metrics-port", str(router_metrics)], timeout_s=args.startup_timeout_s,
-                                env={**GC_ENV, **({path_trace.ENV: str(log_dir / "path")} if args.path_trace else {})})
+                                env={**GC_ENV, **({path_trace.ENV: str(path_prefix)} if path_prefix else {})})
         except Exception:
             print_logs(log_dir)
             if alone is not None:
@@ -806,7 +807,7 @@ def run_served(args, model_dir: Path, prompts: Prompts, log_root: Path, log, alo
         twin = None if alone is None else (lambda row: alone_out.append(alone.run(row)))
         try:
             result = asyncio.run(served_suite(args, suite, a, prompts, log, f"http://127.0.0.1:{metrics_port}/metrics",
-                                              router_urls, twin, log_dir / "path" if args.path_trace else None))
+                                              router_urls, twin, path_prefix))
         finally:
             suite.stop()
             if alone is not None:

@@ -224,7 +224,8 @@ class GrpcServer:
         self._bindings.append(binding)
 
     def on_stop(self, callback: Callable[[], object]) -> None:
-        """Run a blocking ``callback`` (in a thread) once the server has drained."""
+        """Run ``callback`` once the server has drained: a coroutine function is awaited on this
+        loop (closing a ``grpc.aio`` channel), anything else runs in a thread (it may block)."""
         self._on_stop.append(callback)
 
     def run_in_background(self, coro) -> asyncio.Task:
@@ -242,7 +243,10 @@ class GrpcServer:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         for callback in self._on_stop:
-            await asyncio.to_thread(callback)
+            if inspect.iscoroutinefunction(callback):
+                await callback()
+            else:
+                await asyncio.to_thread(callback)
         self._stopped.set()
 
     async def wait_for_termination(self) -> None:

@@ -147,8 +147,7 @@ async def start_worker(
         model_name=settings.model,
     )
     # on this loop: a thread's blocking read would wait for the GIL behind the event loop
-    reservations = ReservationReader(open_channel(settings.kvstore, credentials=channel_credentials, trace=False,
-                                                  default_timeout_s=settings.rpc_timeout_s),
+    reservations = ReservationReader(open_channel(settings.kvstore, credentials=channel_credentials, trace=False),
                                      timeout_s=settings.rpc_timeout_s)
     servicer = WorkerServicer(runner, identity, reservations, tracer_provider=tracer_provider,
                               on_usage=worker_metrics.observe_usage if worker_metrics is not None else None,
@@ -164,7 +163,7 @@ async def start_worker(
         await reservations.close()
         await asyncio.to_thread(runner.stop)
         raise
-    server.run_in_background(_close_when_cancelled(reservations))
+    server.on_stop(reservations.close)
     identity.address = settings.advertise or f"{settings.host}:{port}"
     if isinstance(runner, EngineRunner):
         runner.start()
@@ -182,14 +181,6 @@ async def start_worker(
              identity.address, link.incarnation, facts.num_blocks, facts.num_draft_tokens,
              "in its own process" if settings.separate_engine_process else "on a thread")
     return server, runner, identity
-
-
-async def _close_when_cancelled(reservations: ReservationReader) -> None:
-    """Hold the reader's channel open for the server's lifetime; close it when the server stops."""
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await reservations.close()
 
 
 def _kv_usage_probe(settings: WorkerSettings, credentials=None) -> Callable[[], float]:
